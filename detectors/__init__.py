@@ -1,0 +1,3 @@
+"""stepwatch.detectors (being written)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""stepwatch.exporters (being written)."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""stepwatch.otel_bridge (being written)."""
+
+__all__: list[str] = []

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs everything stepwatch needs on a fresh Debian machine (idempotent):
+#   - Debian packages influxdb, prometheus-alertmanager, chromium (when missing)
+#   - a virtualenv in .venv with stepwatch and all its extras (torch: the CPU build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=""
+if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO="sudo"; fi
+
+need=()
+command -v influxd >/dev/null || need+=(influxdb)
+command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null \
+  || need+=(prometheus-alertmanager)
+command -v chromium >/dev/null || need+=(chromium)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${need[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${need[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+fi
+# torch first, pinned: 2.13.0 is the CPU wheel this machine kind carries on disk; an
+# unpinned torch would pull a multi-GB CUDA build.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "setup: installing torch 2.13.0 (CPU)"
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+fi
+echo "setup: installing stepwatch[all,torch,dev] (editable)"
+.venv/bin/pip install -q --disable-pip-version-check -e ".[all,torch,dev]" 2>&1 \
+  | grep -v "is ignored: it is neither a file nor a directory" || true
+.venv/bin/python -c "import stepwatch, torch; print('setup: ok, stepwatch', stepwatch.__version__, 'torch', torch.__version__)"

@@ -1,0 +1,95 @@
+"""The stepwatch metric schema (docs/schema.md is the authoritative prose).
+
+Names here are a public contract: add, never rename.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+SCHEMA_VERSION: Final = "1"
+
+# Resource attributes: one resource = one rank of one job.
+JOB_ID: Final = "stepwatch.job.id"
+RANK: Final = "stepwatch.rank"
+WORLD_SIZE: Final = "stepwatch.world_size"
+HOST_NAME: Final = "host.name"
+LOCAL_RANK: Final = "stepwatch.local_rank"
+DP_RANK: Final = "stepwatch.dp_rank"
+TP_RANK: Final = "stepwatch.tp_rank"
+PP_RANK: Final = "stepwatch.pp_rank"
+SERVICE_NAME: Final = "service.name"
+
+# Point attributes.
+PHASE: Final = "stepwatch.phase"
+KERNEL_CLASS: Final = "stepwatch.kernel.class"
+KERNEL_CATEGORY: Final = "stepwatch.kernel.category"
+
+# Metric names (instrument, unit).
+STEP_DURATION: Final = "stepwatch.step.duration"  # histogram, s
+STEP_LAST: Final = "stepwatch.step.last"  # gauge, {step}
+PHASE_DURATION: Final = "stepwatch.phase.duration"  # histogram, s
+KERNEL_DURATION: Final = "stepwatch.kernel.duration"  # histogram, s
+DEVICE_IDLE_DURATION: Final = "stepwatch.device.idle.duration"  # histogram, s
+
+# Device health (GPU only): semantic-convention names where they exist.
+HW_GPU_UTILIZATION: Final = "hw.gpu.utilization"  # gauge, 1
+HW_GPU_MEMORY_USAGE: Final = "hw.gpu.memory.usage"  # gauge, By
+HW_POWER: Final = "hw.power"  # gauge, W
+HW_TEMPERATURE: Final = "hw.temperature"  # gauge, Cel
+HW_ERRORS: Final = "hw.errors"  # counter, {error}
+GPU_SM_CLOCK: Final = "stepwatch.gpu.sm_clock"  # gauge, Hz
+GPU_CLOCK_EVENT_REASONS: Final = "stepwatch.gpu.clock_event.reasons"  # gauge, 1 (bitmask)
+GPU_XID: Final = "stepwatch.gpu.xid"  # counter, {event}; attribute stepwatch.gpu.xid.code
+HW_TYPE: Final = "hw.type"
+HW_ID: Final = "hw.id"
+HW_NAME: Final = "hw.name"
+GPU_XID_CODE: Final = "stepwatch.gpu.xid.code"
+GPU_CLOCK_EVENT_REASON: Final = "stepwatch.gpu.clock_event.reason"
+
+PHASES: Final = ("data", "forward", "backward", "optimizer", "communication", "other")
+KERNEL_CATEGORIES: Final = ("compute", "communication", "memory", "other")
+
+DIAGNOSIS_KINDS: Final = (
+    "compute_straggler",
+    "masked_straggler",
+    "link_degradation",
+    "pipeline_bubble",
+    "jit_stall",
+    "dataloader_stall",
+    "job_regression",
+    "gpu_health",
+    # A rank that stopped reporting mid-job (issue 6): missing windows are a finding.
+    "rank_missing",
+)
+SEVERITIES: Final = ("info", "warning", "critical")
+
+# Measurement holding diagnoses (Grafana's annotation query reads it).
+DIAGNOSIS_MEASUREMENT: Final = "stepwatch.diagnosis"
+
+# Attribute keys the bridge turns into InfluxDB tags; everything else is dropped (counted).
+# Step numbers, raw kernel names and command lines never become tags.
+RESOURCE_TAGS: Final = (
+    JOB_ID,
+    RANK,
+    WORLD_SIZE,
+    HOST_NAME,
+    LOCAL_RANK,
+    DP_RANK,
+    TP_RANK,
+    PP_RANK,
+    SERVICE_NAME,
+)
+POINT_TAGS: Final = (
+    PHASE,
+    KERNEL_CLASS,
+    KERNEL_CATEGORY,
+    HW_TYPE,
+    HW_ID,
+    HW_NAME,
+    GPU_XID_CODE,
+    GPU_CLOCK_EVENT_REASON,
+)
+TAG_ALLOWLIST: Final = frozenset(RESOURCE_TAGS + POINT_TAGS)
+
+DEFAULT_DATABASE: Final = "stepwatch"

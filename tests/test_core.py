@@ -1,0 +1,98 @@
+"""The core: line protocol, diagnosis record, InfluxDB client against a real influxd."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import stepwatch
+from stepwatch import ConfigError, Diagnosis, InfluxClient, InfluxError
+from stepwatch._influx import count_points
+from stepwatch._lineproto import encode_point
+
+
+def test_all_is_pinned() -> None:
+    assert sorted(stepwatch.__all__) == [
+        "ConfigError",
+        "Diagnosis",
+        "InfluxClient",
+        "InfluxError",
+        "InfluxUnavailableError",
+        "ManagedInfluxDB",
+        "QuerySeries",
+        "ServerStartError",
+        "StepwatchError",
+        "TraceFormatError",
+        "__version__",
+    ]
+    for name in stepwatch.__all__:
+        assert hasattr(stepwatch, name)
+
+
+def test_line_protocol_escapes_and_types() -> None:
+    line = encode_point(
+        "stepwatch.phase.duration",
+        {"host.name": "node 1", "stepwatch.phase": "a,b=c", "empty": ""},
+        {"count": 3, "sum": 0.5, "note": 'say "hi"', "ok": True},
+        1_700_000_000_000_000_000,
+    )
+    assert line == (
+        r"stepwatch.phase.duration,host.name=node\ 1,stepwatch.phase=a\,b\=c "
+        r'count=3i,sum=0.5,note="say \"hi\"",ok=true 1700000000000000000'
+    )
+
+
+def test_line_protocol_rejects_non_finite() -> None:
+    with pytest.raises(ConfigError):
+        encode_point("m", {}, {"v": math.nan}, 1)
+    with pytest.raises(ConfigError):
+        encode_point("m", {}, {}, 1)
+
+
+def test_diagnosis_json_round_trip_and_identity() -> None:
+    diagnosis = Diagnosis(
+        job="run-42",
+        kind="compute_straggler",
+        ranks=(17,),
+        hosts=("node-3",),
+        phase="backward",
+        kernel_class="gemm",
+        start_unix_nano=1_795_000_000_000_000_000,
+        end_unix_nano=1_795_000_300_000_000_000,
+        severity="critical",
+        score=3.4,
+        summary="rank 17 backward compute 1.31x peers",
+    )
+    data = diagnosis.to_json_dict()
+    assert data["start"] == "2026-11-18T11:06:40Z"
+    assert list(data) == [
+        "job", "kind", "ranks", "hosts", "phase", "kernel_class",
+        "start", "end", "severity", "score", "summary",
+    ]  # fmt: skip
+    assert Diagnosis.from_json_dict(data) == diagnosis
+    moved = Diagnosis.from_json_dict({**data, "ranks": [18]})
+    assert moved.finding_id != diagnosis.finding_id
+    with pytest.raises(ConfigError, match="kind"):
+        Diagnosis.from_json_dict({**data, "kind": "slow"})
+
+
+def test_influx_client_write_query_round_trip(influx: InfluxClient) -> None:
+    lines = [
+        encode_point("m.x", {"stepwatch.rank": str(rank)}, {"value": float(rank)}, 10**18 + rank)
+        for rank in range(4)
+    ]
+    assert influx.write_lines(lines) > 0
+    series = influx.query('SELECT "value" FROM "m.x" GROUP BY "stepwatch.rank"')
+    assert sorted(s.tags["stepwatch.rank"] for s in series) == ["0", "1", "2", "3"]
+    assert count_points(influx, "m.x") == 4
+    assert count_points(influx, "absent") == 0
+
+
+def test_influx_client_reports_bad_writes_and_bad_urls(influx: InfluxClient) -> None:
+    with pytest.raises(InfluxError) as info:
+        influx.write_lines(["this is not line protocol"])
+    assert info.value.status == 400
+    with pytest.raises(ConfigError, match="url"):
+        InfluxClient("localhost:8086")
+    assert "Token" not in repr(InfluxClient("http://x:1", token="secret"))
