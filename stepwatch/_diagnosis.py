@@ -26,7 +26,7 @@ def parse_time(text: str) -> int:
     moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
-    return int(round(moment.timestamp() * 1e9))
+    return round(moment.timestamp() * 1e9)
 
 
 @dataclasses.dataclass(frozen=True)
