@@ -1,3 +1,49 @@
-"""stepwatch.otel_bridge (being written)."""
+"""stepwatch.otel_bridge: OTLP metrics (gRPC, HTTP protobuf/JSON) → InfluxDB line protocol.
 
-__all__: list[str] = []
+Needs the ``[bridge]`` extra. The stored layout is documented in docs/storage.md.
+
+Example:
+    >>> from stepwatch.otel_bridge import convert_request
+    >>> from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ...     ExportMetricsServiceRequest)
+    >>> convert_request(ExportMetricsServiceRequest()).lines
+    []
+"""
+
+from stepwatch.otel_bridge._cardinality import CardinalityGuard
+from stepwatch.otel_bridge._convert import (
+    QUANTILES,
+    TAG_ALLOWLIST,
+    Buckets,
+    Conversion,
+    convert_request,
+    explicit_buckets,
+    exponential_buckets,
+    format_bound,
+    nearest_rank_quantile,
+)
+from stepwatch.otel_bridge._metrics import BridgeMetrics
+from stepwatch.otel_bridge._server import Bridge
+from stepwatch.otel_bridge._spool import DiskSpool, MemorySpool, SpoolAppend
+from stepwatch.otel_bridge._writers import InfluxV1Writer, InfluxV2Writer, LineWriter
+
+__all__ = [
+    "QUANTILES",
+    "TAG_ALLOWLIST",
+    "Bridge",
+    "BridgeMetrics",
+    "Buckets",
+    "CardinalityGuard",
+    "Conversion",
+    "DiskSpool",
+    "InfluxV1Writer",
+    "InfluxV2Writer",
+    "LineWriter",
+    "MemorySpool",
+    "SpoolAppend",
+    "convert_request",
+    "explicit_buckets",
+    "exponential_buckets",
+    "format_bound",
+    "nearest_rank_quantile",
+]

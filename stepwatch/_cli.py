@@ -19,7 +19,8 @@ _COMMAND_MODULES = (
     "stepwatch._stack_commands",  # up, demo
     "stepwatch.otel_bridge._commands",  # bridge
     "stepwatch.exporters._commands",  # ingest
-    "stepwatch.detectors._commands",  # detect, simulate, evaluate, report
+    "stepwatch.detectors._commands",  # detect, simulate, evaluate
+    "stepwatch.detectors._report_commands",  # report
 )
 
 

@@ -1,0 +1,414 @@
+"""Load on the bridge: many simulated ranks over real OTLP gRPC and HTTP on loopback.
+
+    .venv/bin/python bench/bridge_load.py [--ranks 256] [--seconds 15] [--clients 16]
+
+Starts a managed influxd and the bridge as its own process (``stepwatch bridge``), then:
+
+1. sustained: ``--clients`` client threads (half OTLP/HTTP protobuf, half OTLP/gRPC) send the
+   windows of ``--ranks`` ranks (one step histogram, six phase histograms, ``--kernels``
+   kernel-class histograms and the last-step gauge per window) as fast as the bridge answers.
+   Reports datapoints/s written to InfluxDB (from the bridge's own /metrics), request latency
+   p50/p99, the bridge's RSS, and checks InfluxDB holds exactly the points accepted.
+2. direct: the same points as line protocol written straight to the same influxd with
+   ``InfluxClient`` in 5,000-line batches, for comparison.
+3. overload: a bridge with a small queue and ``--overload-clients`` clients: the bridge must
+   answer 429/503/RESOURCE_EXHAUSTED instead of growing, and its RSS stays bounded.
+
+Bounded in count and time; prints its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+EXPORT_PATH = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
+T0 = 1_790_000_000_000_000_000
+PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
+
+
+def window_body(
+    rng: random.Random, *, job: str, rank: int, world_size: int, window: int, kernels: int
+) -> bytes:
+    """One rank's window as an OTLP ExportMetricsServiceRequest (protobuf bytes)."""
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+
+    end = T0 + window * 1_000_000_000
+    request = ExportMetricsServiceRequest()
+    resource_metrics = request.resource_metrics.add()
+    for key, value in (
+        ("stepwatch.job.id", job),
+        ("stepwatch.rank", rank),
+        ("stepwatch.world_size", world_size),
+        ("host.name", f"node-{rank // 8}"),
+        ("stepwatch.local_rank", rank % 8),
+    ):
+        item = resource_metrics.resource.attributes.add(key=key)
+        if isinstance(value, int):
+            item.value.int_value = value
+        else:
+            item.value.string_value = value
+    scope = resource_metrics.scope_metrics.add()
+    scope.scope.name = "stepwatch"
+
+    def histogram(name: str, attrs: dict[str, str], base_s: float) -> None:
+        metric = scope.metrics.add(name=name, unit="s")
+        metric.exponential_histogram.aggregation_temporality = 1
+        point = metric.exponential_histogram.data_points.add(
+            start_time_unix_nano=end - 1_000_000_000, time_unix_nano=end, scale=3
+        )
+        for key, value in attrs.items():
+            point.attributes.add(key=key).value.string_value = value
+        values = [base_s * rng.lognormvariate(0, 0.1) for _ in range(8)]
+        indexes = [math.ceil(math.log2(v) * 8) - 1 for v in values]
+        low = min(indexes)
+        counts = [0] * (max(indexes) - low + 1)
+        for index in indexes:
+            counts[index - low] += 1
+        point.positive.offset = low
+        point.positive.bucket_counts.extend(counts)
+        point.count = len(values)
+        point.sum = sum(values)
+        point.min = min(values)
+        point.max = max(values)
+
+    histogram("stepwatch.step.duration", {}, 0.25)
+    for phase in PHASES:
+        histogram("stepwatch.phase.duration", {"stepwatch.phase": phase}, 0.04)
+    for index in range(kernels):
+        histogram(
+            "stepwatch.kernel.duration",
+            {"stepwatch.kernel.class": f"k{index}", "stepwatch.kernel.category": "compute"},
+            0.002,
+        )
+    gauge = scope.metrics.add(name="stepwatch.step.last", unit="{step}")
+    gauge.gauge.data_points.add(time_unix_nano=end, as_int=window * 8 + 7)
+    return bytes(request.SerializeToString())
+
+
+class Client(threading.Thread):
+    """Sends bodies over one keep-alive HTTP connection or one gRPC channel."""
+
+    def __init__(self, transport: str, endpoint: str, bodies: list[bytes], deadline: float) -> None:
+        super().__init__(daemon=True)
+        self.transport = transport
+        self.endpoint = endpoint
+        self.bodies = bodies
+        self.deadline = deadline
+        self.latencies_s: list[float] = []
+        self.codes: Counter[str] = Counter()
+        self.accepted_bodies: list[bytes] = []
+
+    def run(self) -> None:
+        if self.transport == "grpc":
+            self._run_grpc()
+        else:
+            self._run_http()
+
+    def _run_http(self) -> None:
+        host, port = self.endpoint.rsplit(":", 1)
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        headers = {"Content-Type": "application/x-protobuf"}
+        for body in self.bodies:
+            if time.monotonic() > self.deadline:
+                break
+            while time.monotonic() <= self.deadline:
+                started = time.perf_counter()
+                try:
+                    connection.request("POST", "/v1/metrics", body=body, headers=headers)
+                    response = connection.getresponse()
+                    response.read()
+                    status = response.status
+                    if response.getheader("Connection", "").lower() == "close":
+                        connection.close()
+                except (OSError, http.client.HTTPException):
+                    connection.close()
+                    status = 0
+                self.latencies_s.append(time.perf_counter() - started)
+                self.codes[f"http:{status}"] += 1
+                if status == 200:
+                    self.accepted_bodies.append(body)
+                    break
+                time.sleep(0.05)  # a real exporter backs off (Retry-After is 1 s)
+        connection.close()
+
+    def _run_grpc(self) -> None:
+        import grpc
+
+        channel = grpc.insecure_channel(self.endpoint)
+        export = channel.unary_unary(EXPORT_PATH)
+        for body in self.bodies:
+            if time.monotonic() > self.deadline:
+                break
+            while time.monotonic() <= self.deadline:
+                started = time.perf_counter()
+                try:
+                    export(body, timeout=30)
+                    code = "OK"
+                except grpc.RpcError as exc:
+                    code = exc.code().name
+                self.latencies_s.append(time.perf_counter() - started)
+                self.codes[f"grpc:{code}"] += 1
+                if code == "OK":
+                    self.accepted_bodies.append(body)
+                    break
+                time.sleep(0.05)
+        channel.close()
+
+
+def scrape(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def rss_mib(pid: int) -> tuple[float, float]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+    hwm = int(re.search(r"VmHWM:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+    return rss / 1024, hwm / 1024
+
+
+def start_bridge(
+    influx_url: str, database: str, extra: Sequence[str]
+) -> tuple[subprocess.Popen[str], dict[str, str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "stepwatch", "--log-level", "ERROR", "bridge",
+         "--influx-url", influx_url, "--database", database,
+         "--grpc-port", "0", "--http-port", "0", *extra],
+        stdout=subprocess.PIPE, text=True, cwd=REPO,
+        env={k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")},
+    )  # fmt: skip
+    endpoints: dict[str, str] = {}
+    assert process.stdout is not None
+    deadline = time.monotonic() + 60
+    while "writing" not in endpoints and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            raise SystemExit("bridge exited before printing its endpoints")
+        kind, _, value = line.partition(": ")[2].partition(" ")
+        endpoints[kind] = value.strip()
+    return process, endpoints
+
+
+def stop_bridge(process: subprocess.Popen[str]) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+    if process.stdout is not None:
+        process.stdout.close()
+
+
+def run_clients(
+    endpoints: dict[str, str],
+    bodies: list[list[bytes]],
+    clients: int,
+    seconds: float,
+) -> list[Client]:
+    http_endpoint = endpoints["OTLP/HTTP"].split("://", 1)[1].split("/", 1)[0]
+    deadline = time.monotonic() + seconds
+    threads = [
+        Client(
+            "grpc" if index % 2 else "http",
+            endpoints["OTLP/gRPC"] if index % 2 else http_endpoint,
+            bodies[index],
+            deadline,
+        )
+        for index in range(clients)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 120)
+    return threads
+
+
+def quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=256)
+    parser.add_argument("--windows", type=int, default=40, help="windows per rank at most")
+    parser.add_argument("--kernels", type=int, default=12)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--overload-clients", type=int, default=96)
+    parser.add_argument("--overload-seconds", type=float, default=8.0)
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+
+    from stepwatch import InfluxClient, ManagedInfluxDB
+    from stepwatch._influx import wait_until
+    from stepwatch.otel_bridge import convert_request
+
+    rng = random.Random(args.seed)
+    points_per_window = 1 + len(PHASES) + args.kernels + 1
+    print(
+        f"{args.ranks} ranks x <= {args.windows} windows, {points_per_window} points per "
+        f"window, {args.clients} clients (half HTTP, half gRPC), {args.seconds:.0f} s"
+    )
+    started = time.perf_counter()
+    windows = [
+        [
+            window_body(
+                rng, job="load", rank=rank, world_size=args.ranks, window=window,
+                kernels=args.kernels,
+            )
+            for rank in range(args.ranks)
+        ]
+        for window in range(args.windows)
+    ]  # fmt: skip
+    # client i sends ranks i, i+clients, ... window by window (like ranks exporting in step)
+    per_client: list[list[bytes]] = [[] for _ in range(max(args.clients, args.overload_clients))]
+    for window in windows:
+        for rank, body in enumerate(window):
+            per_client[rank % args.clients].append(body)
+    print(f"generated {sum(map(len, windows))} requests in {time.perf_counter() - started:.1f} s")
+
+    with tempfile.TemporaryDirectory() as directory:
+        influxd = ManagedInfluxDB(Path(directory) / "influxd").start()
+        try:
+            # 1. sustained load through the bridge
+            process, endpoints = start_bridge(influxd.url, "load", [])
+            try:
+                client = InfluxClient(influxd.url, database="load")
+                metrics_url = endpoints["metrics"]
+                before = scrape(metrics_url)
+                t_start = time.perf_counter()
+                threads = run_clients(endpoints, per_client[: args.clients], args.clients,
+                                      args.seconds)  # fmt: skip
+                sent_s = time.perf_counter() - t_start
+                accepted = sum(len(thread.accepted_bodies) for thread in threads)
+                expected_points = accepted * points_per_window
+
+                def drained() -> bool:
+                    values = scrape(metrics_url)
+                    return values.get("stepwatch_bridge_datapoints_written_total", 0) >= (
+                        expected_points
+                    )
+
+                wait_until(drained, timeout_s=120, interval_s=0.2)
+                total_s = time.perf_counter() - t_start
+                after = scrape(metrics_url)
+                rss, hwm = rss_mib(process.pid)
+            finally:
+                stop_bridge(process)
+            latencies = [value for thread in threads for value in thread.latencies_s]
+            codes: Counter[str] = Counter()
+            for thread in threads:
+                codes.update(thread.codes)
+            written = after["stepwatch_bridge_datapoints_written_total"] - before.get(
+                "stepwatch_bridge_datapoints_written_total", 0
+            )
+            stored = sum(
+                row.values[0][1]
+                for row in client.query(
+                    'SELECT count("count") FROM "stepwatch.step.duration","stepwatch.phase.duration",'
+                    '"stepwatch.kernel.duration"'
+                )
+            ) + sum(row.values[0][1] for row in client.query(
+                'SELECT count("gauge") FROM "stepwatch.step.last"'))  # fmt: skip
+            print("\n[1] sustained load through the bridge")
+            print(f"  requests accepted: {accepted} in {sent_s:.1f} s; answers: {dict(codes)}")
+            print(f"  datapoints written: {written:.0f} ({written / total_s:,.0f}/s incl. drain; "
+                  f"{expected_points / sent_s:,.0f}/s accepted while sending)")  # fmt: skip
+            print(f"  InfluxDB holds {stored} points; expected {expected_points} "
+                  f"({'OK' if stored == expected_points else 'MISMATCH'})")  # fmt: skip
+            print(f"  request latency p50 {quantile(latencies, 0.5) * 1e3:.1f} ms, "
+                  f"p99 {quantile(latencies, 0.99) * 1e3:.1f} ms")  # fmt: skip
+            print(f"  bridge RSS {rss:.0f} MiB (peak {hwm:.0f} MiB)")
+
+            # 2. the same points written directly as line protocol
+            lines: list[str] = []
+            for body in (b for thread in threads for b in thread.accepted_bodies):
+                request = ExportMetricsServiceRequest.FromString(body)
+                lines.extend(convert_request(request).lines)
+            direct = InfluxClient(influxd.url, database="direct")
+            direct.create_database()
+            t_direct = time.perf_counter()
+            for index in range(0, len(lines), 5000):
+                direct.write_lines(lines[index : index + 5000])
+            direct_s = time.perf_counter() - t_direct
+            print("\n[2] direct line-protocol write to the same influxd (5,000-line batches)")
+            print(f"  {len(lines)} points in {direct_s:.1f} s: {len(lines) / direct_s:,.0f}/s")
+
+            # 3. overload: many clients, small queue
+            overload_bodies: list[list[bytes]] = [[] for _ in range(args.overload_clients)]
+            for window in windows:
+                for rank, body in enumerate(window):
+                    overload_bodies[rank % args.overload_clients].append(body)
+            process, endpoints = start_bridge(
+                influxd.url, "overload", ["--max-queue-lines", "20000"]
+            )
+            try:
+                peak = [0.0]
+                stop = threading.Event()
+
+                def sample() -> None:
+                    while not stop.wait(0.2):
+                        peak[0] = max(peak[0], rss_mib(process.pid)[0])
+
+                sampler = threading.Thread(target=sample, daemon=True)
+                sampler.start()
+                threads = run_clients(endpoints, overload_bodies, args.overload_clients,
+                                      args.overload_seconds)  # fmt: skip
+                stop.set()
+                sampler.join()
+                values = scrape(endpoints["metrics"])
+                rss, hwm = rss_mib(process.pid)
+            finally:
+                stop_bridge(process)
+            codes = Counter()
+            for thread in threads:
+                codes.update(thread.codes)
+            latencies = [value for thread in threads for value in thread.latencies_s]
+            refused = sum(v for k, v in codes.items() if not k.endswith((":200", ":OK")))
+            print(f"\n[3] overload: {args.overload_clients} clients, queue bound 20,000 points")
+            print(f"  answers: {dict(codes)}")
+            print(f"  refused (429/503/RESOURCE_EXHAUSTED): {refused} of {sum(codes.values())}")
+            print(f"  written {values['stepwatch_bridge_datapoints_written_total']:.0f} points; "
+                  f"latency p99 {quantile(latencies, 0.99) * 1e3:.0f} ms")  # fmt: skip
+            print(f"  bridge RSS peak {max(peak[0], hwm):.0f} MiB (now {rss:.0f} MiB)")
+        finally:
+            influxd.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Bytes per rank per step: raw Kineto trace vs what stepwatch puts on the wire and in InfluxDB.
+
+Run: ``.venv/bin/python bench/kernel_bytes.py [TRACE_DIR_OR_TAR]`` (default: the public 8-rank
+DLRM trace in ../shared/data/kineto). One window per step, built exactly as ``stepwatch ingest``
+builds it. Prints, per configuration (histogram scale, top-K): OTLP protobuf bytes (the
+``ExportMetricsServiceRequest`` body), the same gzip-compressed (what the OTLP exporters send with
+``compression=gzip``), InfluxDB line-protocol bytes (via ``stepwatch.otel_bridge.convert_request``
+when it exists), and the ratios against the raw trace and ARGUS's 2.7 KB.
+"""
+
+from __future__ import annotations
+
+import gzip
+import statistics
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from stepwatch.exporters.kernels import read_trace, trace_windows
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TAR = REPO.parent / "shared" / "data" / "kineto" / "param_dlrm_8rank" / "dlrm_kineto.tar.gz"
+ARGUS_BYTES = 2.7e3
+
+
+def _trace_files(source: Path, scratch: Path) -> list[Path]:
+    if source.is_dir():
+        return sorted(p for p in source.rglob("*.json*") if p.is_file())
+    with tarfile.open(source) as archive:
+        archive.extractall(scratch, filter="data")
+    return sorted(p for p in scratch.rglob("*.json*") if p.is_file())
+
+
+def _encoder():  # type: ignore[no-untyped-def]
+    from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
+
+    return encode_metrics
+
+
+def _converter():  # type: ignore[no-untyped-def]
+    try:
+        from stepwatch.otel_bridge import convert_request
+    except ImportError:
+        return None
+    return convert_request
+
+
+def _only_kernels(request):  # type: ignore[no-untyped-def]
+    copy = type(request)()
+    copy.CopyFrom(request)
+    for resource_metrics in copy.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            kept = [m for m in scope_metrics.metrics if m.name == "stepwatch.kernel.duration"]
+            del scope_metrics.metrics[:]
+            scope_metrics.metrics.extend(kept)
+    return copy
+
+
+def _without_descriptions(request):  # type: ignore[no-untyped-def]
+    copy = type(request)()
+    copy.CopyFrom(request)
+    for resource_metrics in copy.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                metric.description = ""
+    return copy
+
+
+def main(argv: list[str]) -> int:
+    source = Path(argv[1]) if len(argv) > 1 else DEFAULT_TAR
+    encode_metrics = _encoder()
+    convert_request = _converter()
+    with tempfile.TemporaryDirectory() as scratch:
+        files = _trace_files(source, Path(scratch))
+        started = time.perf_counter()
+        traces = [read_trace(path) for path in files]
+        parse_s = time.perf_counter() - started
+    raw_per_step = [t.raw_size_bytes / len(t.steps) for t in traces]
+    steps = sum(len(t.steps) for t in traces)
+    kernels = sum(len(s.kernels) for t in traces for s in t.steps)
+    print(f"source: {source}")
+    print(
+        f"{len(traces)} ranks, {steps} steps, {kernels} device events; parsed in {parse_s:.2f} s "
+        f"({sum(t.raw_size_bytes for t in traces) / 1e6 / parse_s:.0f} MB/s)"
+    )
+    print(f"raw trace per rank per step: {statistics.mean(raw_per_step) / 1e3:.0f} KB (mean)")
+    if convert_request is None:
+        print("line protocol: stepwatch.otel_bridge.convert_request not available")
+    header = (
+        f"{'scale':>5} {'top_k':>5} {'series':>6} {'otlp B':>7} {'gzip B':>7} {'lp B':>7} "
+        f"{'gzip/ARGUS':>10} {'raw/gzip':>9} {'kernel gz':>9} {'nodesc gz':>9}"
+    )
+    print(header)
+    for scale, top_k in ((5, 48), (4, 48), (3, 48), (4, 8), (2, 48)):
+        otlp, zipped, line, series, kernel_only, no_desc = [], [], [], [], [], []
+        for trace in traces:
+            windows = trace_windows(
+                trace,
+                job_id="bench",
+                rank=trace.rank or 0,
+                world_size=trace.world_size or len(traces),
+                time_offset_ns=0,
+                host_name="node-0",
+                top_k=top_k,
+                max_scale=scale,
+            )
+            for window in windows:
+                request = encode_metrics(window.metrics)
+                body = request.SerializeToString()
+                otlp.append(len(body))
+                zipped.append(len(gzip.compress(body, 6)))
+                kernel_only.append(len(gzip.compress(_only_kernels(request).SerializeToString())))
+                no_desc.append(
+                    len(gzip.compress(_without_descriptions(request).SerializeToString()))
+                )
+                kernel_metrics = [
+                    m
+                    for rm in window.metrics.resource_metrics
+                    for sm in rm.scope_metrics
+                    for m in sm.metrics
+                    if m.name == "stepwatch.kernel.duration"
+                ]
+                series.append(sum(len(m.data.data_points) for m in kernel_metrics))
+                if convert_request is not None:
+                    conversion = convert_request(request)
+                    line.append(sum(len(text) + 1 for text in conversion.lines))
+        mean_zip = statistics.mean(zipped)
+        print(
+            f"{scale:>5} {top_k:>5} {statistics.mean(series):>6.1f} {statistics.mean(otlp):>7.0f} "
+            f"{mean_zip:>7.0f} {statistics.mean(line) if line else float('nan'):>7.0f} "
+            f"{mean_zip / ARGUS_BYTES:>10.2f} {statistics.mean(raw_per_step) / mean_zip:>9.0f} "
+            f"{statistics.mean(kernel_only):>9.0f} {statistics.mean(no_desc):>9.0f}"
+        )
+    print(
+        "(ingest default: scale 4, top_k 48; byte figures are per rank per step, mean; "
+        "'kernel gz': the request with only stepwatch.kernel.duration; 'nodesc gz': the whole "
+        "request without metric descriptions)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

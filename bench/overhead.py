@@ -1,0 +1,302 @@
+"""Overhead of stepwatch on a real CPU DDP job: A/B interleaved in one run.
+
+Four ranks (gloo over loopback) train two identical DDP replicas of a small MLP in alternating
+blocks of steps: replica A fully instrumented (``monitor.step()``, a ``data`` phase, auto-mode
+hooks on forward/backward/optimizer and the timing DDP comm hook, exporting OTLP/HTTP every
+second to a local receiver this script starts), replica B plain DDP. Block order within each
+pair is random (seeded) so drift and neighbours on the machine hit both arms alike. Each step is
+timed outside stepwatch with ``perf_counter``.
+
+Also measures the hot-path cost of one step with four phases in a tight loop.
+
+Usage: ``.venv/bin/python bench/overhead.py [--ranks 4] [--pairs 30] [--block 20]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.server
+import json
+import os
+import random
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+class Receiver:
+    """A loopback OTLP/HTTP endpoint that accepts and counts requests."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.bytes = 0
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                receiver.requests += 1
+                receiver.bytes += len(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return None
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(rank: int, options: dict[str, Any]) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from stepwatch.exporters import StepMonitor
+
+    torch.set_num_threads(1)
+    world_size = options["ranks"]
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{options['port']}",
+        rank=rank,
+        world_size=world_size,
+    )
+
+    def make_model() -> Any:
+        torch.manual_seed(0)
+        hidden = options["hidden"]
+        return DistributedDataParallel(
+            torch.nn.Sequential(
+                torch.nn.Linear(128, hidden),
+                torch.nn.ReLU(),
+                torch.nn.Linear(hidden, hidden),
+                torch.nn.ReLU(),
+                torch.nn.Linear(hidden, 10),
+            )
+        )
+
+    try:
+        on_model, off_model = make_model(), make_model()
+        on_opt = torch.optim.SGD(on_model.parameters(), lr=0.01, momentum=0.9)
+        off_opt = torch.optim.SGD(off_model.parameters(), lr=0.01, momentum=0.9)
+        monitor = StepMonitor(
+            job_id="overhead-bench",
+            rank=rank,
+            world_size=world_size,
+            endpoint=options["endpoint"],
+            export_interval_s=1.0,
+        )
+        if options["mode"] == "full":
+            monitor.instrument(on_model, on_opt)
+        elif options["mode"] == "plain-python-hook":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            on_model.register_comm_hook(None, allreduce_hook)
+        elif options["mode"] == "no-comm-hook":
+            on_model._comm_hooks.append(None)  # makes instrument() skip the comm hook
+            monitor.instrument(on_model, on_opt)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        generator = torch.Generator().manual_seed(rank)
+        batch = options["batch"]
+
+        def step(model: Any, optimizer: Any, instrumented: bool) -> None:
+            step_context = monitor.step() if instrumented else contextlib.nullcontext()
+            data_context = monitor.phase("data") if instrumented else contextlib.nullcontext()
+            with step_context:
+                with data_context:
+                    inputs = torch.randn(batch, 128, generator=generator)
+                    targets = torch.randint(0, 10, (batch,), generator=generator)
+                loss = loss_fn(model(inputs), targets)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+
+        for _ in range(options["warmup"]):
+            step(on_model, on_opt, True)
+            step(off_model, off_opt, False)
+        order_rng = random.Random(options["seed"])  # same on every rank: blocks stay aligned
+        samples: dict[str, list[float]] = {"on": [], "off": []}
+        pair_medians: list[tuple[float, float]] = []
+        for _ in range(options["pairs"]):
+            arms = ["on", "off"]
+            order_rng.shuffle(arms)
+            medians: dict[str, float] = {}
+            for arm in arms:
+                model, optimizer = (on_model, on_opt) if arm == "on" else (off_model, off_opt)
+                times = []
+                for _ in range(options["block"]):
+                    started = time.perf_counter()
+                    step(model, optimizer, arm == "on")
+                    times.append(time.perf_counter() - started)
+                samples[arm].extend(times)
+                medians[arm] = statistics.median(times)
+            pair_medians.append((medians["on"], medians["off"]))
+        monitor.close(timeout_s=5.0)
+        result = {
+            "samples": samples,
+            "pair_medians": pair_medians,
+            "stats": monitor.stats.__dict__,
+        }
+        Path(options["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def hot_path_cost_us(steps: int = 200_000) -> tuple[float, float]:
+    """Per-step cost of ``step()`` + four ``phase()`` blocks, and of the same loop bare."""
+    from stepwatch.exporters import InMemoryExporter, StepMonitor
+
+    monitor = StepMonitor(
+        job_id="hot-path",
+        rank=0,
+        world_size=1,
+        exporter=InMemoryExporter(),
+        buffer_steps=steps + 1,
+        start=False,
+    )
+    null = contextlib.nullcontext()
+
+    def run(instrumented: bool) -> float:
+        monitor.export_now()  # empty the buffer
+        step = monitor.step if instrumented else (lambda: null)
+        phase = monitor.phase if instrumented else (lambda name: null)
+        started = time.perf_counter_ns()
+        for _ in range(steps):
+            with step():
+                with phase("data"):
+                    pass
+                with phase("forward"):
+                    pass
+                with phase("backward"):
+                    pass
+                with phase("optimizer"):
+                    pass
+        return (time.perf_counter_ns() - started) / steps / 1000.0
+
+    bare = min(run(False) for _ in range(3))
+    instrumented = min(run(True) for _ in range(3))
+    run(True)
+    export_started = time.perf_counter()
+    monitor.export_now()
+    export_s = time.perf_counter() - export_started
+    print(f"export of one {steps}-step window (export thread): {export_s * 1000:.1f} ms")
+    monitor.close()
+    return instrumented, bare
+
+
+def _bootstrap_ci(values: list[float], *, seed: int = 0, rounds: int = 5000) -> tuple[float, float]:
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
+    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--pairs", type=int, default=30, help="on/off block pairs")
+    parser.add_argument("--block", type=int, default=20, help="steps per block")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--mode",
+        choices=("full", "no-comm-hook", "manual", "plain-python-hook"),
+        default="full",
+        help="arm A: everything (default), auto hooks without the comm hook, or only "
+        "monitor.step()/phase('data')",
+    )
+    args = parser.parse_args()
+
+    import torch.multiprocessing as mp
+
+    with_phases, bare = hot_path_cost_us()
+    print(
+        f"hot path: {with_phases:.2f} µs/step with step()+4 phases, {bare:.2f} µs bare "
+        f"-> {with_phases - bare:.2f} µs added per step"
+    )
+
+    receiver = Receiver()
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            options = {
+                "ranks": args.ranks,
+                "pairs": args.pairs,
+                "block": args.block,
+                "warmup": args.warmup,
+                "hidden": args.hidden,
+                "batch": args.batch,
+                "seed": args.seed,
+                "mode": args.mode,
+                "port": _free_port(),
+                "endpoint": receiver.url,
+                "out_dir": out_dir,
+            }
+            started = time.monotonic()
+            mp.start_processes(
+                _rank_main, args=(options,), nprocs=args.ranks, join=True, start_method="spawn"
+            )
+            wall_s = time.monotonic() - started
+            results = [
+                json.loads(Path(out_dir, f"rank{rank}.json").read_text())
+                for rank in range(args.ranks)
+            ]
+    finally:
+        receiver.stop()
+
+    on = [t for r in results for t in r["samples"]["on"]]
+    off = [t for r in results for t in r["samples"]["off"]]
+    median_on, median_off = statistics.median(on), statistics.median(off)
+    # Paired estimate: per block pair and rank, the relative difference of block medians.
+    relative = [
+        (pair_on - pair_off) / pair_off * 100.0
+        for r in results
+        for pair_on, pair_off in r["pair_medians"]
+    ]
+    low, high = _bootstrap_ci(relative)
+    exported = sum(r["stats"]["steps_exported"] for r in results)
+    recorded = sum(r["stats"]["steps_recorded"] for r in results)
+    print(
+        f"DDP job: {args.ranks} ranks gloo, {args.pairs} pairs x {args.block} steps per arm, "
+        f"{wall_s:.0f} s wall"
+    )
+    print(f"median step time  on: {median_on * 1000:.3f} ms   off: {median_off * 1000:.3f} ms")
+    print(f"increase (pooled medians): {(median_on - median_off) / median_off * 100:+.2f} %")
+    print(
+        f"increase (median of paired block differences): {statistics.median(relative):+.2f} % "
+        f"(95% bootstrap CI {low:+.2f} .. {high:+.2f} %)"
+    )
+    print(
+        f"exported {exported}/{recorded} instrumented steps in {receiver.requests} OTLP requests "
+        f"({receiver.bytes} bytes)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

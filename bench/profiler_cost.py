@@ -1,0 +1,154 @@
+"""What always-on CPU kernel collection with torch.profiler costs.
+
+Run: ``.venv/bin/python bench/profiler_cost.py [--rounds N]``. Prints
+
+1. µs per event of each way to read a finished profile: ``kineto_results.events()`` with the
+   ``_KinetoEvent`` accessors (what :class:`TorchProfilerSource` uses), ``prof.events()``
+   (FunctionEvent post-processing) and ``key_averages()``; plus the profiler's own stop cost
+   per event and its start cost;
+2. the overhead of :class:`TorchProfilerSource` on a small real training step (an MLP with
+   SGD, one thread), A/B interleaved: blocks without and with the source alternate and the
+   median of per-round ratios is reported, for several duty cycles. A background thread drains
+   the source every 0.5 s, as the exporter's export thread would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+from stepwatch.exporters.kernels import TorchProfilerSource, read_kineto_ops
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, optimizer, torch.randn(128, 512), torch.randint(0, 10, (128,))
+
+
+def _step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
+def read_paths(steps: int = 50) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    model, optimizer, x, y = _model()
+    for _ in range(10):
+        _step(model, optimizer, x, y)
+    rows = []
+    for label in ("events", "function_events", "key_averages"):
+        prof = profile(activities=[ProfilerActivity.CPU])
+        started = time.perf_counter_ns()
+        prof.start()
+        start_ns = time.perf_counter_ns() - started
+        for _ in range(steps):
+            _step(model, optimizer, x, y)
+        started = time.perf_counter_ns()
+        prof.stop()
+        stop_ns = time.perf_counter_ns() - started
+        results = prof.profiler.kineto_results
+        count = len(results.events())
+        started = time.perf_counter_ns()
+        if label == "events":
+            read_kineto_ops(results)
+        elif label == "function_events":
+            prof.events()
+        else:
+            prof.key_averages()
+        read_ns = time.perf_counter_ns() - started
+        rows.append((label, count, read_ns / 1e3 / count, stop_ns / 1e3 / count, start_ns / 1e3))
+    print(f"profile of {steps} steps; read path µs/event, profiler stop µs/event, start µs")
+    for label, count, read_us, stop_us, start_us in rows:
+        print(
+            f"  {label:<16} {count:>6} events  read {read_us:7.2f} µs/event  "
+            f"stop {stop_us:5.2f} µs/event  start {start_us:7.0f} µs"
+        )
+
+
+def overhead(rounds: int, block_steps: int) -> None:
+    model, optimizer, x, y = _model()
+    for _ in range(50):
+        _step(model, optimizer, x, y)
+
+    def block(source: TorchProfilerSource | None, first_step: int) -> float:
+        started = time.perf_counter()
+        for index in range(first_step, first_step + block_steps):
+            _step(model, optimizer, x, y)
+            if source is not None:
+                source.on_step_end(index)
+        return (time.perf_counter() - started) / block_steps
+
+    for active, period in ((50, 50), (5, 50), (5, 100), (5, 200)):
+        source = TorchProfilerSource(active_steps=active, period_steps=period)
+        stop = threading.Event()
+        drained = [0]
+
+        def drain_loop(
+            source: TorchProfilerSource = source,
+            stop: threading.Event = stop,
+            drained: list[int] = drained,
+        ) -> None:
+            while not stop.wait(0.5):
+                window = source.drain()
+                drained[0] += sum(len(v) for v in window.durations_s.values())
+
+        thread = threading.Thread(target=drain_loop, daemon=True)
+        thread.start()
+        ratios, base_times = [], []
+        step = 0
+        for _ in range(rounds):
+            base = block(None, step)
+            step += block_steps
+            with_source = block(source, step)
+            step += block_steps
+            ratios.append(with_source / base)
+            base_times.append(base)
+        stop.set()
+        thread.join()
+        source.close()
+        drained[0] += sum(len(v) for v in source.drain().durations_s.values())
+        median = statistics.median(ratios)
+        low, _, high = statistics.quantiles(ratios, n=4)
+        step_ms = statistics.median(base_times) * 1e3
+        print(
+            f"  active {active:>3} / period {period:>4}: step {step_ms:6.2f} ms, "
+            f"overhead {100 * (median - 1):+6.2f} % (median of {rounds} A/B rounds, "
+            f"IQR {100 * (low - 1):+.1f}..{100 * (high - 1):+.1f} %), "
+            f"{drained[0]} ops summarised"
+        )
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--block-steps", type=int, default=200)
+    args = parser.parse_args(argv[1:])
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, 1 intra-op thread")
+    read_paths()
+    print(f"overhead of TorchProfilerSource ({args.block_steps}-step blocks, A/B interleaved):")
+    overhead(args.rounds, args.block_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

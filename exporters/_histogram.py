@@ -1,0 +1,205 @@
+"""Base-2 exponential histogram aggregation (the OTLP ``ExponentialHistogram`` data model).
+
+A bucket at ``scale`` with index ``i`` holds the values in ``(base**i, base**(i + 1)]`` where
+``base = 2 ** (2 ** -scale)`` (OTLP metrics data model, "ExponentialHistogram":
+https://opentelemetry.io/docs/specs/otel/metrics/data-model/#exponentialhistogram). When the
+occupied index range grows past ``max_size`` buckets the histogram *downscales*: the scale drops
+by ``k`` and index ``i`` becomes ``i >> k``, merging ``2**k`` neighbouring buckets without losing
+any count.
+
+Durations are never negative, so this aggregator keeps positive buckets and a zero count only;
+negative and non-finite values are refused (``record`` returns ``False``) and the caller counts
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+
+from stepwatch._errors import ConfigError
+
+MIN_SCALE = -10
+MAX_SCALE = 20
+_MIN_NORMAL = sys.float_info.min
+
+
+def map_to_index(value: float, scale: int) -> int:
+    """Index of the bucket holding a positive, finite ``value`` at ``scale``.
+
+    Args:
+        value: A positive normal float.
+        scale: The histogram scale, ``MIN_SCALE <= scale <= MAX_SCALE``.
+
+    Returns:
+        ``i`` such that ``lower_boundary(i, scale) < value <= lower_boundary(i + 1, scale)``.
+    """
+    mantissa, exponent = math.frexp(value)  # value = mantissa * 2**exponent, mantissa in [0.5, 1)
+    ieee_exponent = exponent - 1  # value = (2 * mantissa) * 2**ieee_exponent
+    if scale <= 0:
+        # Exact: bucket boundaries are powers of two. An exact power of two is the *upper*
+        # (inclusive) boundary of the bucket below.
+        exact = 1 if mantissa == 0.5 else 0
+        return (ieee_exponent - exact) >> -scale
+    if mantissa == 0.5:
+        return (ieee_exponent << scale) - 1
+    index = math.floor(math.log(value) * math.ldexp(1.0 / math.log(2.0), scale))
+    # log() is not exact near boundaries: correct by one against the boundary function itself
+    # so that map_to_index and lower_boundary never disagree.
+    if value <= lower_boundary(index, scale):
+        index -= 1
+    elif value > lower_boundary(index + 1, scale):
+        index += 1
+    return index
+
+
+def lower_boundary(index: int, scale: int) -> float:
+    """The exclusive lower bound ``base**index`` of bucket ``index`` at ``scale``.
+
+    ``math.inf`` past the float range (the top bucket's upper bound at coarse scales).
+    """
+    try:
+        if scale <= 0:
+            return math.ldexp(1.0, index << -scale)
+        whole, fraction = divmod(index, 1 << scale)
+        return math.ldexp(2.0 ** (fraction / (1 << scale)), whole)
+    except OverflowError:
+        return math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class HistogramSnapshot:
+    """The state of one exponential histogram, ready to become one OTLP data point.
+
+    Attributes:
+        count: Number of recorded values (``zero_count + sum(bucket_counts)``).
+        sum: Sum of the recorded values.
+        min: Smallest recorded value (``0.0`` when empty).
+        max: Largest recorded value (``0.0`` when empty).
+        scale: Resolution of the buckets.
+        zero_count: Values recorded as zero.
+        offset: Index of ``bucket_counts[0]``.
+        bucket_counts: Dense counts of the positive buckets from ``offset`` upwards.
+    """
+
+    count: int
+    sum: float
+    min: float
+    max: float
+    scale: int
+    zero_count: int
+    offset: int
+    bucket_counts: tuple[int, ...]
+
+
+class ExponentialHistogram:
+    """Aggregates non-negative values into a base-2 exponential histogram.
+
+    Not thread-safe: one owner (the export thread's window builder).
+
+    Args:
+        max_scale: Starting (finest) scale; the histogram only ever downscales from here.
+        max_size: Most positive buckets kept; a wider value range lowers the scale.
+
+    Raises:
+        ConfigError: ``max_scale`` or ``max_size`` out of range.
+    """
+
+    def __init__(self, *, max_scale: int = 5, max_size: int = 160) -> None:
+        if not MIN_SCALE <= max_scale <= MAX_SCALE:
+            raise ConfigError(f"max_scale must be in [{MIN_SCALE}, {MAX_SCALE}], got {max_scale}")
+        if max_size < 2:
+            raise ConfigError(f"max_size must be at least 2, got {max_size}")
+        self._max_scale = max_scale
+        self._max_size = max_size
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every value and return to ``max_scale``."""
+        self._scale = self._max_scale
+        self._counts: dict[int, int] = {}
+        self._low = 0
+        self._high = -1
+        self._count = 0
+        self._zero_count = 0
+        self._sum = 0.0
+        self._min = math.inf
+        self._max = -math.inf
+
+    @property
+    def count(self) -> int:
+        """Number of values recorded since the last reset."""
+        return self._count
+
+    @property
+    def scale(self) -> int:
+        """Current scale."""
+        return self._scale
+
+    def record(self, value: float) -> bool:
+        """Add one value.
+
+        Args:
+            value: A finite, non-negative number.
+
+        Returns:
+            ``False`` (and nothing recorded) when the value is negative, NaN or infinite.
+        """
+        if not (value >= 0.0 and value != math.inf):  # also rejects NaN
+            return False
+        self._count += 1
+        self._sum += value
+        self._min = min(self._min, value)
+        self._max = max(self._max, value)
+        if value < _MIN_NORMAL:
+            self._zero_count += 1
+            return True
+        index = map_to_index(value, self._scale)
+        if not self._counts:
+            self._low = self._high = index
+        elif index < self._low or index > self._high:
+            low = min(self._low, index)
+            high = max(self._high, index)
+            change = _downscale_needed(low, high, self._max_size)
+            if change:
+                self._downscale(change)
+                index >>= change
+                low >>= change
+                high >>= change
+            self._low, self._high = low, high
+        self._counts[index] = self._counts.get(index, 0) + 1
+        return True
+
+    def _downscale(self, change: int) -> None:
+        merged: dict[int, int] = {}
+        for index, count in self._counts.items():
+            merged[index >> change] = merged.get(index >> change, 0) + count
+        self._counts = merged
+        self._scale -= change
+
+    def snapshot(self) -> HistogramSnapshot:
+        """The current state as an immutable value."""
+        if self._counts:
+            offset = self._low
+            buckets = tuple(self._counts.get(i, 0) for i in range(self._low, self._high + 1))
+        else:
+            offset, buckets = 0, ()
+        empty = self._count == 0
+        return HistogramSnapshot(
+            count=self._count,
+            sum=self._sum,
+            min=0.0 if empty else self._min,
+            max=0.0 if empty else self._max,
+            scale=self._scale,
+            zero_count=self._zero_count,
+            offset=offset,
+            bucket_counts=buckets,
+        )
+
+
+def _downscale_needed(low: int, high: int, max_size: int) -> int:
+    change = 0
+    while (high >> change) - (low >> change) + 1 > max_size:
+        change += 1
+    return change

@@ -1,0 +1,369 @@
+"""One export window: whole steps (and the kernels that ran in them) as OTLP ``MetricsData``.
+
+The exporter does not use the SDK's ``MeterProvider``: its collection cycle cannot align a
+window with step boundaries. :class:`WindowBuilder` aggregates the steps of one window into
+exponential histograms itself and emits SDK ``MetricsData`` (DELTA, one data point per series,
+window bounds as ``start_time_unix_nano``/``time_unix_nano``) that any SDK
+``MetricExporter`` (OTLP gRPC, OTLP HTTP, in-memory) exports unchanged.
+
+Cardinality is bounded by construction, which is why the SDK's default per-instrument
+cardinality limit (2000 series) is never relevant and can never be silently hit: a window holds
+one ``stepwatch.step.duration`` series, one ``stepwatch.step.last`` series, one
+``stepwatch.device.idle.duration`` series, at most ``max_phase_series`` phase series and at most
+``max_kernel_series`` kernel series (defaults 32 and 256). Phases or kernel classes past the cap
+are folded into ``other`` and counted in :attr:`WindowBuilder.overflow_observations`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from stepwatch import _schema
+from stepwatch._errors import ConfigError
+from stepwatch.exporters._histogram import ExponentialHistogram
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import Metric, MetricsData
+    from opentelemetry.sdk.resources import Resource
+
+SCOPE_NAME = "stepwatch.exporters"
+OTHER = "other"
+
+_DESCRIPTIONS = {
+    _schema.STEP_DURATION: "Wall time of one training step.",
+    _schema.STEP_LAST: "Index of the last step finished in the window.",
+    _schema.PHASE_DURATION: "Wall time of one phase of one step.",
+    _schema.KERNEL_DURATION: "Duration of one kernel (or CPU op) execution.",
+    _schema.DEVICE_IDLE_DURATION: "Time in one step with no kernel running on the device.",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelWindow:
+    """Kernel events of one export window, already classified.
+
+    Attributes:
+        durations_s: ``(kernel class, category)`` → one duration per execution, in seconds.
+        idle_durations_s: Device-idle gap time, one value per step, in seconds.
+    """
+
+    durations_s: Mapping[tuple[str, str], Sequence[float]]
+    idle_durations_s: Sequence[float] = ()
+
+
+class KernelSource(Protocol):
+    """A producer of kernel events (CUPTI, torch.profiler, a trace file) for a StepMonitor."""
+
+    def on_step_end(self, step_index: int) -> None:
+        """Mark a step boundary. Called on the training thread: O(1), never raises."""
+
+    def drain(self) -> KernelWindow:
+        """Kernel events since the previous drain. Called on the export thread."""
+
+    def close(self) -> None:
+        """Stop collecting and release resources."""
+
+
+def build_resource(
+    *,
+    job_id: str,
+    rank: int,
+    world_size: int,
+    host_name: str | None = None,
+    local_rank: int | None = None,
+    dp_rank: int | None = None,
+    tp_rank: int | None = None,
+    pp_rank: int | None = None,
+    service_name: str = "stepwatch",
+) -> Resource:
+    """The OTel resource of one rank of one job, with exactly the attributes of SCHEMA.md.
+
+    The resource is built directly (not with ``Resource.create``) so no SDK default or
+    ``OTEL_RESOURCE_ATTRIBUTES`` key sneaks in: every key is one the bridge turns into a tag.
+
+    Args:
+        job_id: The training run (``stepwatch.job.id``).
+        rank: Global rank.
+        world_size: Number of ranks.
+        host_name: Node name; ``socket.gethostname()`` when omitted.
+        local_rank: Rank within the node.
+        dp_rank: Data-parallel coordinate.
+        tp_rank: Tensor-parallel coordinate.
+        pp_rank: Pipeline-parallel coordinate.
+        service_name: ``service.name``.
+
+    Returns:
+        The resource.
+
+    Raises:
+        ConfigError: An argument is empty, negative or inconsistent (names the argument).
+    """
+    from opentelemetry.sdk.resources import Resource
+
+    if not isinstance(job_id, str) or not job_id:
+        raise ConfigError(f"job_id must be a non-empty string, got {job_id!r}")
+    _check_int("world_size", world_size, minimum=1)
+    _check_int("rank", rank, minimum=0)
+    if rank >= world_size:
+        raise ConfigError(f"rank must be < world_size ({world_size}), got {rank}")
+    if host_name is None:
+        host_name = socket.gethostname()
+    if not isinstance(host_name, str) or not host_name:
+        raise ConfigError(f"host_name must be a non-empty string, got {host_name!r}")
+    if not isinstance(service_name, str) or not service_name:
+        raise ConfigError(f"service_name must be a non-empty string, got {service_name!r}")
+    attributes: dict[str, str | int] = {
+        _schema.JOB_ID: job_id,
+        _schema.RANK: rank,
+        _schema.WORLD_SIZE: world_size,
+        _schema.HOST_NAME: host_name,
+    }
+    for name, key, value in (
+        ("local_rank", _schema.LOCAL_RANK, local_rank),
+        ("dp_rank", _schema.DP_RANK, dp_rank),
+        ("tp_rank", _schema.TP_RANK, tp_rank),
+        ("pp_rank", _schema.PP_RANK, pp_rank),
+    ):
+        if value is not None:
+            _check_int(name, value, minimum=0)
+            attributes[key] = value
+    attributes[_schema.SERVICE_NAME] = service_name
+    return Resource(attributes)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+class WindowBuilder:
+    """Aggregates whole steps and kernel events into the ``MetricsData`` of one window.
+
+    Owned by one thread (the export thread); not thread-safe.
+
+    Args:
+        resource: The rank's resource (see :func:`build_resource`).
+        max_scale: Finest exponential-histogram scale; histograms downscale from here.
+        max_size: Most buckets per histogram.
+        max_phase_series: Most distinct phases per window; more fold into ``other``.
+        max_kernel_series: Most ``(class, category)`` series per window; more fold into
+            ``("other", "other")``.
+
+    Raises:
+        ConfigError: An option is out of range.
+    """
+
+    def __init__(
+        self,
+        resource: Resource,
+        *,
+        max_scale: int = 5,
+        max_size: int = 160,
+        max_phase_series: int = 32,
+        max_kernel_series: int = 256,
+    ) -> None:
+        ExponentialHistogram(max_scale=max_scale, max_size=max_size)  # validates both
+        if max_phase_series < 1:
+            raise ConfigError(f"max_phase_series must be >= 1, got {max_phase_series}")
+        if max_kernel_series < 1:
+            raise ConfigError(f"max_kernel_series must be >= 1, got {max_kernel_series}")
+        self._resource = resource
+        self._max_scale = max_scale
+        self._max_size = max_size
+        self._max_phase_series = max_phase_series
+        self._max_kernel_series = max_kernel_series
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self._scope = InstrumentationScope(SCOPE_NAME, _version())
+        self.overflow_observations = 0
+        """Observations folded into ``other`` because a series cap was reached (cumulative)."""
+        self.rejected_observations = 0
+        """Durations refused for being negative, NaN or infinite (cumulative)."""
+        self._reset()
+
+    def _new_histogram(self) -> ExponentialHistogram:
+        return ExponentialHistogram(max_scale=self._max_scale, max_size=self._max_size)
+
+    def _reset(self) -> None:
+        self._steps = self._new_histogram()
+        self._idle = self._new_histogram()
+        self._phases: dict[str, ExponentialHistogram] = {}
+        self._kernels: dict[tuple[str, str], ExponentialHistogram] = {}
+        self._last_step: int | None = None
+
+    def _record(self, histogram: ExponentialHistogram, value: float) -> None:
+        if not histogram.record(value):
+            self.rejected_observations += 1
+
+    def add_step(
+        self, *, step_index: int, duration_s: float, phases_s: Mapping[str, float]
+    ) -> None:
+        """Add one finished step.
+
+        Args:
+            step_index: The step's index; the largest in the window becomes ``stepwatch.step.last``.
+            duration_s: Wall time of the step.
+            phases_s: Phase name → time spent in that phase during this step.
+        """
+        self._record(self._steps, duration_s)
+        if self._last_step is None or step_index > self._last_step:
+            self._last_step = step_index
+        for phase, seconds in phases_s.items():
+            histogram = self._phases.get(phase)
+            if histogram is None:
+                if len(self._phases) >= self._max_phase_series and phase != OTHER:
+                    self.overflow_observations += 1
+                    phase = OTHER
+                    histogram = self._phases.get(phase)
+                if histogram is None:
+                    histogram = self._phases[phase] = self._new_histogram()
+            self._record(histogram, seconds)
+
+    def add_kernels(self, window: KernelWindow) -> None:
+        """Add the kernel executions and device-idle gaps of a drained :class:`KernelWindow`."""
+        overflow = (OTHER, OTHER)
+        for key, durations in window.durations_s.items():
+            histogram = self._kernels.get(key)
+            if histogram is None:
+                if len(self._kernels) >= self._max_kernel_series and key != overflow:
+                    self.overflow_observations += len(durations)
+                    key = overflow
+                    histogram = self._kernels.get(key)
+                if histogram is None:
+                    histogram = self._kernels[key] = self._new_histogram()
+            for seconds in durations:
+                self._record(histogram, seconds)
+        for seconds in window.idle_durations_s:
+            self._record(self._idle, seconds)
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing was added since the last build."""
+        return (
+            self._steps.count == 0
+            and self._idle.count == 0
+            and not any(h.count for h in self._phases.values())
+            and not any(h.count for h in self._kernels.values())
+        )
+
+    def build(self, *, start_unix_nano: int, end_unix_nano: int) -> MetricsData | None:
+        """The window as ``MetricsData``; resets the builder.
+
+        Args:
+            start_unix_nano: Window start (the first step's start), Unix epoch nanoseconds.
+            end_unix_nano: Window end (the last step's end), Unix epoch nanoseconds.
+
+        Returns:
+            The metrics, or ``None`` when nothing was added since the last build.
+        """
+        from opentelemetry.sdk.metrics.export import (
+            Gauge,
+            Metric,
+            MetricsData,
+            NumberDataPoint,
+            ResourceMetrics,
+            ScopeMetrics,
+        )
+
+        if self.empty and self._last_step is None:
+            self._reset()
+            return None
+        end_unix_nano = max(end_unix_nano, start_unix_nano)
+        bounds = (start_unix_nano, end_unix_nano)
+        metrics: list[Metric] = []
+        if self._steps.count:
+            metrics.append(_histogram_metric(_schema.STEP_DURATION, [({}, self._steps)], bounds))
+        if self._last_step is not None:
+            point = NumberDataPoint(
+                attributes={},
+                start_time_unix_nano=start_unix_nano,
+                time_unix_nano=end_unix_nano,
+                value=self._last_step,
+            )
+            metrics.append(
+                Metric(
+                    name=_schema.STEP_LAST,
+                    description=_DESCRIPTIONS[_schema.STEP_LAST],
+                    unit="{step}",
+                    data=Gauge(data_points=[point]),
+                )
+            )
+        phases = [
+            ({_schema.PHASE: phase}, histogram)
+            for phase, histogram in sorted(self._phases.items())
+            if histogram.count
+        ]
+        if phases:
+            metrics.append(_histogram_metric(_schema.PHASE_DURATION, phases, bounds))
+        kernels = [
+            ({_schema.KERNEL_CLASS: kernel_class, _schema.KERNEL_CATEGORY: category}, histogram)
+            for (kernel_class, category), histogram in sorted(self._kernels.items())
+            if histogram.count
+        ]
+        if kernels:
+            metrics.append(_histogram_metric(_schema.KERNEL_DURATION, kernels, bounds))
+        if self._idle.count:
+            metrics.append(
+                _histogram_metric(_schema.DEVICE_IDLE_DURATION, [({}, self._idle)], bounds)
+            )
+        self._reset()
+        return MetricsData(
+            resource_metrics=[
+                ResourceMetrics(
+                    resource=self._resource,
+                    scope_metrics=[ScopeMetrics(scope=self._scope, metrics=metrics, schema_url="")],
+                    schema_url="",
+                )
+            ]
+        )
+
+
+def _histogram_metric(
+    name: str,
+    series: Sequence[tuple[dict[str, str], ExponentialHistogram]],
+    bounds: tuple[int, int],
+) -> Metric:
+    from opentelemetry.sdk.metrics.export import (
+        AggregationTemporality,
+        Buckets,
+        ExponentialHistogramDataPoint,
+        Metric,
+    )
+    from opentelemetry.sdk.metrics.export import ExponentialHistogram as OtelHistogram
+
+    points = []
+    for attributes, histogram in series:
+        snap = histogram.snapshot()
+        points.append(
+            ExponentialHistogramDataPoint(
+                attributes=attributes,
+                start_time_unix_nano=bounds[0],
+                time_unix_nano=bounds[1],
+                count=snap.count,
+                sum=snap.sum,
+                scale=snap.scale,
+                zero_count=snap.zero_count,
+                positive=Buckets(offset=snap.offset, bucket_counts=list(snap.bucket_counts)),
+                negative=Buckets(offset=0, bucket_counts=[]),
+                flags=0,
+                min=snap.min,
+                max=snap.max,
+            )
+        )
+    return Metric(
+        name=name,
+        description=_DESCRIPTIONS[name],
+        unit="s",
+        data=OtelHistogram(
+            data_points=points, aggregation_temporality=AggregationTemporality.DELTA
+        ),
+    )
+
+
+def _version() -> str:
+    from stepwatch import __version__
+
+    return __version__

@@ -1,0 +1,62 @@
+"""A guard against series explosions (e.g. step numbers put into an allowlisted tag).
+
+InfluxDB 1.x indexes every series in memory; one producer writing ``stepwatch.phase=step-1``,
+``step-2``, ... would grow the index without bound. The guard remembers the series it has let
+through per (job, measurement) and refuses points of *new* series beyond the limit; known
+series keep flowing. Memory is bounded by ``max_series`` hashes per (job, measurement) and
+``max_jobs`` jobs (least recently seen job forgotten first).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Iterable
+
+from stepwatch import _schema
+from stepwatch._errors import ConfigError
+from stepwatch.otel_bridge._convert import Point
+
+
+class CardinalityGuard:
+    """Caps distinct series per measurement per job.
+
+    Args:
+        max_series: distinct tag sets allowed per (job id, measurement).
+        max_jobs: jobs remembered at once.
+    """
+
+    def __init__(self, *, max_series: int = 100_000, max_jobs: int = 256) -> None:
+        if max_series <= 0:
+            raise ConfigError(f"max_series_per_measurement: must be positive, got {max_series}")
+        if max_jobs <= 0:
+            raise ConfigError(f"max_jobs: must be positive, got {max_jobs}")
+        self.max_series = max_series
+        self.max_jobs = max_jobs
+        self._jobs: collections.OrderedDict[str, dict[str, set[int]]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def filter(self, points: Iterable[Point]) -> tuple[list[Point], int]:
+        """The points allowed through, and how many were refused."""
+        kept: list[Point] = []
+        refused = 0
+        with self._lock:
+            for point in points:
+                job = point.tags.get(_schema.JOB_ID, "")
+                measurements = self._jobs.get(job)
+                if measurements is None:
+                    measurements = self._jobs[job] = {}
+                    while len(self._jobs) > self.max_jobs:
+                        self._jobs.popitem(last=False)
+                else:
+                    self._jobs.move_to_end(job)
+                series = measurements.setdefault(point.measurement, set())
+                key = hash(tuple(sorted(point.tags.items())))
+                if key in series:
+                    kept.append(point)
+                elif len(series) < self.max_series:
+                    series.add(key)
+                    kept.append(point)
+                else:
+                    refused += 1
+        return kept, refused

@@ -1,0 +1,578 @@
+"""OTLP metrics → InfluxDB line protocol (telegraf-prometheus-v1 compatible).
+
+The stored layout is docs/CONTRACTS.md "Stored layout" and docs/storage.md. Field names follow
+the OpenTelemetry Collector's influxdb exporter (``otel2influx``, schema
+``telegraf-prometheus-v1``): histograms carry ``count``, ``sum``, ``min``, ``max`` and one
+cumulative-count field per bucket upper bound plus ``+Inf``; gauges ``gauge``; monotonic sums
+``counter``; summaries ``count``, ``sum`` and one field per quantile. stepwatch adds ``mean``,
+``p50``, ``p90``, ``p99`` and ``start_time_unix_nano``.
+
+Data model: https://opentelemetry.io/docs/specs/otel/metrics/data-model/
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from decimal import Decimal
+from typing import TYPE_CHECKING, NamedTuple
+
+from stepwatch import _schema
+from stepwatch._lineproto import (
+    FieldValue,
+    escape_key,
+    escape_measurement,
+    format_field_value,
+)
+
+if TYPE_CHECKING:
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+    from opentelemetry.proto.metrics.v1.metrics_pb2 import (
+        ExponentialHistogramDataPoint,
+        HistogramDataPoint,
+        Metric,
+        NumberDataPoint,
+        SummaryDataPoint,
+    )
+
+TAG_ALLOWLIST: frozenset[str] = _schema.TAG_ALLOWLIST
+"""Attribute keys stored as tags by default (resource and point attributes merged)."""
+
+QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
+
+# Rejection reasons (the ``reason`` label of stepwatch_bridge_datapoints_rejected_total).
+REASON_NON_FINITE = "non_finite"
+REASON_NEGATIVE_DURATION = "negative_duration"
+REASON_COUNT_MISMATCH = "count_mismatch"
+REASON_BUCKET_LAYOUT = "bucket_layout"
+REASON_MISSING_RESOURCE = "missing_resource_attribute"
+REASON_RANK_RANGE = "rank_out_of_range"
+REASON_MISSING_TIME = "missing_time"
+REASON_INVALID_NAME = "invalid_name"
+REASON_NO_VALUE = "no_value"
+REASON_CARDINALITY = "cardinality_limit"
+# InfluxDB's line-protocol parser reads a trailing backslash as escaping the delimiter after
+# it, so a name or tag value ending in "\\" cannot be written (found by bench/bridge_fuzz.py).
+REASON_UNREPRESENTABLE = "unrepresentable"
+
+# Exponential histograms wider than this are refused: each bucket becomes a field.
+MAX_BUCKETS = 4096
+_STEPWATCH_PREFIX = "stepwatch."
+_REQUIRED_RESOURCE = (_schema.JOB_ID, _schema.RANK)
+
+
+class Point(NamedTuple):
+    """One InfluxDB point before encoding (tags are allowlisted, values stringified)."""
+
+    measurement: str
+    tags: dict[str, str]
+    fields: dict[str, FieldValue]
+    time_unix_nano: int
+
+    def encode(self) -> str:
+        """The point as one line; byte-identical to :func:`stepwatch._lineproto.encode_point`.
+
+        Measurements, tag sets and field keys repeat across windows, so their escaped forms
+        are cached (the bridge's hot path; see bench/bridge_load.py).
+        """
+        field_text = ",".join(
+            f"{_field_key(key)}={_field_value(value)}" for key, value in self.fields.items()
+        )
+        head = _series_text(self.measurement, tuple(sorted(self.tags.items())))
+        return f"{head} {field_text} {int(self.time_unix_nano)}"
+
+
+@functools.lru_cache(maxsize=65_536)
+def _series_text(measurement: str, tags: tuple[tuple[str, str], ...]) -> str:
+    parts = [escape_measurement(measurement)]
+    parts.extend(f",{escape_key(key)}={escape_key(value)}" for key, value in tags if value != "")
+    return "".join(parts)
+
+
+@functools.lru_cache(maxsize=16_384)
+def _field_key(key: str) -> str:
+    return escape_key(key)
+
+
+def _field_value(value: FieldValue) -> str:
+    if type(value) is float:
+        return repr(value)  # finite: validated during conversion
+    return format_field_value(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    """The result of converting one ``ExportMetricsServiceRequest``.
+
+    Attributes:
+        lines: line protocol, one point per line, in request order.
+        accepted_points: data points converted (one line each).
+        rejected: data points refused, by reason (never stored).
+        dropped_attributes: attributes not stored because their key is not allowlisted or
+            their value is not a scalar (the points themselves are kept).
+    """
+
+    lines: list[str]
+    accepted_points: int
+    rejected: dict[str, int]
+    dropped_attributes: int = 0
+
+    @property
+    def rejected_points(self) -> int:
+        return sum(self.rejected.values())
+
+
+@dataclasses.dataclass
+class PointBatch:
+    """Points of one request before encoding (the bridge filters them further)."""
+
+    points: list[Point]
+    rejected: Counter[str]
+    dropped_attributes: int
+
+
+class _Rejected(ValueError):
+    """A data point fails validation; carries the reason label."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def convert_request(
+    request: ExportMetricsServiceRequest,
+    *,
+    tag_allowlist: frozenset[str] = TAG_ALLOWLIST,
+) -> Conversion:
+    """Convert an OTLP metrics export request to InfluxDB line protocol.
+
+    Args:
+        request: the decoded ``ExportMetricsServiceRequest`` from any producer.
+        tag_allowlist: attribute keys stored as tags; others are dropped and counted.
+
+    Returns:
+        The lines, the number of accepted points and the rejected points by reason.
+
+    Example:
+        >>> from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ...     ExportMetricsServiceRequest)
+        >>> convert_request(ExportMetricsServiceRequest()).accepted_points
+        0
+    """
+    batch = convert_to_points(request, tag_allowlist=tag_allowlist)
+    return Conversion(
+        lines=[point.encode() for point in batch.points],
+        accepted_points=len(batch.points),
+        rejected=dict(batch.rejected),
+        dropped_attributes=batch.dropped_attributes,
+    )
+
+
+def convert_to_points(
+    request: ExportMetricsServiceRequest, *, tag_allowlist: frozenset[str] = TAG_ALLOWLIST
+) -> PointBatch:
+    """Like :func:`convert_request` but returns unencoded points (for filtering)."""
+    batch = PointBatch(points=[], rejected=Counter(), dropped_attributes=0)
+    for resource_metrics in request.resource_metrics:
+        resource_attrs = resource_metrics.resource.attributes
+        resource_tags, dropped = _tags(resource_attrs, tag_allowlist)
+        resource_problem = _resource_problem(resource_attrs)
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                total = _point_count(metric)
+                if total == 0:
+                    continue
+                batch.dropped_attributes += dropped * total
+                if not metric.name:
+                    batch.rejected[REASON_INVALID_NAME] += total
+                    continue
+                if metric.name.endswith("\\"):
+                    batch.rejected[REASON_UNREPRESENTABLE] += total
+                    continue
+                if resource_problem is not None and metric.name.startswith(_STEPWATCH_PREFIX):
+                    batch.rejected[resource_problem] += total
+                    continue
+                _convert_metric(metric, resource_tags, tag_allowlist, batch)
+    return batch
+
+
+def _point_count(metric: Metric) -> int:
+    kind = metric.WhichOneof("data")
+    if kind is None:
+        return 0
+    return len(getattr(metric, kind).data_points)
+
+
+def _resource_problem(attributes: Iterable[KeyValue]) -> str | None:
+    """Why a resource cannot carry stepwatch.* metrics (missing job/rank, bad rank)."""
+    values = {item.key: item.value for item in attributes}
+    if any(key not in values for key in _REQUIRED_RESOURCE):
+        return REASON_MISSING_RESOURCE
+    rank = _as_int(values[_schema.RANK])
+    if rank is None or rank < 0:
+        return REASON_RANK_RANGE
+    if _schema.WORLD_SIZE in values:
+        world_size = _as_int(values[_schema.WORLD_SIZE])
+        if world_size is None or rank >= world_size:
+            return REASON_RANK_RANGE
+    return None
+
+
+def _as_int(value: AnyValue) -> int | None:
+    kind = value.WhichOneof("value")
+    if kind == "int_value":
+        return int(value.int_value)
+    if kind == "string_value":
+        try:
+            return int(value.string_value)
+        except ValueError:
+            return None
+    return None
+
+
+def _tag_value(value: AnyValue) -> str | None:
+    """A scalar attribute as a tag string (ints in decimal); None for arrays/maps/bytes."""
+    kind = value.WhichOneof("value")
+    if kind == "string_value":
+        return value.string_value
+    if kind == "int_value":
+        return str(value.int_value)
+    if kind == "bool_value":
+        return "true" if value.bool_value else "false"
+    if kind == "double_value":
+        return repr(value.double_value)
+    return None
+
+
+def _tags(attributes: Iterable[KeyValue], allowlist: frozenset[str]) -> tuple[dict[str, str], int]:
+    tags: dict[str, str] = {}
+    dropped = 0
+    for item in attributes:
+        text = _tag_value(item.value) if item.key in allowlist else None
+        if text is None:
+            dropped += 1
+        else:
+            tags[item.key] = text
+    return tags, dropped
+
+
+def _is_duration(metric: Metric) -> bool:
+    return metric.unit == "s" or metric.name.endswith(".duration")
+
+
+def _convert_metric(
+    metric: Metric,
+    resource_tags: Mapping[str, str],
+    allowlist: frozenset[str],
+    batch: PointBatch,
+) -> None:
+    kind = metric.WhichOneof("data")
+    duration = _is_duration(metric)
+    points: Sequence[
+        NumberDataPoint | HistogramDataPoint | ExponentialHistogramDataPoint | SummaryDataPoint
+    ] = getattr(metric, str(kind)).data_points
+    for point in points:
+        try:
+            if point.time_unix_nano == 0:
+                raise _Rejected(REASON_MISSING_TIME)
+            if kind == "gauge":
+                fields = _number_fields(point, "gauge")  # type: ignore[arg-type]
+            elif kind == "sum":
+                name = "counter" if metric.sum.is_monotonic else "gauge"
+                fields = _number_fields(point, name)  # type: ignore[arg-type]
+            elif kind == "histogram":
+                fields = _histogram_fields(point, duration=duration)  # type: ignore[arg-type]
+            elif kind == "exponential_histogram":
+                fields = _exponential_fields(point, duration=duration)  # type: ignore[arg-type]
+            else:
+                fields = _summary_fields(point, duration=duration)  # type: ignore[arg-type]
+        except _Rejected as exc:
+            batch.rejected[exc.reason] += 1
+            continue
+        point_tags, dropped = _tags(point.attributes, allowlist)
+        batch.dropped_attributes += dropped
+        tags = {**resource_tags, **point_tags}
+        if any(value.endswith("\\") for value in tags.values()):
+            batch.rejected[REASON_UNREPRESENTABLE] += 1
+            continue
+        batch.points.append(Point(metric.name, tags, fields, int(point.time_unix_nano)))
+
+
+def _finite(*values: float) -> None:
+    if not all(math.isfinite(value) for value in values):
+        raise _Rejected(REASON_NON_FINITE)
+
+
+def _number_fields(point: NumberDataPoint, field: str) -> dict[str, FieldValue]:
+    kind = point.WhichOneof("value")
+    if kind is None:
+        raise _Rejected(REASON_NO_VALUE)
+    value = float(point.as_int) if kind == "as_int" else point.as_double
+    _finite(value)
+    fields: dict[str, FieldValue] = {field: value}
+    if point.start_time_unix_nano:
+        fields["start_time_unix_nano"] = int(point.start_time_unix_nano)
+    return fields
+
+
+def format_bound(bound: float) -> str:
+    """A bucket bound as a field key: shortest round-trip decimal, never exponent notation.
+
+    Matches Go's ``strconv.FormatFloat(bound, 'f', -1, 64)`` used by otel2influx.
+    """
+    text = repr(bound)
+    if "e" not in text and "E" not in text:
+        return text[:-2] if text.endswith(".0") else text
+    return format(Decimal(text), "f")
+
+
+class Buckets(NamedTuple):
+    """Cumulative buckets: ``uppers[i]`` has ``cumulative[i]`` observations at or below it.
+
+    ``lowers[i]`` is the bucket's lower bound (``-inf`` for an open first bucket). The last
+    bucket may be ``+inf`` (the overflow bucket).
+    """
+
+    lowers: list[float]
+    uppers: list[float]
+    cumulative: list[int]
+
+
+def nearest_rank_quantile(
+    buckets: Buckets, quantile: float, *, minimum: float | None, maximum: float | None
+) -> float | None:
+    """Nearest-rank quantile estimated from cumulative buckets.
+
+    The bucket where the cumulative count first reaches ``ceil(quantile * count)``; the value is
+    the midpoint of its ``[lower, upper]`` bounds clamped to ``[minimum, maximum]``. An open
+    first bucket uses ``minimum`` (else 0 or its upper bound) as lower bound; the ``+Inf``
+    bucket answers ``maximum`` (else the last finite bound). None for an empty histogram.
+    """
+    if not buckets.cumulative or buckets.cumulative[-1] <= 0:
+        return None
+    total = buckets.cumulative[-1]
+    rank = max(1, math.ceil(quantile * total))
+    index = next(i for i, cum in enumerate(buckets.cumulative) if cum >= rank)
+    lower, upper = buckets.lowers[index], buckets.uppers[index]
+    if math.isinf(upper):
+        if maximum is not None:
+            return maximum
+        value = lower if math.isfinite(lower) else 0.0
+    else:
+        if math.isinf(lower):
+            lower = minimum if minimum is not None else min(0.0, upper)
+        value = (lower + upper) / 2.0
+    if minimum is not None:
+        value = max(value, minimum)
+    if maximum is not None:
+        value = min(value, maximum)
+    return value
+
+
+def _histogram_common(
+    point: HistogramDataPoint | ExponentialHistogramDataPoint, *, duration: bool
+) -> tuple[dict[str, FieldValue], float | None, float | None]:
+    count = int(point.count)
+    fields: dict[str, FieldValue] = {"count": float(count)}
+    minimum = point.min if point.HasField("min") else None
+    maximum = point.max if point.HasField("max") else None
+    if point.HasField("sum"):
+        _finite(point.sum)
+        if duration and point.sum < 0:
+            raise _Rejected(REASON_NEGATIVE_DURATION)
+        fields["sum"] = point.sum
+        if count > 0:
+            fields["mean"] = point.sum / count
+    for name, value in (("min", minimum), ("max", maximum)):
+        if value is not None:
+            _finite(value)
+            if duration and value < 0:
+                raise _Rejected(REASON_NEGATIVE_DURATION)
+            fields[name] = value
+    if minimum is not None and maximum is not None and minimum > maximum and count > 0:
+        raise _Rejected(REASON_BUCKET_LAYOUT)
+    return fields, minimum, maximum
+
+
+def _add_buckets(
+    fields: dict[str, FieldValue],
+    buckets: Buckets,
+    *,
+    minimum: float | None,
+    maximum: float | None,
+    start_time_unix_nano: int,
+) -> dict[str, FieldValue]:
+    for upper, cumulative in zip(buckets.uppers, buckets.cumulative, strict=True):
+        key = "+Inf" if math.isinf(upper) else format_bound(upper)
+        fields[key] = float(cumulative)
+    if not buckets.uppers or not math.isinf(buckets.uppers[-1]):
+        fields["+Inf"] = fields["count"]
+    for name, quantile in QUANTILES:
+        value = nearest_rank_quantile(buckets, quantile, minimum=minimum, maximum=maximum)
+        if value is not None:
+            fields[name] = value
+    if start_time_unix_nano:
+        fields["start_time_unix_nano"] = start_time_unix_nano
+    return fields
+
+
+def explicit_buckets(bounds: Sequence[float], counts: Sequence[int]) -> Buckets:
+    """Cumulative buckets of an explicit-bounds histogram.
+
+    Raises:
+        ValueError: bounds not finite and strictly increasing, or counts not one longer.
+    """
+    if len(counts) != len(bounds) + 1:
+        raise _Rejected(REASON_BUCKET_LAYOUT)
+    if not all(math.isfinite(bound) for bound in bounds):
+        raise _Rejected(REASON_BUCKET_LAYOUT)
+    if any(later <= earlier for earlier, later in itertools.pairwise(bounds)):
+        raise _Rejected(REASON_BUCKET_LAYOUT)
+    lowers = [-math.inf, *bounds]
+    uppers = [*bounds, math.inf]
+    cumulative: list[int] = []
+    running = 0
+    for count in counts:
+        running += int(count)
+        cumulative.append(running)
+    return Buckets(lowers, uppers, cumulative)
+
+
+def _histogram_fields(point: HistogramDataPoint, *, duration: bool) -> dict[str, FieldValue]:
+    fields, minimum, maximum = _histogram_common(point, duration=duration)
+    counts = list(point.bucket_counts)
+    if not counts:  # a histogram without buckets: count/sum/min/max only
+        if point.explicit_bounds:
+            raise _Rejected(REASON_BUCKET_LAYOUT)
+        if point.start_time_unix_nano:
+            fields["start_time_unix_nano"] = int(point.start_time_unix_nano)
+        return fields
+    buckets = explicit_buckets(list(point.explicit_bounds), counts)
+    if buckets.cumulative[-1] != point.count:
+        raise _Rejected(REASON_COUNT_MISMATCH)
+    if duration and point.count > 0 and buckets.uppers[0] < 0 and buckets.cumulative[0] > 0:
+        raise _Rejected(REASON_NEGATIVE_DURATION)
+    return _add_buckets(
+        fields,
+        buckets,
+        minimum=minimum,
+        maximum=maximum,
+        start_time_unix_nano=int(point.start_time_unix_nano),
+    )
+
+
+def exponential_buckets(
+    scale: int,
+    *,
+    positive_offset: int,
+    positive_counts: Sequence[int],
+    negative_offset: int = 0,
+    negative_counts: Sequence[int] = (),
+    zero_count: int = 0,
+    zero_threshold: float = 0.0,
+) -> Buckets:
+    """Cumulative buckets of an exponential histogram at their real bounds.
+
+    With ``base = 2 ** (2 ** -scale)``, positive bucket ``i`` holds ``(base**i, base**(i+1)]``,
+    negative bucket ``i`` holds ``[-base**(i+1), -base**i)`` and the zero bucket holds
+    ``[-zero_threshold, zero_threshold]``. Buckets are listed in ascending value order.
+
+    Raises:
+        ValueError: bounds overflow a float, scale outside [-10, 20], too many buckets.
+    """
+    if len(positive_counts) + len(negative_counts) > MAX_BUCKETS or not -10 <= scale <= 20:
+        raise _Rejected(REASON_BUCKET_LAYOUT)
+    if not math.isfinite(zero_threshold) or zero_threshold < 0:
+        raise _Rejected(REASON_BUCKET_LAYOUT)
+    exponent_step = 2.0**-scale
+
+    def boundary(index: int) -> float:
+        try:
+            return float(2.0 ** (index * exponent_step))
+        except OverflowError as exc:
+            raise _Rejected(REASON_BUCKET_LAYOUT) from exc
+
+    lowers: list[float] = []
+    uppers: list[float] = []
+    counts: list[int] = []
+    for position in reversed(range(len(negative_counts))):
+        index = negative_offset + position
+        lowers.append(-boundary(index + 1))
+        uppers.append(-boundary(index))
+        counts.append(int(negative_counts[position]))
+    if zero_count or zero_threshold or not (positive_counts or negative_counts):
+        lowers.append(-zero_threshold)
+        uppers.append(zero_threshold)
+        counts.append(int(zero_count))
+    for position, count in enumerate(positive_counts):
+        index = positive_offset + position
+        lowers.append(boundary(index))
+        uppers.append(boundary(index + 1))
+        counts.append(int(count))
+    if any(math.isinf(bound) for bound in uppers) or any(
+        later <= earlier for earlier, later in itertools.pairwise(uppers)
+    ):
+        raise _Rejected(REASON_BUCKET_LAYOUT)  # overflowed or degenerate (zero_threshold)
+    cumulative: list[int] = []
+    running = 0
+    for count in counts:
+        running += count
+        cumulative.append(running)
+    return Buckets(lowers, uppers, cumulative)
+
+
+def _exponential_fields(
+    point: ExponentialHistogramDataPoint, *, duration: bool
+) -> dict[str, FieldValue]:
+    fields, minimum, maximum = _histogram_common(point, duration=duration)
+    negative_counts = list(point.negative.bucket_counts)
+    if not any(negative_counts):
+        negative_counts = []  # SDKs send an empty negative range as zeros; no "-1" fields
+    if duration and negative_counts:
+        raise _Rejected(REASON_NEGATIVE_DURATION)
+    buckets = exponential_buckets(
+        int(point.scale),
+        positive_offset=int(point.positive.offset),
+        positive_counts=list(point.positive.bucket_counts),
+        negative_offset=int(point.negative.offset),
+        negative_counts=negative_counts,
+        zero_count=int(point.zero_count),
+        zero_threshold=float(point.zero_threshold),
+    )
+    if buckets.cumulative[-1] != point.count:
+        raise _Rejected(REASON_COUNT_MISMATCH)
+    return _add_buckets(
+        fields,
+        buckets,
+        minimum=minimum,
+        maximum=maximum,
+        start_time_unix_nano=int(point.start_time_unix_nano),
+    )
+
+
+def _summary_fields(point: SummaryDataPoint, *, duration: bool) -> dict[str, FieldValue]:
+    _finite(point.sum)
+    if duration and point.sum < 0:
+        raise _Rejected(REASON_NEGATIVE_DURATION)
+    fields: dict[str, FieldValue] = {"count": float(point.count), "sum": point.sum}
+    for item in point.quantile_values:
+        _finite(item.quantile, item.value)
+        if not 0.0 <= item.quantile <= 1.0:
+            raise _Rejected(REASON_BUCKET_LAYOUT)
+        fields[format_bound(item.quantile)] = item.value
+    if point.start_time_unix_nano:
+        fields["start_time_unix_nano"] = int(point.start_time_unix_nano)
+    return fields
+
+
+def iter_series_keys(points: Iterable[Point]) -> Iterator[tuple[str, tuple[tuple[str, str], ...]]]:
+    """(measurement, sorted tag items) per point: the InfluxDB series identity."""
+    for point in points:
+        yield point.measurement, tuple(sorted(point.tags.items()))

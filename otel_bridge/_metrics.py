@@ -1,0 +1,74 @@
+"""The bridge's own Prometheus metrics, in an injected ``CollectorRegistry``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class BridgeMetrics:
+    """Counters, gauges and histograms the bridge exports on ``/metrics``.
+
+    Args:
+        registry: a ``prometheus_client.CollectorRegistry``; a fresh one when None (never the
+            global default registry, so several bridges can live in one process).
+    """
+
+    def __init__(self, registry: Any = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry: Any = registry if registry is not None else CollectorRegistry()
+        self.received = Counter(
+            "stepwatch_bridge_datapoints_received",
+            "OTLP data points received (accepted or not).",
+            registry=self.registry,
+        )
+        self.written = Counter(
+            "stepwatch_bridge_datapoints_written",
+            "Data points InfluxDB accepted (direct or replayed from the spool).",
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "stepwatch_bridge_datapoints_rejected",
+            "Data points refused at conversion (invalid, over the cardinality limit).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.dropped = Counter(
+            "stepwatch_bridge_datapoints_dropped",
+            "Accepted data points lost later (spool overflow, InfluxDB refused the batch).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.attributes_dropped = Counter(
+            "stepwatch_bridge_attributes_dropped",
+            "Attributes not stored as tags (key not allowlisted or value not a scalar).",
+            registry=self.registry,
+        )
+        self.write_duration = Histogram(
+            "stepwatch_bridge_write_duration_seconds",
+            "Duration of one batch write to InfluxDB (successful or not).",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "stepwatch_bridge_queue_depth",
+            "Data points waiting in memory for the writer.",
+            registry=self.registry,
+        )
+        self.spool_bytes = Gauge(
+            "stepwatch_bridge_spool_bytes",
+            "Bytes of line protocol spooled while InfluxDB is unavailable.",
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "stepwatch_bridge_requests",
+            "OTLP export requests answered, by protocol (grpc/http) and code.",
+            ["protocol", "code"],
+            registry=self.registry,
+        )
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text exposition and its content type."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), str(CONTENT_TYPE_LATEST)

@@ -1,0 +1,206 @@
+"""The demo training job: a real multi-process PyTorch DDP run (CPU, gloo), instrumented.
+
+Each rank is a separate process started by :func:`launch`. Faults are real effects inside the
+job, so what stepwatch diagnoses is what a real straggler, link or stall does to DDP:
+
+- ``straggler``: extra compute (matrix multiplies) in one rank's forward pass from a step on;
+- ``link``: a delay inside one rank's DDP communication hook, before its allreduce;
+- ``jit``: one long host-side stall on one rank at one step (like a JIT recompile);
+- ``dataloader``: a slow data loader on one rank from a step on;
+- ``regression``: every rank does extra compute from a step on (job-wide slowdown).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from stepwatch._errors import ConfigError
+from stepwatch._net import free_port
+
+FAULT_KINDS = ("none", "straggler", "link", "jit", "dataloader", "regression")
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoJobConfig:
+    """What one demo run does. ``fault_rank`` is ignored for job-wide faults."""
+
+    job_id: str
+    world_size: int = 4
+    steps: int = 300
+    fault: str = "none"
+    fault_rank: int = 2
+    fault_step: int = 120
+    fault_factor: float = 1.5
+    endpoint: str = "http://127.0.0.1:4318"
+    protocol: str = "http/protobuf"
+    batch_size: int = 32
+    hidden: int = 256
+    export_interval_s: float = 1.0
+    collect_kernels: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fault not in FAULT_KINDS:
+            raise ConfigError(f"fault: {self.fault!r} is not one of {FAULT_KINDS}")
+        if self.world_size < 2:
+            raise ConfigError(
+                f"world_size: a DDP demo needs at least 2 ranks, got {self.world_size}"
+            )
+        if not 0 <= self.fault_rank < self.world_size:
+            raise ConfigError(
+                f"fault_rank: {self.fault_rank} is not a rank of a {self.world_size}-rank job"
+            )
+        if self.steps < 1:
+            raise ConfigError(f"steps: must be positive, got {self.steps}")
+        if self.fault_factor <= 1.0:
+            raise ConfigError(f"fault_factor: must exceed 1.0, got {self.fault_factor}")
+
+
+def launch(config: DemoJobConfig, *, timeout_s: float = 600.0) -> None:
+    """Run the job: ``world_size`` processes, gloo over loopback; returns when all finish.
+
+    Raises:
+        StepwatchError: a rank failed or the job did not finish within ``timeout_s``.
+    """
+    import torch.multiprocessing as mp
+
+    from stepwatch._errors import StepwatchError
+
+    master_port = free_port()
+    context = mp.start_processes(
+        _rank_main,
+        args=(config, master_port),
+        nprocs=config.world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise StepwatchError(f"demo job did not finish within {timeout_s:.0f} s")
+    except mp.ProcessRaisedException as exc:
+        raise StepwatchError(f"a demo rank failed: {exc}") from exc
+    except mp.ProcessExitedException as exc:
+        raise StepwatchError(f"a demo rank exited abnormally: {exc}") from exc
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+
+
+def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from stepwatch.exporters import StepMonitor
+
+    torch.set_num_threads(1)
+    torch.manual_seed(1234 + rank)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{master_port}",
+        rank=rank,
+        world_size=config.world_size,
+    )
+    try:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, config.hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(config.hidden, config.hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(config.hidden, 10),
+        )
+        ddp = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        faulty = config.fault in ("straggler", "link", "jit", "dataloader") and (
+            rank == config.fault_rank
+        )
+        if config.fault == "link" and faulty:
+            _install_slow_comm_hook(ddp, config)
+        monitor = StepMonitor(
+            job_id=config.job_id,
+            rank=rank,
+            world_size=config.world_size,
+            host_name=_demo_host(rank),
+            local_rank=rank % 2,
+            endpoint=config.endpoint,
+            protocol=config.protocol,
+            export_interval_s=config.export_interval_s,
+            kernel_source=_kernel_source(config),
+        )
+        monitor.instrument(ddp, optimizer)
+        burner = torch.randn(config.hidden, config.hidden)
+        for step in range(config.steps):
+            active = step >= config.fault_step
+            with monitor.step():
+                with monitor.phase("data"):
+                    inputs = torch.randn(config.batch_size, 64)
+                    targets = torch.randint(0, 10, (config.batch_size,))
+                    if config.fault == "dataloader" and faulty and active:
+                        time.sleep(0.004 * config.fault_factor)
+                if config.fault == "jit" and faulty and step == config.fault_step:
+                    time.sleep(1.5)  # a host-side stall: nothing runs
+                extra = (config.fault == "straggler" and faulty and active) or (
+                    config.fault == "regression" and active
+                )
+                output = ddp(inputs)
+                if extra:
+                    _burn(burner, factor=config.fault_factor)
+                loss = loss_fn(output, targets)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+        monitor.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _demo_host(rank: int) -> str:
+    """Two ranks per simulated node so host-level localisation has something to group."""
+    return f"{socket.gethostname()}-node{rank // 2}"
+
+
+def _burn(matrix: Any, *, factor: float) -> None:
+    """Extra compute proportional to ``factor`` (a compute straggler)."""
+    repeats = max(1, round(8 * (factor - 1.0)))
+    for _ in range(repeats):
+        matrix = (matrix @ matrix).clamp_(-1.0, 1.0)
+
+
+def _install_slow_comm_hook(ddp: Any, config: DemoJobConfig) -> None:
+    """A DDP comm hook that delays this rank's allreduce (a degraded link/NIC)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    delay_s = 0.002 * config.fault_factor
+    state = {"calls": 0}
+
+    def slow_allreduce(process_group: Any, bucket: Any) -> Any:
+        state["calls"] += 1
+        if state["calls"] > config.fault_step:
+            time.sleep(delay_s)
+        return allreduce_hook(process_group, bucket)
+
+    ddp.register_comm_hook(dist.group.WORLD, slow_allreduce)
+
+
+def _kernel_source(config: DemoJobConfig) -> Any:
+    if not config.collect_kernels:
+        return None
+    try:
+        from stepwatch.exporters.kernels import TorchProfilerSource  # type: ignore[attr-defined]
+    except ImportError:
+        logger.warning("kernel collection requested but stepwatch.exporters.kernels is missing")
+        return None
+    return TorchProfilerSource()

@@ -1,0 +1,218 @@
+"""Auto mode: phases from torch hooks, step boundary at optimizer.step(), numerics untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stepwatch import ConfigError, _schema
+from stepwatch.exporters import InMemoryExporter, StepMonitor
+
+
+def _summary(exporter: InMemoryExporter) -> dict[str, Any]:
+    """Counts and sums per phase, plus step totals, over every exported window."""
+    phases: dict[str, dict[str, float]] = {}
+    steps = {"count": 0, "sum": 0.0}
+    last = -1
+    for window in exporter.exported:
+        for metric in window.resource_metrics[0].scope_metrics[0].metrics:
+            if metric.name == _schema.PHASE_DURATION:
+                for point in metric.data.data_points:
+                    entry = phases.setdefault(
+                        str(point.attributes[_schema.PHASE]), {"count": 0, "sum": 0.0}
+                    )
+                    entry["count"] += point.count
+                    entry["sum"] += point.sum
+            elif metric.name == _schema.STEP_DURATION:
+                steps["count"] += metric.data.data_points[0].count
+                steps["sum"] += metric.data.data_points[0].sum
+            elif metric.name == _schema.STEP_LAST:
+                last = max(last, int(metric.data.data_points[0].value))
+    return {"phases": phases, "steps": steps, "last": last}
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        inputs = torch.randn(8, 16, generator=generator)
+        loss = model(inputs).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+
+def _monitor(exporter: InMemoryExporter, rank: int = 0, world_size: int = 1) -> StepMonitor:
+    return StepMonitor(
+        job_id="auto", rank=rank, world_size=world_size, exporter=exporter, start=False
+    )
+
+
+def test_auto_steps_and_phases_without_touching_numerics() -> None:
+    exporter = InMemoryExporter()
+    monitor = _monitor(exporter)
+    model = _model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    instrumentation = monitor.instrument(model, optimizer)
+    assert not instrumentation.communication_timed
+    _train(model, optimizer, 10)
+    monitor.close()
+
+    reference = _model(0)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    _train(reference, reference_optimizer, 10)
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+
+    summary = _summary(exporter)
+    assert summary["steps"]["count"] == 10  # step boundary = end of optimizer.step()
+    assert summary["last"] == 9
+    phases = summary["phases"]
+    assert {name: entry["count"] for name, entry in phases.items()} == {
+        "forward": 10,
+        "backward": 10,
+        "optimizer": 10,
+        "data": 9,  # between steps: none before the first
+    }
+    for entry in phases.values():
+        assert 0 < entry["sum"] < summary["steps"]["sum"]
+    assert monitor.stats.misuse == 0
+
+
+def test_auto_phases_inside_explicit_steps() -> None:
+    exporter = InMemoryExporter()
+    monitor = _monitor(exporter)
+    model = _model(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.instrument(model, optimizer)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        with monitor.step():
+            with monitor.phase("data"):
+                inputs = torch.randn(8, 16, generator=generator)
+            loss = model(inputs).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    monitor.close()
+    summary = _summary(exporter)
+    assert summary["steps"]["count"] == 5
+    assert {name: entry["count"] for name, entry in summary["phases"].items()} == {
+        "data": 5,
+        "forward": 5,
+        "backward": 5,
+        "optimizer": 5,
+    }
+
+
+def test_no_grad_forward_and_removed_hooks_add_nothing() -> None:
+    exporter = InMemoryExporter()
+    monitor = _monitor(exporter)
+    model = _model(2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instrumentation = monitor.instrument(model, optimizer)
+    with torch.no_grad():
+        model(torch.zeros(2, 16))  # opens the first auto step, registers no backward hook
+    instrumentation.remove()
+    _train(model, optimizer, 3)
+    monitor.close()
+    assert monitor.stats.steps_recorded == 0
+    assert monitor.stats.misuse == 0
+
+
+def test_instrument_rejects_non_torch_objects() -> None:
+    monitor = _monitor(InMemoryExporter())
+    model = _model(0)
+    with pytest.raises(ConfigError, match="model"):
+        monitor.instrument(object(), torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match="optimizer"):
+        monitor.instrument(model, object())
+    monitor.close()
+
+
+# ---------------------------------------------------------------- real 2-process DDP (gloo)
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ddp_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        exporter = InMemoryExporter()
+        monitor = _monitor(exporter, rank=rank, world_size=world_size)
+        instrumented = DistributedDataParallel(_model(0))
+        plain = DistributedDataParallel(_model(0))
+        optimizer = torch.optim.SGD(instrumented.parameters(), lr=0.05, momentum=0.9)
+        plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
+        instrumentation = monitor.instrument(instrumented, optimizer)
+        generator = torch.Generator().manual_seed(100 + rank)
+        for _ in range(20):
+            inputs = torch.randn(32, 16, generator=generator)
+            for model, opt in ((instrumented, optimizer), (plain, plain_optimizer)):
+                loss = model(inputs).pow(2).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        monitor.close()
+        identical = all(
+            torch.equal(a, b)
+            for a, b in zip(instrumented.parameters(), plain.parameters(), strict=True)
+        )
+        result = {
+            "summary": _summary(exporter),
+            "identical": identical,
+            "communication_timed": instrumentation.communication_timed,
+            "stats": monitor.stats.__dict__,
+        }
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_rank_gloo_ddp_auto_mode(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    world_size = 2
+    mp.start_processes(  # type: ignore[no-untyped-call]
+        _ddp_rank,
+        args=(world_size, _free_port(), str(tmp_path)),
+        nprocs=world_size,
+        join=True,
+        start_method="spawn",
+    )
+    for rank in range(world_size):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["identical"], "auto mode changed the numerics"
+        assert result["communication_timed"]
+        summary = result["summary"]
+        assert summary["steps"]["count"] == 20
+        assert summary["last"] == 19
+        phases = summary["phases"]
+        for name in ("forward", "backward", "optimizer", "communication"):
+            assert phases[name]["count"] == 20, name
+            assert 0 < phases[name]["sum"] < summary["steps"]["sum"], name
+        assert phases["data"]["count"] == 19
+        # The allreduce runs inside backward (DDP waits for it before backward returns).
+        assert phases["communication"]["sum"] <= phases["backward"]["sum"]
+        assert result["stats"]["misuse"] == 0
+        assert result["stats"]["steps_dropped"] == 0

@@ -1,0 +1,153 @@
+"""Exponential histogram aggregation: exact counts, bucket placement, downscaling."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stepwatch import ConfigError
+from stepwatch.exporters import ExponentialHistogram
+from stepwatch.exporters._histogram import MAX_SCALE, MIN_SCALE, lower_boundary, map_to_index
+
+# Durations from a nanosecond to an hour, plus exact zeros.
+durations = st.one_of(
+    st.floats(min_value=1e-9, max_value=3600.0, allow_nan=False, allow_infinity=False),
+    st.just(0.0),
+)
+
+
+def test_powers_of_two_are_upper_inclusive_bounds() -> None:
+    # Bucket i holds (base**i, base**(i+1)]: 1.0 is the top of bucket -1 at every scale.
+    for scale in range(MIN_SCALE, MAX_SCALE + 1):
+        assert map_to_index(1.0, scale) == -1
+    assert map_to_index(2.0, 0) == 0
+    assert map_to_index(3.0, 0) == 1
+    assert map_to_index(4.0, 0) == 1
+    assert map_to_index(4.0, 1) == 3
+    assert lower_boundary(0, 3) == 1.0
+    assert lower_boundary(8, 3) == 2.0
+    assert lower_boundary(-1, 0) == 0.5
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    value=st.floats(min_value=1e-300, max_value=1e300, allow_nan=False),
+    scale=st.integers(MIN_SCALE, MAX_SCALE),
+)
+def test_value_lies_inside_its_bucket(value: float, scale: int) -> None:
+    index = map_to_index(value, scale)
+    assert lower_boundary(index, scale) < value <= lower_boundary(index + 1, scale)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.floats(min_value=1e-30, max_value=1e30), scale=st.integers(-10, 20))
+def test_index_agrees_with_the_sdk_reference_mapping(value: float, scale: int) -> None:
+    from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.exponent_mapping import (
+        ExponentMapping,
+    )
+    from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm_mapping import (
+        LogarithmMapping,
+    )
+
+    reference = LogarithmMapping(scale) if scale > 0 else ExponentMapping(scale)
+    assert map_to_index(value, scale) == reference.map_to_index(value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(durations, min_size=1, max_size=300),
+    max_size=st.integers(2, 160),
+    max_scale=st.integers(-2, 20),
+)
+def test_count_sum_min_max_are_exact_and_every_value_is_in_its_bucket(
+    values: list[float], max_size: int, max_scale: int
+) -> None:
+    histogram = ExponentialHistogram(max_scale=max_scale, max_size=max_size)
+    for value in values:
+        assert histogram.record(value)
+    snap = histogram.snapshot()
+    assert snap.count == len(values)
+    expected_sum = 0.0
+    for value in values:
+        expected_sum += value
+    assert snap.sum == expected_sum
+    assert snap.min == min(values)
+    assert snap.max == max(values)
+    assert len(snap.bucket_counts) <= max_size
+    assert snap.scale <= max_scale
+    assert snap.zero_count == sum(1 for v in values if v == 0.0)
+    assert snap.zero_count + sum(snap.bucket_counts) == snap.count
+    expected = collections.Counter(map_to_index(v, snap.scale) for v in values if v > 0.0)
+    for position, count in enumerate(snap.bucket_counts):
+        index = snap.offset + position
+        assert count == expected.get(index, 0)
+        if count:
+            assert lower_boundary(index, snap.scale) < max(values)
+    for value in values:
+        if value > 0.0:
+            index = map_to_index(value, snap.scale)
+            assert snap.offset <= index < snap.offset + len(snap.bucket_counts)
+            assert lower_boundary(index, snap.scale) < value <= lower_boundary(index + 1, snap.scale)
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=st.lists(durations, min_size=1, max_size=200), max_size=st.integers(2, 40))
+def test_downscaling_merges_buckets_without_losing_counts(
+    values: list[float], max_size: int
+) -> None:
+    fine = ExponentialHistogram(max_scale=8, max_size=100_000)
+    coarse = ExponentialHistogram(max_scale=8, max_size=max_size)
+    for value in values:
+        fine.record(value)
+        coarse.record(value)
+    fine_snap, coarse_snap = fine.snapshot(), coarse.snapshot()
+    change = fine_snap.scale - coarse_snap.scale
+    assert change >= 0
+    merged: collections.Counter[int] = collections.Counter()
+    for position, count in enumerate(fine_snap.bucket_counts):
+        merged[(fine_snap.offset + position) >> change] += count
+    coarse_counts = {
+        coarse_snap.offset + i: c for i, c in enumerate(coarse_snap.bucket_counts) if c
+    }
+    assert coarse_counts == {k: v for k, v in merged.items() if v}
+    assert sum(coarse_snap.bucket_counts) == sum(fine_snap.bucket_counts)
+
+
+def test_wide_range_downscales_to_fit_max_size() -> None:
+    histogram = ExponentialHistogram(max_scale=5, max_size=160)
+    for value in (1e-6, 1e-3, 1.0, 1e3):
+        histogram.record(value)
+    snap = histogram.snapshot()
+    assert snap.scale < 5
+    assert len(snap.bucket_counts) <= 160
+    assert snap.count == 4
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, -math.inf])
+def test_bad_values_are_refused_and_not_recorded(bad: float) -> None:
+    histogram = ExponentialHistogram()
+    assert not histogram.record(bad)
+    assert histogram.snapshot().count == 0
+
+
+def test_empty_snapshot_and_reset() -> None:
+    histogram = ExponentialHistogram(max_scale=3)
+    snap = histogram.snapshot()
+    assert (snap.count, snap.sum, snap.min, snap.max, snap.bucket_counts) == (0, 0.0, 0.0, 0.0, ())
+    histogram.record(0.5)
+    histogram.reset()
+    assert histogram.snapshot().count == 0
+    assert histogram.scale == 3
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [({"max_scale": 21}, "max_scale"), ({"max_scale": -11}, "max_scale"), ({"max_size": 1}, "max_size")],
+)
+def test_bad_options_raise_config_error_naming_them(options: dict[str, int], name: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        ExponentialHistogram(**options)

@@ -1,0 +1,237 @@
+"""WindowBuilder and build_resource: the OTLP shape of one window, exactly as SCHEMA.md says."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.protobuf.json_format import MessageToDict
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    ExponentialHistogram,
+    Gauge,
+    MetricsData,
+)
+
+from stepwatch import ConfigError, _schema
+from stepwatch.exporters import KernelWindow, WindowBuilder, build_resource
+
+GOLDEN = Path(__file__).with_name("test_window_golden.json")
+START = 1_795_000_000_000_000_000
+END = START + 31_000_000
+
+
+def _resource() -> Any:
+    return build_resource(
+        job_id="run-42",
+        rank=3,
+        world_size=8,
+        host_name="node-1",
+        local_rank=1,
+        dp_rank=3,
+        tp_rank=0,
+        pp_rank=0,
+    )
+
+
+def _window() -> MetricsData:
+    builder = WindowBuilder(_resource())
+    for index, duration in ((10, 0.010), (11, 0.0105), (12, 0.0105)):
+        builder.add_step(
+            step_index=index,
+            duration_s=duration,
+            phases_s={"data": 0.001, "forward": 0.003, "backward": 0.005, "optimizer": 0.001},
+        )
+    builder.add_kernels(
+        KernelWindow(
+            durations_s={
+                ("gemm", "compute"): [0.0002, 0.00021, 0.00019],
+                ("allreduce", "communication"): [0.001],
+            },
+            idle_durations_s=[0.0004, 0.0005, 0.0],
+        )
+    )
+    metrics = builder.build(start_unix_nano=START, end_unix_nano=END)
+    assert metrics is not None
+    return metrics
+
+
+def _wire_json(metrics: MetricsData) -> dict[str, Any]:
+    return MessageToDict(encode_metrics(metrics))
+
+
+def test_window_matches_golden_otlp_json() -> None:
+    payload = _wire_json(_window())
+    if os.environ.get("STEPWATCH_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    assert payload == json.loads(GOLDEN.read_text())
+
+
+def test_names_units_temporality_and_attributes_follow_the_schema() -> None:
+    metrics = _window()
+    (resource_metrics,) = metrics.resource_metrics
+    assert dict(resource_metrics.resource.attributes) == {
+        _schema.JOB_ID: "run-42",
+        _schema.RANK: 3,
+        _schema.WORLD_SIZE: 8,
+        _schema.HOST_NAME: "node-1",
+        _schema.LOCAL_RANK: 1,
+        _schema.DP_RANK: 3,
+        _schema.TP_RANK: 0,
+        _schema.PP_RANK: 0,
+        _schema.SERVICE_NAME: "stepwatch",
+    }
+    (scope_metrics,) = resource_metrics.scope_metrics
+    by_name = {metric.name: metric for metric in scope_metrics.metrics}
+    assert set(by_name) == {
+        _schema.STEP_DURATION,
+        _schema.STEP_LAST,
+        _schema.PHASE_DURATION,
+        _schema.KERNEL_DURATION,
+        _schema.DEVICE_IDLE_DURATION,
+    }
+    for name in (
+        _schema.STEP_DURATION,
+        _schema.PHASE_DURATION,
+        _schema.KERNEL_DURATION,
+        _schema.DEVICE_IDLE_DURATION,
+    ):
+        metric = by_name[name]
+        assert metric.unit == "s"
+        assert isinstance(metric.data, ExponentialHistogram)
+        assert metric.data.aggregation_temporality is AggregationTemporality.DELTA
+        for point in metric.data.data_points:
+            assert (point.start_time_unix_nano, point.time_unix_nano) == (START, END)
+    last = by_name[_schema.STEP_LAST]
+    assert last.unit == "{step}"
+    assert isinstance(last.data, Gauge)
+    (point,) = last.data.data_points
+    assert point.value == 12
+    assert (point.start_time_unix_nano, point.time_unix_nano) == (START, END)
+
+    step_data = by_name[_schema.STEP_DURATION].data
+    assert isinstance(step_data, ExponentialHistogram)
+    (step_point,) = step_data.data_points
+    assert step_point.count == 3
+    assert step_point.attributes == {}
+    assert (step_point.min, step_point.max) == (0.010, 0.0105)
+
+    phase_data = by_name[_schema.PHASE_DURATION].data
+    assert isinstance(phase_data, ExponentialHistogram)
+    assert sorted(p.attributes[_schema.PHASE] for p in phase_data.data_points) == [
+        "backward",
+        "data",
+        "forward",
+        "optimizer",
+    ]
+    assert all(p.count == 3 for p in phase_data.data_points)
+
+    kernel_data = by_name[_schema.KERNEL_DURATION].data
+    assert isinstance(kernel_data, ExponentialHistogram)
+    assert {
+        (p.attributes[_schema.KERNEL_CLASS], p.attributes[_schema.KERNEL_CATEGORY]): p.count
+        for p in kernel_data.data_points
+    } == {("gemm", "compute"): 3, ("allreduce", "communication"): 1}
+    idle = by_name[_schema.DEVICE_IDLE_DURATION].data
+    assert isinstance(idle, ExponentialHistogram)
+    assert idle.data_points[0].count == 3
+    assert idle.data_points[0].zero_count == 1
+
+
+def test_build_resets_and_returns_none_when_empty() -> None:
+    builder = WindowBuilder(_resource())
+    assert builder.build(start_unix_nano=START, end_unix_nano=END) is None
+    builder.add_step(step_index=0, duration_s=0.01, phases_s={})
+    assert builder.build(start_unix_nano=START, end_unix_nano=END) is not None
+    assert builder.empty
+    assert builder.build(start_unix_nano=START, end_unix_nano=END) is None
+
+
+def test_kernel_only_window_has_no_step_metrics() -> None:
+    builder = WindowBuilder(_resource())
+    builder.add_kernels(KernelWindow(durations_s={("gemm", "compute"): [0.001]}))
+    metrics = builder.build(start_unix_nano=START, end_unix_nano=END)
+    assert metrics is not None
+    names = [m.name for m in metrics.resource_metrics[0].scope_metrics[0].metrics]
+    assert names == [_schema.KERNEL_DURATION]
+
+
+def test_series_caps_fold_into_other_and_count_the_overflow() -> None:
+    builder = WindowBuilder(_resource(), max_phase_series=2, max_kernel_series=2)
+    builder.add_step(step_index=0, duration_s=0.01, phases_s={"a": 0.001, "b": 0.001, "c": 0.002})
+    builder.add_kernels(
+        KernelWindow(
+            durations_s={
+                ("k1", "compute"): [0.001],
+                ("k2", "compute"): [0.001],
+                ("k3", "memory"): [0.001, 0.002],
+            }
+        )
+    )
+    assert builder.overflow_observations == 3
+    metrics = builder.build(start_unix_nano=START, end_unix_nano=END)
+    assert metrics is not None
+    by_name = {m.name: m for m in metrics.resource_metrics[0].scope_metrics[0].metrics}
+    phase_data = by_name[_schema.PHASE_DURATION].data
+    assert isinstance(phase_data, ExponentialHistogram)
+    assert {p.attributes[_schema.PHASE] for p in phase_data.data_points} == {"a", "b", "other"}
+    kernel_data = by_name[_schema.KERNEL_DURATION].data
+    assert isinstance(kernel_data, ExponentialHistogram)
+    folded = [p for p in kernel_data.data_points if p.attributes[_schema.KERNEL_CLASS] == "other"]
+    assert folded[0].count == 2
+    assert folded[0].attributes[_schema.KERNEL_CATEGORY] == "other"
+
+
+def test_bad_durations_are_rejected_and_counted() -> None:
+    builder = WindowBuilder(_resource())
+    builder.add_step(step_index=0, duration_s=-1.0, phases_s={"forward": float("nan")})
+    assert builder.rejected_observations == 2
+
+
+def test_build_resource_defaults() -> None:
+    resource = build_resource(job_id="j", rank=0, world_size=1)
+    assert dict(resource.attributes) == {
+        _schema.JOB_ID: "j",
+        _schema.RANK: 0,
+        _schema.WORLD_SIZE: 1,
+        _schema.HOST_NAME: socket.gethostname(),
+        _schema.SERVICE_NAME: "stepwatch",
+    }
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"job_id": ""}, "job_id"),
+        ({"rank": -1}, "rank"),
+        ({"rank": 4}, "rank"),
+        ({"world_size": 0}, "world_size"),
+        ({"local_rank": -2}, "local_rank"),
+        ({"pp_rank": True}, "pp_rank"),
+        ({"host_name": ""}, "host_name"),
+        ({"service_name": ""}, "service_name"),
+    ],
+)
+def test_build_resource_names_the_bad_argument(options: dict[str, Any], name: str) -> None:
+    arguments: dict[str, Any] = {"job_id": "j", "rank": 0, "world_size": 4} | options
+    with pytest.raises(ConfigError, match=name):
+        build_resource(**arguments)
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"max_scale": 30}, "max_scale"),
+        ({"max_size": 0}, "max_size"),
+        ({"max_phase_series": 0}, "max_phase_series"),
+        ({"max_kernel_series": 0}, "max_kernel_series"),
+    ],
+)
+def test_window_builder_options_are_checked(options: dict[str, int], name: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        WindowBuilder(_resource(), **options)

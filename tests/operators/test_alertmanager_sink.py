@@ -1,0 +1,185 @@
+"""AlertmanagerSink against a real Alertmanager with a webhook receiver, and its resend rule."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from stepwatch import ConfigError, Diagnosis
+from stepwatch.detectors._alertmanager import (
+    AlertmanagerSink,
+    DeliveryError,
+    HttpResponse,
+)
+
+from .conftest import ManagedAlertmanager, WebhookReceiver
+
+
+def finding(job: str, *, rank: int, start_s: float, end_s: float | None = None) -> Diagnosis:
+    return Diagnosis(
+        job=job,
+        kind="compute_straggler",
+        start_unix_nano=int(start_s * 1e9),
+        end_unix_nano=None if end_s is None else int(end_s * 1e9),
+        severity="critical",
+        score=3.4,
+        summary=f"rank {rank} backward compute 1.31x peers",
+        ranks=(rank,),
+        hosts=(f"node-{rank // 8}",),
+        phase="backward",
+        kernel_class="gemm",
+    )
+
+
+def test_delivered_grouped_and_resolved(
+    alertmanager: ManagedAlertmanager, webhook: WebhookReceiver
+) -> None:
+    job = f"run-{uuid.uuid4().hex[:8]}"
+    start_s = time.time() - 60
+    sink = AlertmanagerSink(alertmanager.url, dashboard_url="http://grafana:3000/d/stepwatch-job")
+    open_findings = [finding(job, rank=3, start_s=start_s), finding(job, rank=17, start_s=start_s)]
+    sink.publish(open_findings)
+    sink.publish(open_findings)  # idempotent: no duplicate alert
+
+    def for_job(status: str) -> Any:
+        return lambda p: p["groupLabels"].get("job") == job and p["status"] == status
+
+    firing = webhook.wait_for(for_job("firing"), timeout_s=20)
+    # Two findings of one job → one notification group carrying both alerts.
+    assert firing["groupLabels"] == {"alertname": "StepwatchFinding", "job": job}
+    assert sorted(a["labels"]["rank"] for a in firing["alerts"]) == ["17", "3"]
+    labels = firing["alerts"][0]["labels"]
+    assert labels["kind"] == "compute_straggler"
+    assert labels["severity"] == "critical"
+    assert labels["finding"] in {f.finding_id for f in open_findings}
+    annotations = firing["alerts"][0]["annotations"]
+    assert annotations["summary"].startswith("rank ")
+    assert "var-job=" + job in annotations["dashboard_url"]
+    assert len(alertmanager.alerts(job=job)) == 2
+
+    end_s = time.time() - 1
+    closed = [dataclass_with_end(f, end_s) for f in open_findings]
+    sink.publish(closed)
+    resolved = webhook.wait_for(for_job("resolved"), timeout_s=20)
+    assert len(resolved["alerts"]) == 2
+    assert all(a["status"] == "resolved" for a in resolved["alerts"])
+    ends = {a["endsAt"][:19] for a in resolved["alerts"]}
+    assert ends == {time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(int(end_s)))}
+    firing_for_job = [p for p in webhook.payloads if for_job("firing")(p)]
+    assert len(firing_for_job) == 1, "re-publishing must not notify twice"
+
+
+def dataclass_with_end(item: Diagnosis, end_s: float) -> Diagnosis:
+    import dataclasses
+
+    return dataclasses.replace(item, end_unix_nano=int(end_s * 1e9))
+
+
+class RecordingTransport:
+    """A real HttpTransport that records requests and answers with a fixed status."""
+
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+        self.requests: list[tuple[str, str, Any]] = []
+
+    def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        timeout_s: float,
+    ) -> HttpResponse:
+        del headers, timeout_s
+        self.requests.append((method, url, json.loads(body) if body else None))
+        return HttpResponse(self.status, b"{}")
+
+
+class FakeClocks:
+    def __init__(self) -> None:
+        self.wall_ns = 1_800_000_000 * 10**9
+        self.mono_s = 100.0
+
+    def advance(self, seconds: float) -> None:
+        self.wall_ns += int(seconds * 1e9)
+        self.mono_s += seconds
+
+
+def test_resend_schedule_and_ends_at() -> None:
+    transport = RecordingTransport()
+    clocks = FakeClocks()
+    sink = AlertmanagerSink(
+        "http://am:9093/",
+        transport=transport,
+        resend_interval_s=30,
+        clock=lambda: clocks.wall_ns,
+        monotonic=lambda: clocks.mono_s,
+    )
+    item = finding("j", rank=1, start_s=clocks.wall_ns / 1e9 - 10)
+    sink.publish([item])
+    assert len(transport.requests) == 1
+    method, url, body = transport.requests[0]
+    assert (method, url) == ("POST", "http://am:9093/api/v2/alerts")
+    # endsAt = now + 4 × resend interval while the finding holds.
+    assert body[0]["endsAt"] == "2027-01-15T08:02:00.000Z"
+    clocks.advance(10)
+    sink.publish([item])
+    assert len(transport.requests) == 1, "not due yet"
+    clocks.advance(25)
+    sink.publish([item])
+    assert len(transport.requests) == 2, "due for a resend"
+    sink.publish([dataclass_with_end(item, clocks.wall_ns / 1e9)])
+    assert len(transport.requests) == 3, "resolution sent at once"
+    assert transport.requests[2][2][0]["endsAt"] == "2027-01-15T08:00:35.000Z"
+    clocks.advance(1000)
+    sink.publish([dataclass_with_end(item, clocks.wall_ns / 1e9 - 1000)])
+    assert len(transport.requests) == 3, "a resolved alert is not re-sent"
+
+
+def test_refusal_is_a_delivery_error_and_is_retried() -> None:
+    transport = RecordingTransport(status=400)
+    sink = AlertmanagerSink("http://am:9093", transport=transport)
+    item = finding("j", rank=1, start_s=1_800_000_000)
+    with pytest.raises(DeliveryError, match="400"):
+        sink.publish([item])
+    transport.status = 200
+    sink.publish([item])
+    assert len(transport.requests) == 2
+
+
+def test_unreachable_is_a_delivery_error() -> None:
+    from stepwatch._net import free_port
+
+    sink = AlertmanagerSink(f"http://127.0.0.1:{free_port()}", timeout_s=2)
+    with pytest.raises(DeliveryError):
+        sink.publish([finding("j", rank=1, start_s=1_800_000_000)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"url": "am:9093"}, "url"),
+        ({"url": "http://am", "dashboard_url": "grafana"}, "dashboard_url"),
+        ({"url": "http://am", "timeout_s": 0}, "timeout_s"),
+        ({"url": "http://am", "resend_interval_s": -1}, "resend_interval_s"),
+    ],
+)
+def test_config_errors_name_the_argument(kwargs: dict[str, Any], argument: str) -> None:
+    url = kwargs.pop("url")
+    with pytest.raises(ConfigError, match=argument):
+        AlertmanagerSink(url, **kwargs)
+
+
+def test_from_environment() -> None:
+    assert AlertmanagerSink.from_environment({}) is None
+    sink = AlertmanagerSink.from_environment(
+        {"STEPWATCH_ALERTMANAGER_URL": "http://am:9093", "STEPWATCH_DASHBOARD_URL": "http://g/d/x"}
+    )
+    assert sink is not None and sink.url == "http://am:9093"
+    assert sink.dashboard_url == "http://g/d/x"

@@ -1,0 +1,379 @@
+"""OTLP → line protocol conversion: golden files, validation, hypothesis properties."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+from bridge_otlp import (
+    counter,
+    explicit_histogram,
+    exponential_histogram,
+    gauge,
+    rank_resource,
+    request,
+)
+from google.protobuf import json_format
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.exponent_mapping import (
+    ExponentMapping,
+)
+from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm_mapping import (
+    LogarithmMapping,
+)
+
+import stepwatch.otel_bridge as bridge
+from stepwatch.otel_bridge import (
+    TAG_ALLOWLIST,
+    convert_request,
+    explicit_buckets,
+    exponential_buckets,
+    format_bound,
+    nearest_rank_quantile,
+)
+from stepwatch.otel_bridge._decode import decode_body
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("STEPWATCH_UPDATE_GOLDEN") == "1"
+
+
+def test_all_is_pinned() -> None:
+    assert sorted(bridge.__all__) == sorted(
+        [
+            "QUANTILES",
+            "TAG_ALLOWLIST",
+            "Bridge",
+            "BridgeMetrics",
+            "Buckets",
+            "CardinalityGuard",
+            "Conversion",
+            "DiskSpool",
+            "InfluxV1Writer",
+            "InfluxV2Writer",
+            "LineWriter",
+            "MemorySpool",
+            "SpoolAppend",
+            "convert_request",
+            "explicit_buckets",
+            "exponential_buckets",
+            "format_bound",
+            "nearest_rank_quantile",
+        ]
+    )
+    for name in bridge.__all__:
+        assert hasattr(bridge, name)
+
+
+def golden_request() -> object:
+    """Every metric kind once, with attributes to keep, drop and escape."""
+    return request(
+        [
+            explicit_histogram(
+                "stepwatch.phase.duration",
+                bounds=[0.005, 0.01, 0.1],
+                counts=[1, 3, 4, 2],
+                total=0.95,
+                minimum=0.004,
+                maximum=0.3,
+                attrs={"stepwatch.phase": "backward", "step": 17},
+            ),
+            exponential_histogram(
+                "stepwatch.kernel.duration",
+                scale=1,
+                offset=-8,
+                counts=[2, 0, 5, 1],
+                zero_count=1,
+                total=0.95,
+                minimum=0.0,
+                maximum=0.24,
+                attrs={
+                    "stepwatch.kernel.class": "gemm, fp16=on",
+                    "stepwatch.kernel.category": "compute",
+                    "kernel.raw": "void at::native::gemm<float>(...)",
+                },
+            ),
+            gauge("stepwatch.step.last", 41, unit="{step}"),
+            gauge("hw.temperature", 71.5, attrs={"hw.type": "gpu", "hw.id": "GPU 0"}),
+            counter("hw.errors", 3, attrs={"hw.type": "gpu"}),
+            counter("queue.size", -2.5, monotonic=False),
+        ],
+        {**rank_resource("run 42", 3, 8), "process.command_line": "python train.py --lr=1"},
+    )
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if UPDATE or not path.exists():
+        path.write_text(text)
+        if not UPDATE:
+            pytest.fail(f"golden file {name} was missing and has been written; re-run")
+    assert text == path.read_text()
+
+
+def test_golden_line_protocol() -> None:
+    conversion = convert_request(golden_request())  # type: ignore[arg-type]
+    assert conversion.accepted_points == 6
+    assert conversion.rejected == {}
+    # step + process.command_line on 6 points, and kernel.raw once
+    assert conversion.dropped_attributes == 6 + 1 + 1
+    check_golden("convert.lp", "\n".join(conversion.lines) + "\n")
+
+
+def test_golden_otlp_json_payload_converts_identically() -> None:
+    message = golden_request()
+    payload = json_format.MessageToJson(message)  # type: ignore[arg-type]
+    check_golden("request.json", payload + "\n")
+    decoded = decode_body(
+        (GOLDEN / "request.json").read_bytes(),
+        content_type="application/json",
+        content_encoding=None,
+        max_bytes=1 << 20,
+    )
+    assert convert_request(decoded).lines == (GOLDEN / "convert.lp").read_text().splitlines()
+
+
+def test_otlp_json_accepts_hex_ids_int_enums_and_unknown_fields() -> None:
+    document = json.loads((GOLDEN / "request.json").read_text())
+    metric = document["resourceMetrics"][0]["scopeMetrics"][0]["metrics"][0]
+    metric["histogram"]["aggregationTemporality"] = 1
+    metric["histogram"]["futureField"] = {"x": 1}
+    metric["histogram"]["dataPoints"][0]["exemplars"] = [
+        {
+            "timeUnixNano": "1",
+            "asDouble": 0.1,
+            "traceId": "5b8efff798038103d269b633813fc60c",
+            "spanId": "eee19b7ec3c1b174",
+        }
+    ]
+    decoded = decode_body(
+        json.dumps(document).encode(),
+        content_type="application/json; charset=utf-8",
+        content_encoding="identity",
+        max_bytes=1 << 20,
+    )
+    exemplar = decoded.resource_metrics[0].scope_metrics[0].metrics[0].histogram.data_points[0]
+    assert exemplar.exemplars[0].span_id.hex() == "eee19b7ec3c1b174"
+    assert convert_request(decoded).accepted_points == 6
+
+
+def fields_of(line: str) -> dict[str, str]:
+    field_text = line.rsplit(" ", 2)[-2]
+    return dict(item.split("=", 1) for item in field_text.split(","))
+
+
+def test_explicit_histogram_fields_are_telegraf_prometheus_v1() -> None:
+    conversion = convert_request(golden_request())  # type: ignore[arg-type]
+    fields = fields_of(conversion.lines[0])
+    assert fields["count"] == "10.0" and fields["sum"] == "0.95"
+    assert [fields[key] for key in ("0.005", "0.01", "0.1", "+Inf")] == [
+        "1.0",
+        "4.0",
+        "8.0",
+        "10.0",
+    ]
+    # nearest rank: p50 -> rank 5 -> bucket (0.01, 0.1] -> midpoint 0.055
+    assert float(fields["p50"]) == pytest.approx(0.055)
+    assert float(fields["p99"]) == 0.3  # +Inf bucket -> max
+    assert fields["start_time_unix_nano"].endswith("i")
+
+
+def test_exponential_histogram_uses_real_bounds() -> None:
+    conversion = convert_request(golden_request())  # type: ignore[arg-type]
+    fields = fields_of(conversion.lines[1])
+    # scale 1: base sqrt(2); positive bucket -8 is (2^-4, 2^-3.5]
+    assert fields["0"] == "1.0"  # the zero bucket
+    assert fields["0.08838834764831845"] == "3.0"  # 2^-3.5
+    assert fields["0.125"] == "3.0"
+    assert fields["+Inf"] == "9.0"
+
+
+def test_tags_are_allowlisted_and_escaped() -> None:
+    lines = convert_request(golden_request()).lines  # type: ignore[arg-type]
+    assert lines[1].startswith(
+        "stepwatch.kernel.duration,host.name=node-1,service.name=stepwatch,"
+        "stepwatch.job.id=run\\ 42,stepwatch.kernel.category=compute,"
+        "stepwatch.kernel.class=gemm\\,\\ fp16\\=on,"
+    )
+    assert "process.command_line" not in "".join(lines)
+    assert "kernel.raw" not in "".join(lines)
+    extended = convert_request(
+        golden_request(),  # type: ignore[arg-type]
+        tag_allowlist=TAG_ALLOWLIST | {"kernel.raw"},
+    )
+    assert "kernel.raw=void\\ at::native::gemm<float>(...)" in extended.lines[1]
+
+
+def test_gauges_and_sums_use_telegraf_names() -> None:
+    lines = convert_request(golden_request()).lines  # type: ignore[arg-type]
+    assert fields_of(lines[2])["gauge"] == "41.0"
+    assert fields_of(lines[4])["counter"] == "3.0"
+    assert fields_of(lines[5])["gauge"] == "-2.5"
+
+
+@pytest.mark.parametrize(
+    ("metric", "reason"),
+    [
+        (
+            explicit_histogram(
+                "stepwatch.step.duration", bounds=[1.0], counts=[1, 1], total=math.nan
+            ),
+            "non_finite",
+        ),
+        (
+            explicit_histogram(
+                "stepwatch.step.duration", bounds=[1.0], counts=[1, 1], total=1.0, minimum=-0.5
+            ),
+            "negative_duration",
+        ),
+        (
+            explicit_histogram(
+                "stepwatch.step.duration", bounds=[1.0], counts=[1, 1], total=1.0, count=5
+            ),
+            "count_mismatch",
+        ),
+        (
+            explicit_histogram(
+                "stepwatch.step.duration", bounds=[1.0, 0.5], counts=[1, 1, 0], total=1.0
+            ),
+            "bucket_layout",
+        ),
+        (
+            explicit_histogram(
+                "stepwatch.step.duration", bounds=[1.0], counts=[1, 1, 1], total=1.0
+            ),
+            "bucket_layout",
+        ),
+        (
+            exponential_histogram(
+                "stepwatch.kernel.duration",
+                scale=0,
+                offset=0,
+                counts=[1],
+                negative_counts=[1],
+                total=0.0,
+            ),
+            "negative_duration",
+        ),
+        (
+            exponential_histogram(
+                "stepwatch.kernel.duration", scale=0, offset=2000, counts=[1], total=1.0
+            ),
+            "bucket_layout",
+        ),
+        (gauge("hw.power", math.inf), "non_finite"),
+        (gauge("hw.power", 1.0, time_unix_nano=0), "missing_time"),
+    ],
+)
+def test_invalid_points_are_rejected_by_reason(metric: object, reason: str) -> None:
+    conversion = convert_request(request([metric, gauge("hw.power", 5.0)]))  # type: ignore[list-item]
+    assert conversion.rejected == {reason: 1}
+    assert conversion.accepted_points == 1
+
+
+def test_resource_validation_applies_to_stepwatch_metrics_only() -> None:
+    metrics = [gauge("stepwatch.step.last", 1), gauge("process.cpu", 0.5)]
+    missing = {"host.name": "n", "stepwatch.rank": 0}
+    assert convert_request(request(metrics, missing)).rejected == {"missing_resource_attribute": 1}
+    out_of_range = rank_resource("j", 4, 4)
+    conversion = convert_request(request(metrics, out_of_range))
+    assert conversion.rejected == {"rank_out_of_range": 1}
+    assert conversion.lines[0].startswith("process.cpu,")
+
+
+def test_format_bound_matches_go_formatfloat() -> None:
+    assert format_bound(0.005) == "0.005"
+    assert format_bound(1e-05) == "0.00001"
+    assert format_bound(2.0) == "2"
+    assert format_bound(1e21) == "1000000000000000000000"
+    assert format_bound(0.1 + 0.2) == "0.30000000000000004"
+
+
+@given(st.floats(min_value=1e-300, max_value=1e300, allow_nan=False))
+def test_format_bound_round_trips(value: float) -> None:
+    assert float(format_bound(value)) == value
+
+
+counts_strategy = st.lists(st.integers(min_value=0, max_value=1000), min_size=1, max_size=40)
+
+
+@given(
+    scale=st.integers(min_value=-4, max_value=8),
+    offset=st.integers(min_value=-60, max_value=58),
+    counts=counts_strategy,
+    negative=st.lists(st.integers(min_value=0, max_value=50), max_size=10),
+    zero_count=st.integers(min_value=0, max_value=10),
+)
+def test_exponential_buckets_are_cumulative_and_ascending(
+    scale: int, offset: int, counts: list[int], negative: list[int], zero_count: int
+) -> None:
+    buckets = exponential_buckets(
+        scale,
+        positive_offset=offset,
+        positive_counts=counts,
+        negative_offset=offset,
+        negative_counts=negative,
+        zero_count=zero_count,
+    )
+    assert all(a <= b for a, b in zip(buckets.cumulative, buckets.cumulative[1:], strict=False))
+    assert all(a < b for a, b in zip(buckets.uppers, buckets.uppers[1:], strict=False))
+    assert all(lo <= hi for lo, hi in zip(buckets.lowers, buckets.uppers, strict=True))
+    assert buckets.cumulative[-1] == sum(counts) + sum(negative) + zero_count
+
+
+def true_nearest_rank(values: list[float], quantile: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(quantile * len(ordered))) - 1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=st.lists(
+        st.floats(min_value=1e-6, max_value=1e4, allow_nan=False), min_size=1, max_size=200
+    ),
+    scale=st.integers(min_value=-2, max_value=6),
+    quantile=st.sampled_from([0.01, 0.5, 0.9, 0.99, 1.0]),
+)
+def test_exponential_quantile_within_bucket_of_true_nearest_rank(
+    values: list[float], scale: int, quantile: float
+) -> None:
+    mapping = LogarithmMapping(scale) if scale > 0 else ExponentMapping(scale)
+    indexes = [mapping.map_to_index(value) for value in values]
+    low = min(indexes)
+    counts = [0] * (max(indexes) - low + 1)
+    for index in indexes:
+        counts[index - low] += 1
+    buckets = exponential_buckets(scale, positive_offset=low, positive_counts=counts)
+    estimate = nearest_rank_quantile(buckets, quantile, minimum=min(values), maximum=max(values))
+    truth = true_nearest_rank(values, quantile)
+    index = mapping.map_to_index(truth)
+    width = mapping.get_lower_boundary(index + 1) - mapping.get_lower_boundary(index)
+    assert estimate is not None
+    assert abs(estimate - truth) <= width * (1 + 1e-9)
+    assert min(values) <= estimate <= max(values)
+
+
+@given(
+    bounds=st.lists(
+        st.floats(min_value=-1e6, max_value=1e6, allow_nan=False),
+        min_size=0,
+        max_size=20,
+        unique=True,
+    ).map(sorted),
+    data=st.data(),
+)
+def test_explicit_buckets_cumulative_monotonic(bounds: list[float], data: st.DataObject) -> None:
+    counts = data.draw(
+        st.lists(st.integers(0, 1000), min_size=len(bounds) + 1, max_size=len(bounds) + 1)
+    )
+    buckets = explicit_buckets(bounds, counts)
+    assert buckets.cumulative[-1] == sum(counts)
+    assert all(a <= b for a, b in zip(buckets.cumulative, buckets.cumulative[1:], strict=False))
+    for quantile in (0.5, 0.9, 0.99):
+        value = nearest_rank_quantile(buckets, quantile, minimum=None, maximum=None)
+        assert (value is None) == (sum(counts) == 0)
+        if value is not None:
+            assert math.isfinite(value)

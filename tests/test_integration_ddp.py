@@ -1,0 +1,127 @@
+"""The spine end to end: a real 4-rank PyTorch DDP job → OTLP → the bridge → a real influxd.
+
+Nothing here is faked: the ranks are separate processes training with gloo on loopback, each
+instrumented by ``StepMonitor`` in auto mode; they export OTLP/HTTP to an in-process bridge
+that writes line protocol to the session's influxd; the test reads it back with InfluxQL.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stepwatch import ManagedInfluxDB
+from stepwatch._demo import StoredSummary, run_demo_job
+from stepwatch._demo_job import DemoJobConfig
+from stepwatch._influx import quote_literal
+from stepwatch._stack import LocalStack
+
+STEPS = 60
+RANKS = 4
+
+
+@pytest.fixture(scope="module")
+def stack(
+    influxd: ManagedInfluxDB, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalStack]:
+    database = f"ddp_{uuid.uuid4().hex[:8]}"
+    with LocalStack(
+        tmp_path_factory.mktemp("stack"), influx_url=influxd.url, database=database
+    ) as local:
+        yield local
+
+
+@pytest.fixture(scope="module")
+def clean_run(stack: LocalStack) -> StoredSummary:
+    assert stack.client is not None
+    config = DemoJobConfig(
+        job_id=f"it-{uuid.uuid4().hex[:6]}",
+        world_size=RANKS,
+        steps=STEPS,
+        endpoint=stack.otlp_http_endpoint,
+        export_interval_s=0.5,
+    )
+    return run_demo_job(stack.client, config, progress=lambda _: None)
+
+
+def test_every_rank_reports_every_step(clean_run: StoredSummary) -> None:
+    assert clean_run.last_step_by_rank == {rank: STEPS - 1 for rank in range(RANKS)}
+
+
+def test_every_rank_has_every_phase_with_one_observation_per_step(
+    clean_run: StoredSummary,
+) -> None:
+    by_rank: dict[int, dict[str, int]] = {}
+    for row in clean_run.rows:
+        by_rank.setdefault(row.rank, {})[row.phase] = row.observations
+    assert sorted(by_rank) == list(range(RANKS))
+    for rank, phases in by_rank.items():
+        for phase in ("data", "forward", "backward", "optimizer"):
+            assert phases.get(phase) == STEPS, (rank, phase, phases)
+        # DDP's allreduce runs in every step's backward: the comm hook times it.
+        assert phases.get("communication") == STEPS, (rank, phases)
+
+
+def test_windows_hold_whole_steps_and_plausible_durations(
+    stack: LocalStack, clean_run: StoredSummary
+) -> None:
+    assert stack.client is not None
+    for row in clean_run.rows:
+        # 0.5 s export interval over a run of several seconds: several windows, each whole steps.
+        assert 2 <= row.windows <= STEPS, row
+        assert 1e-6 < row.mean_s < 1.0, row
+    series = stack.client.query(
+        'SELECT sum("count"), sum("sum"), max("max"), min("min") '
+        'FROM "stepwatch.step.duration" '
+        f'WHERE "stepwatch.job.id" = {quote_literal(clean_run.job)} GROUP BY "stepwatch.rank"'
+    )
+    assert len(series) == RANKS
+    phase_mean_sum = {rank: 0.0 for rank in range(RANKS)}
+    for row in clean_run.rows:
+        if row.phase != "communication":  # overlaps backward
+            phase_mean_sum[row.rank] += row.mean_s
+    for item in series:
+        _, count, total_s, longest_s, shortest_s = item.values[0]
+        rank = int(item.tags["stepwatch.rank"])
+        assert count == STEPS
+        assert 0 < shortest_s <= total_s / count <= longest_s < 5.0
+        # Phases partition the step (data, forward, backward, optimizer; the rest is loop
+        # overhead): their means add up to the mean step time within 25%.
+        assert phase_mean_sum[rank] == pytest.approx(total_s / count, rel=0.25)
+
+
+def test_tags_are_the_schema_resource_attributes(
+    stack: LocalStack, clean_run: StoredSummary
+) -> None:
+    assert stack.client is not None
+    keys = {
+        row[0]
+        for series in stack.client.query('SHOW TAG KEYS FROM "stepwatch.phase.duration"')
+        for row in series.values
+    }
+    assert {"stepwatch.job.id", "stepwatch.rank", "stepwatch.world_size", "host.name"} <= keys
+    assert "stepwatch.phase" in keys
+    hosts = stack.client.query(
+        'SHOW TAG VALUES FROM "stepwatch.step.duration" WITH KEY = "host.name" '
+        f'WHERE "stepwatch.job.id" = {quote_literal(clean_run.job)}'
+    )
+    assert len(hosts[0].values) == RANKS // 2  # the demo puts two ranks per node
+
+
+def test_stored_bytes_per_rank_per_step_are_small(clean_run: StoredSummary) -> None:
+    per_step = clean_run.bytes_per_rank_step(STEPS)
+    assert per_step is not None
+    print(f"\nline protocol stored: {per_step:.0f} bytes per rank per step")
+    # Step, phase and step.last series at ≤2 windows/s: well under ARGUS's 2.7 KB.
+    assert per_step < 2700
+
+
+def test_demo_cli_help_lists_fault_flags(tmp_path: Path) -> None:
+    from stepwatch._cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["demo", "--fault", "straggler", "--fault-rank", "1"])
+    assert (args.fault, args.fault_rank, args.ranks, args.steps) == ("straggler", 1, 4, 300)
