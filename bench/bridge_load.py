@@ -11,8 +11,9 @@ Starts a managed influxd and the bridge as its own process (``stepwatch bridge``
    p50/p99, the bridge's RSS, and checks InfluxDB holds exactly the points accepted.
 2. direct: the same points as line protocol written straight to the same influxd with
    ``InfluxClient`` in 5,000-line batches, for comparison.
-3. overload: a bridge with a small queue and ``--overload-clients`` clients: the bridge must
-   answer 429/503/RESOURCE_EXHAUSTED instead of growing, and its RSS stays bounded.
+3. overload: a bridge with a small queue, ``--overload-clients`` clients, and influxd
+   stalled (SIGSTOP) for the first half: the bridge must answer 429/503/RESOURCE_EXHAUSTED
+   instead of growing, and its RSS stays bounded.
 
 Bounded in count and time; prints its figures.
 """
@@ -72,7 +73,7 @@ def window_body(
 
     def histogram(name: str, attrs: dict[str, str], base_s: float) -> None:
         metric = scope.metrics.add(name=name, unit="s")
-        metric.exponential_histogram.aggregation_temporality = 1
+        metric.exponential_histogram.aggregation_temporality = 1  # type: ignore[assignment]
         point = metric.exponential_histogram.data_points.add(
             start_time_unix_nano=end - 1_000_000_000, time_unix_nano=end, scale=3
         )
@@ -319,9 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 def drained() -> bool:
                     values = scrape(metrics_url)
-                    return values.get("stepwatch_bridge_datapoints_written_total", 0) >= (
-                        expected_points
-                    )
+                    written = values.get("stepwatch_bridge_datapoints_written_total", 0.0)
+                    return bool(written >= expected_points)
 
                 wait_until(drained, timeout_s=120, interval_s=0.2)
                 total_s = time.perf_counter() - t_start
@@ -339,8 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             stored = sum(
                 row.values[0][1]
                 for row in client.query(
-                    'SELECT count("count") FROM "stepwatch.step.duration","stepwatch.phase.duration",'
-                    '"stepwatch.kernel.duration"'
+                    'SELECT count("count") FROM "stepwatch.step.duration",'
+                    '"stepwatch.phase.duration","stepwatch.kernel.duration"'
                 )
             ) + sum(row.values[0][1] for row in client.query(
                 'SELECT count("gauge") FROM "stepwatch.step.last"'))  # fmt: skip
@@ -386,8 +386,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 sampler = threading.Thread(target=sample, daemon=True)
                 sampler.start()
-                threads = run_clients(endpoints, overload_bodies, args.overload_clients,
-                                      args.overload_seconds)  # fmt: skip
+                # InfluxDB stalls (SIGSTOP) for the first half: writes hang, the queue fills.
+                influxd_pid = influxd._process.pid  # type: ignore[union-attr]
+                os.kill(influxd_pid, signal.SIGSTOP)
+                resume = threading.Timer(
+                    args.overload_seconds / 2, os.kill, (influxd_pid, signal.SIGCONT)
+                )
+                resume.start()
+                try:
+                    threads = run_clients(endpoints, overload_bodies, args.overload_clients,
+                                          args.overload_seconds)  # fmt: skip
+                finally:
+                    resume.join()
+                    os.kill(influxd_pid, signal.SIGCONT)
                 stop.set()
                 sampler.join()
                 values = scrape(endpoints["metrics"])
@@ -399,7 +410,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 codes.update(thread.codes)
             latencies = [value for thread in threads for value in thread.latencies_s]
             refused = sum(v for k, v in codes.items() if not k.endswith((":200", ":OK")))
-            print(f"\n[3] overload: {args.overload_clients} clients, queue bound 20,000 points")
+            print(
+                f"\n[3] overload: {args.overload_clients} clients, queue bound 20,000 points, "
+                f"influxd stalled for {args.overload_seconds / 2:.0f} s"
+            )
             print(f"  answers: {dict(codes)}")
             print(f"  refused (429/503/RESOURCE_EXHAUSTED): {refused} of {sum(codes.values())}")
             print(f"  written {values['stepwatch_bridge_datapoints_written_total']:.0f} points; "

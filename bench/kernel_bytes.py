@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from stepwatch.exporters.kernels import read_trace, trace_windows
+from stepwatch.exporters.kernels import classify_kernel, ingest_traces, read_trace, trace_windows
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TAR = REPO.parent / "shared" / "data" / "kineto" / "param_dlrm_8rank" / "dlrm_kineto.tar.gz"
@@ -45,6 +45,76 @@ def _converter():  # type: ignore[no-untyped-def]
     except ImportError:
         return None
     return convert_request
+
+
+class _EncodingExporter:
+    """Encodes each window to OTLP protobuf, as the HTTP exporter would, and counts bytes."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.windows = 0
+
+    def export(self, metrics_data, /):  # type: ignore[no-untyped-def]
+        self.bytes += len(_encoder()(metrics_data).SerializeToString())
+        self.windows += 1
+
+
+def _max_quantile_error(traces, windows_per_trace) -> float:  # type: ignore[no-untyped-def]
+    """Worst relative error of the bridge's p50/p90/p99 estimate vs the exact nearest rank."""
+    import math
+
+    from stepwatch.otel_bridge import exponential_buckets, nearest_rank_quantile
+
+    worst = 0.0
+    for trace, windows in zip(traces, windows_per_trace, strict=True):
+        for step, window in zip(trace.steps, windows, strict=True):
+            exact: dict[str, list[float]] = {}
+            for event in step.kernels:
+                exact.setdefault(classify_kernel(event.name).name, []).append(
+                    event.duration_ns / 1e9
+                )
+            for metric in window.metrics.resource_metrics[0].scope_metrics[0].metrics:
+                if metric.name != "stepwatch.kernel.duration":
+                    continue
+                for point in metric.data.data_points:
+                    if point.attributes["stepwatch.kernel.class"] == "other":
+                        continue  # folded classes have no single exact counterpart
+                    values = sorted(exact[point.attributes["stepwatch.kernel.class"]])
+                    buckets = exponential_buckets(
+                        point.scale,
+                        positive_offset=point.positive.offset,
+                        positive_counts=point.positive.bucket_counts,
+                        zero_count=point.zero_count,
+                    )
+                    for q in (0.5, 0.9, 0.99):
+                        want = values[max(1, math.ceil(q * len(values))) - 1]
+                        got = nearest_rank_quantile(
+                            buckets, q, minimum=point.min, maximum=point.max
+                        )
+                        worst = max(worst, abs(got - want) / want)
+    return worst
+
+
+def _one_window(trace):  # type: ignore[no-untyped-def]
+    from stepwatch.exporters._window import WindowBuilder, build_resource
+    from stepwatch.exporters.kernels import (
+        DEFAULT_KERNEL_MAX_SCALE,
+        DEFAULT_KERNEL_MAX_SIZE,
+        KernelSummariser,
+    )
+
+    resource = build_resource(job_id="bench", rank=0, world_size=1, host_name="node-0")
+    builder = WindowBuilder(
+        resource, max_scale=DEFAULT_KERNEL_MAX_SCALE, max_size=DEFAULT_KERNEL_MAX_SIZE
+    )
+    summariser = KernelSummariser()
+    for step in trace.steps:
+        builder.add_step(step_index=step.index, duration_s=step.duration_s, phases_s=step.phases_s)
+        summariser.add_step(step.kernels, start_ns=step.start_ns, end_ns=step.end_ns)
+    builder.add_kernels(summariser.drain())
+    return builder.build(
+        start_unix_nano=trace.steps[0].start_ns, end_unix_nano=trace.steps[-1].end_ns
+    )
 
 
 def _only_kernels(request):  # type: ignore[no-untyped-def]
@@ -89,12 +159,22 @@ def main(argv: list[str]) -> int:
     if convert_request is None:
         print("line protocol: stepwatch.otel_bridge.convert_request not available")
     header = (
-        f"{'scale':>5} {'top_k':>5} {'series':>6} {'otlp B':>7} {'gzip B':>7} {'lp B':>7} "
-        f"{'gzip/ARGUS':>10} {'raw/gzip':>9} {'kernel gz':>9} {'nodesc gz':>9}"
+        f"{'scale':>5} {'size':>4} {'top_k':>5} {'series':>6} {'otlp B':>7} {'gzip B':>7} "
+        f"{'lp B':>7} "
+        f"{'gzip/ARGUS':>10} {'raw/gzip':>9} {'kernel gz':>9} {'nodesc gz':>9} {'max q err':>9}"
     )
     print(header)
-    for scale, top_k in ((5, 48), (4, 48), (3, 48), (4, 8), (2, 48)):
+    for scale, top_k, max_size in (
+        (5, 48, 160),
+        (5, 48, 320),
+        (4, 48, 160),
+        (4, 48, 320),
+        (3, 48, 160),
+        (4, 8, 160),
+        (2, 48, 160),
+    ):
         otlp, zipped, line, series, kernel_only, no_desc = [], [], [], [], [], []
+        all_windows = []
         for trace in traces:
             windows = trace_windows(
                 trace,
@@ -105,7 +185,9 @@ def main(argv: list[str]) -> int:
                 host_name="node-0",
                 top_k=top_k,
                 max_scale=scale,
+                max_size=max_size,
             )
+            all_windows.append(windows)
             for window in windows:
                 request = encode_metrics(window.metrics)
                 body = request.SerializeToString()
@@ -128,13 +210,36 @@ def main(argv: list[str]) -> int:
                     line.append(sum(len(text) + 1 for text in conversion.lines))
         mean_zip = statistics.mean(zipped)
         print(
-            f"{scale:>5} {top_k:>5} {statistics.mean(series):>6.1f} {statistics.mean(otlp):>7.0f} "
+            f"{scale:>5} {max_size:>4} {top_k:>5} {statistics.mean(series):>6.1f} "
+            f"{statistics.mean(otlp):>7.0f} "
             f"{mean_zip:>7.0f} {statistics.mean(line) if line else float('nan'):>7.0f} "
             f"{mean_zip / ARGUS_BYTES:>10.2f} {statistics.mean(raw_per_step) / mean_zip:>9.0f} "
-            f"{statistics.mean(kernel_only):>9.0f} {statistics.mean(no_desc):>9.0f}"
+            f"{statistics.mean(kernel_only):>9.0f} {statistics.mean(no_desc):>9.0f} "
+            f"{100 * _max_quantile_error(traces, all_windows):>8.2f}%"
         )
+    multi = [trace for trace in traces if len(trace.steps) > 1]
+    if multi:
+        per_step = []
+        for trace in multi:
+            body = _encoder()(_one_window(trace)).SerializeToString()
+            per_step.append(len(gzip.compress(body)) / len(trace.steps))
+        print(
+            f"all steps of a rank in one window (live exporters batch steps per export): "
+            f"{statistics.mean(per_step):.0f} gzip B per rank per step "
+            f"({len(multi[0].steps)} steps per window)"
+        )
+    exporter = _EncodingExporter()
+    with tempfile.TemporaryDirectory() as scratch:
+        files = _trace_files(source, Path(scratch))
+        started = time.perf_counter()
+        ingest_traces(files, job_id="bench", exporter=exporter, time_origin_unix_nano=0)
+        elapsed = time.perf_counter() - started
     print(
-        "(ingest default: scale 4, top_k 48; byte figures are per rank per step, mean; "
+        f"ingest of all {len(files)} files (read, split, summarise, build, encode): "
+        f"{elapsed:.2f} s, {exporter.windows} windows, {exporter.bytes} OTLP bytes"
+    )
+    print(
+        "(ingest default: scale 4, size 320, top_k 48; byte figures are per rank per step, mean; "
         "'kernel gz': the request with only stepwatch.kernel.duration; 'nodesc gz': the whole "
         "request without metric descriptions)"
     )

@@ -238,6 +238,17 @@ class _Analysis:
             block = np.stack(values[start:stop], axis=2)
             logs = np.where(present, safe_log(block), np.nan)
             limit = thresholds[:, None, start:stop]
+            # Gate for every scale: the last few windows must still show the effect, so a
+            # long trailing mean cannot keep a finding open after the condition cleared.
+            gate_scale = min(3, max(self.config.scales))
+            recent = cross_rank_outliers(
+                logs,
+                metric="recent",
+                scale_windows=gate_scale,
+                fdr_q=self.config.fdr_q,
+                min_scale=self.config.min_scale,
+                min_ranks=self.config.min_ranks,
+            ).log_effect
             for scale in self.config.scales:
                 if scale > 1 and scale >= frame.n_windows + 1:
                     continue
@@ -249,7 +260,9 @@ class _Analysis:
                     min_scale=self.config.min_scale,
                     min_ranks=self.config.min_ranks,
                 )
-                hit = test.reject & (test.log_effect >= limit)
+                # The last windows must still show at least half of the long-run excess.
+                current = recent >= np.maximum(limit, 0.5 * test.log_effect)
+                hit = test.reject & (test.log_effect >= limit) & current
                 hit = persistent(hit, windows=self.config.persistence_windows)
                 flags[:, :, start:stop] |= hit
                 zmax[:, :, start:stop] = np.where(

@@ -33,7 +33,7 @@ from stepwatch.detectors._frame import JobFrame
 from stepwatch.detectors._stats import FloatArray
 
 RANKS_PER_HOST = 8
-DEFAULT_START_UNIX_NANO = 1_795_291_200_000_000_000  # 2026-11-21T16:00:00Z, window-aligned
+DEFAULT_START_UNIX_NANO = 1_795_291_200_000_000_000  # 2026-11-21T20:00:00Z, window-aligned
 
 # (class, category, phase, seconds per step, executions per step)
 _BASE_KERNELS: tuple[tuple[str, str, str, float, int], ...] = (

@@ -188,6 +188,42 @@ class _AutoState:
         hook.__annotations__ = {}
         return hook
 
+    def timed_allreduce_hook(self) -> Any:
+        """DDP's default allreduce with the timing folded into its one completion callback.
+
+        Same arithmetic as ``default_hooks.allreduce_hook`` (divide by the group size, then
+        sum), so gradients are bit-identical to DDP's built-in path; one Python callback per
+        bucket instead of two.
+        """
+        import torch.distributed as dist
+
+        def hook(state: Any, bucket: Any) -> Any:
+            start_ns = self.clock.monotonic_ns()
+            group = state if state is not None else dist.group.WORLD
+            tensor = bucket.buffer()
+            tensor.div_(group.size())
+            future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+            if not self.enabled:
+                return future.then(_first_value)
+
+            def done(completed: Any) -> Any:
+                try:
+                    end_ns = self.clock.monotonic_ns()
+                    with self.comm_lock:
+                        self.comm_intervals.append((start_ns, end_ns))
+                except Exception:
+                    self.monitor._misuse("auto", "auto-mode comm callback failed")
+                return completed.value()[0]
+
+            return future.then(done)
+
+        hook.__annotations__ = {}
+        return hook
+
+
+def _first_value(completed: Any) -> Any:
+    return completed.value()[0]
+
 
 def _union_ns(intervals: list[tuple[int, int]]) -> int:
     """Total length of the union of ``[start, end]`` intervals."""
@@ -278,14 +314,13 @@ def instrument(
                 "is not timed; pass your hook as instrument(..., comm_hook=...) instead"
             )
         else:
-            if comm_hook is None:
-                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-                    allreduce_hook,
-                )
-
-                comm_hook = allreduce_hook
+            hook = (
+                state.timed_allreduce_hook()
+                if comm_hook is None
+                else state.timed_comm_hook(comm_hook)
+            )
             if comm_state is None:
                 comm_state = model.process_group
-            model.register_comm_hook(comm_state, state.timed_comm_hook(comm_hook))
+            model.register_comm_hook(comm_state, hook)
             communication_timed = True
     return Instrumentation(state, handles, communication_timed=communication_timed)

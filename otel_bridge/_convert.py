@@ -55,6 +55,7 @@ REASON_BUCKET_LAYOUT = "bucket_layout"
 REASON_MISSING_RESOURCE = "missing_resource_attribute"
 REASON_RANK_RANGE = "rank_out_of_range"
 REASON_MISSING_TIME = "missing_time"
+REASON_TIME_RANGE = "time_out_of_range"
 REASON_INVALID_NAME = "invalid_name"
 REASON_NO_VALUE = "no_value"
 REASON_CARDINALITY = "cardinality_limit"
@@ -62,6 +63,8 @@ REASON_CARDINALITY = "cardinality_limit"
 # it, so a name or tag value ending in "\\" cannot be written (found by bench/bridge_fuzz.py).
 REASON_UNREPRESENTABLE = "unrepresentable"
 
+# InfluxDB's timestamp range ends at 2**63 - 2 ns (2262-04-11); integer fields at 2**63 - 1.
+MAX_TIME_UNIX_NANO = 2**63 - 2
 # Exponential histograms wider than this are refused: each bucket becomes a field.
 MAX_BUCKETS = 4096
 _STEPWATCH_PREFIX = "stepwatch."
@@ -282,6 +285,8 @@ def _convert_metric(
         try:
             if point.time_unix_nano == 0:
                 raise _Rejected(REASON_MISSING_TIME)
+            if max(point.time_unix_nano, point.start_time_unix_nano) > MAX_TIME_UNIX_NANO:
+                raise _Rejected(REASON_TIME_RANGE)  # fixed64 on the wire; found by fuzzing
             if kind == "gauge":
                 fields = _number_fields(point, "gauge")  # type: ignore[arg-type]
             elif kind == "sum":

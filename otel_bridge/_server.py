@@ -237,6 +237,13 @@ class Bridge:
             self._http_thread.join(timeout_s)
             self._http_thread = None
         self.forwarder.stop(timeout_s=timeout_s)
+        spool = self.forwarder.spool
+        if isinstance(spool, MemorySpool) and spool.batches:
+            lost = spool.lines
+            _log.warning("bridge stopped with %d points in its memory spool: lost", lost)
+            self.metrics.dropped.labels(reason="shutdown").inc(lost)
+            while (head := spool.peek()) is not None:
+                spool.remove(head[0])
 
     def __enter__(self) -> Bridge:
         return self.start()

@@ -100,6 +100,12 @@ class MemorySpool:
             self._size_bytes += size
         return SpoolAppend(True, dropped)
 
+    @property
+    def lines(self) -> int:
+        """Points held (lost if the process exits: memory is not durable)."""
+        with self._lock:
+            return sum(len(lines) for lines, _ in self._batches.values())
+
     def peek(self) -> tuple[int, list[str]] | None:
         with self._lock:
             for batch_id, (lines, _) in self._batches.items():

@@ -68,12 +68,16 @@ def launch(config: DemoJobConfig, *, timeout_s: float = 600.0) -> None:
     Raises:
         StepwatchError: a rank failed or the job did not finish within ``timeout_s``.
     """
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import (
+        ProcessExitedException,
+        ProcessRaisedException,
+        start_processes,
+    )
 
     from stepwatch._errors import StepwatchError
 
     master_port = free_port()
-    context = mp.start_processes(
+    context = start_processes(  # type: ignore[no-untyped-call]
         _rank_main,
         args=(config, master_port),
         nprocs=config.world_size,
@@ -85,9 +89,9 @@ def launch(config: DemoJobConfig, *, timeout_s: float = 600.0) -> None:
         while not context.join(timeout=1.0):
             if time.monotonic() > deadline:
                 raise StepwatchError(f"demo job did not finish within {timeout_s:.0f} s")
-    except mp.ProcessRaisedException as exc:
+    except ProcessRaisedException as exc:
         raise StepwatchError(f"a demo rank failed: {exc}") from exc
-    except mp.ProcessExitedException as exc:
+    except ProcessExitedException as exc:
         raise StepwatchError(f"a demo rank exited abnormally: {exc}") from exc
     finally:
         for process in context.processes:
@@ -113,21 +117,13 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
         world_size=config.world_size,
     )
     try:
-        model = torch.nn.Sequential(
-            torch.nn.Linear(64, config.hidden),
-            torch.nn.ReLU(),
-            torch.nn.Linear(config.hidden, config.hidden),
-            torch.nn.ReLU(),
-            torch.nn.Linear(config.hidden, 10),
-        )
+        model = _demo_model(config.hidden)
         ddp = DistributedDataParallel(model)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         loss_fn = torch.nn.CrossEntropyLoss()
         faulty = config.fault in ("straggler", "link", "jit", "dataloader") and (
             rank == config.fault_rank
         )
-        if config.fault == "link" and faulty:
-            _install_slow_comm_hook(ddp, config)
         monitor = StepMonitor(
             job_id=config.job_id,
             rank=rank,
@@ -139,24 +135,31 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
             export_interval_s=config.export_interval_s,
             kernel_source=_kernel_source(config),
         )
-        monitor.instrument(ddp, optimizer)
-        burner = torch.randn(config.hidden, config.hidden)
+        # One line instruments forward, backward, optimizer and the DDP comm hook; the link
+        # fault's slow hook is passed in because DDP accepts a single comm hook.
+        monitor.instrument(
+            ddp,
+            optimizer,
+            comm_hook=_slow_comm_hook(config) if config.fault == "link" and faulty else None,
+        )
         for step in range(config.steps):
             active = step >= config.fault_step
+            model.stall_s = (
+                1.5 if config.fault == "jit" and faulty and step == config.fault_step else 0.0
+            )
+            model.extra_factor = (
+                config.fault_factor
+                if (config.fault == "straggler" and faulty and active)
+                or (config.fault == "regression" and active)
+                else 0.0
+            )
             with monitor.step():
                 with monitor.phase("data"):
                     inputs = torch.randn(config.batch_size, 64)
                     targets = torch.randint(0, 10, (config.batch_size,))
                     if config.fault == "dataloader" and faulty and active:
                         time.sleep(0.004 * config.fault_factor)
-                if config.fault == "jit" and faulty and step == config.fault_step:
-                    time.sleep(1.5)  # a host-side stall: nothing runs
-                extra = (config.fault == "straggler" and faulty and active) or (
-                    config.fault == "regression" and active
-                )
                 output = ddp(inputs)
-                if extra:
-                    _burn(burner, factor=config.fault_factor)
                 loss = loss_fn(output, targets)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -164,6 +167,34 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
         monitor.close()
     finally:
         dist.destroy_process_group()
+
+
+def _demo_model(hidden: int) -> Any:
+    """A small MLP whose forward can carry a fault: extra compute or a one-off stall."""
+    import torch
+
+    class DemoModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.Sequential(
+                torch.nn.Linear(64, hidden),
+                torch.nn.ReLU(),
+                torch.nn.Linear(hidden, hidden),
+                torch.nn.ReLU(),
+                torch.nn.Linear(hidden, 10),
+            )
+            self.burner = torch.randn(hidden, hidden)
+            self.extra_factor = 0.0
+            self.stall_s = 0.0
+
+        def forward(self, inputs: Any) -> Any:
+            if self.stall_s:
+                time.sleep(self.stall_s)  # a host-side stall (JIT recompile): nothing runs
+            if self.extra_factor:
+                _burn(self.burner, factor=self.extra_factor)  # a compute straggler
+            return self.layers(inputs)
+
+    return DemoModel()
 
 
 def _demo_host(rank: int) -> str:
@@ -178,21 +209,20 @@ def _burn(matrix: Any, *, factor: float) -> None:
         matrix = (matrix @ matrix).clamp_(-1.0, 1.0)
 
 
-def _install_slow_comm_hook(ddp: Any, config: DemoJobConfig) -> None:
-    """A DDP comm hook that delays this rank's allreduce (a degraded link/NIC)."""
-    import torch.distributed as dist
+def _slow_comm_hook(config: DemoJobConfig) -> Any:
+    """A DDP comm hook that delays this rank's allreduce from the fault step on (a slow link)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     delay_s = 0.002 * config.fault_factor
-    state = {"calls": 0}
+    calls = [0]
 
     def slow_allreduce(process_group: Any, bucket: Any) -> Any:
-        state["calls"] += 1
-        if state["calls"] > config.fault_step:
+        calls[0] += 1
+        if calls[0] > config.fault_step:  # one bucket per step for the demo's small model
             time.sleep(delay_s)
         return allreduce_hook(process_group, bucket)
 
-    ddp.register_comm_hook(dist.group.WORLD, slow_allreduce)
+    return slow_allreduce
 
 
 def _kernel_source(config: DemoJobConfig) -> Any:

@@ -17,6 +17,7 @@ from stepwatch.exporters.kernels._cupti import (
 )
 from stepwatch.exporters.kernels._ingest import (
     DEFAULT_KERNEL_MAX_SCALE,
+    DEFAULT_KERNEL_MAX_SIZE,
     IngestedTrace,
     IngestFailure,
     IngestResult,
@@ -62,6 +63,7 @@ from stepwatch.exporters.kernels._trace import (
 __all__ = [
     "CLOCK_EVENT_REASONS",
     "DEFAULT_KERNEL_MAX_SCALE",
+    "DEFAULT_KERNEL_MAX_SIZE",
     "DEFAULT_TOP_K",
     "MEMCPY_KIND_NAMES",
     "ActivityRecord",

@@ -22,6 +22,7 @@ Timestamps (``ts``, ``dur``) are microseconds; ``ts`` is relative to
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import gzip
 import json
@@ -289,17 +290,10 @@ def _split_steps(events: Sequence[Any]) -> tuple[list[TraceStep], str]:
 
     def step_at(time_ns: int) -> int | None:
         # The step whose span holds time_ns (steps do not overlap on the host).
-        low, high = 0, len(starts)
-        while low < high:
-            middle = (low + high) // 2
-            if starts[middle] <= time_ns:
-                low = middle + 1
-            else:
-                high = middle
-        position = low - 1
-        if position < 0:
+        position = bisect.bisect_right(starts, time_ns) - 1
+        if position < 0 or time_ns > steps[position][1].end:
             return None
-        return position if time_ns <= steps[position][1].end else None
+        return position
 
     for call in runtime:
         correlation = call.args.get("correlation")

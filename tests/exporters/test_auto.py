@@ -157,30 +157,38 @@ def _ddp_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        exporter = InMemoryExporter()
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        exporter, user_hook_exporter = InMemoryExporter(), InMemoryExporter()
         monitor = _monitor(exporter, rank=rank, world_size=world_size)
-        instrumented = DistributedDataParallel(_model(0))
-        plain = DistributedDataParallel(_model(0))
-        optimizer = torch.optim.SGD(instrumented.parameters(), lr=0.05, momentum=0.9)
-        plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9)
-        instrumentation = monitor.instrument(instrumented, optimizer)
+        user_hook_monitor = _monitor(user_hook_exporter, rank=rank, world_size=world_size)
+        models = [DistributedDataParallel(_model(0)) for _ in range(3)]
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+        instrumentation = monitor.instrument(models[0], optimizers[0])
+        # A user's own comm hook, passed to instrument() so it gets wrapped by the timing hook.
+        user_hook_instrumentation = user_hook_monitor.instrument(
+            models[1], optimizers[1], comm_hook=allreduce_hook
+        )
         generator = torch.Generator().manual_seed(100 + rank)
         for _ in range(20):
             inputs = torch.randn(32, 16, generator=generator)
-            for model, opt in ((instrumented, optimizer), (plain, plain_optimizer)):
+            for model, opt in zip(models, optimizers, strict=True):
                 loss = model(inputs).pow(2).mean()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
         monitor.close()
+        user_hook_monitor.close()
         identical = all(
-            torch.equal(a, b)
-            for a, b in zip(instrumented.parameters(), plain.parameters(), strict=True)
+            torch.equal(a, b) and torch.equal(a, c)
+            for a, b, c in zip(*(m.parameters() for m in models), strict=True)
         )
         result = {
             "summary": _summary(exporter),
+            "user_hook_summary": _summary(user_hook_exporter),
             "identical": identical,
-            "communication_timed": instrumentation.communication_timed,
+            "communication_timed": instrumentation.communication_timed
+            and user_hook_instrumentation.communication_timed,
             "stats": monitor.stats.__dict__,
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -214,5 +222,6 @@ def test_two_rank_gloo_ddp_auto_mode(tmp_path: Path) -> None:
         assert phases["data"]["count"] == 19
         # The allreduce runs inside backward (DDP waits for it before backward returns).
         assert phases["communication"]["sum"] <= phases["backward"]["sum"]
+        assert result["user_hook_summary"]["phases"]["communication"]["count"] == 20
         assert result["stats"]["misuse"] == 0
         assert result["stats"]["steps_dropped"] == 0

@@ -49,7 +49,7 @@ class AnnotationsContract:
             if headers.get("Authorization") != f"Bearer {TOKEN}":
                 return 401, {"message": "Unauthorized"}
             parsed = urllib.parse.urlparse(path)
-            payload = json.loads(body) if body else None
+            payload: Any = json.loads(body) if body else {}
             if method == "POST" and parsed.path == "/api/annotations":
                 if not isinstance(payload.get("text"), str) or "time" not in payload:
                     return 400, {"message": "bad request data"}
@@ -132,7 +132,9 @@ class GrafanaContract(AnnotationsContract):
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
 
     def stop(self) -> None:

@@ -112,20 +112,20 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
     previous = bytearray(stride)
     position = 0
     for _ in range(height):
-        kind = raw[position]
+        filter_type = raw[position]
         line = bytearray(raw[position + 1 : position + 1 + stride])
         position += 1 + stride
         for i in range(stride):
             left = line[i - channels] if i >= channels else 0
             up = previous[i]
             corner = previous[i - channels] if i >= channels else 0
-            if kind == 1:
+            if filter_type == 1:
                 line[i] = (line[i] + left) & 0xFF
-            elif kind == 2:
+            elif filter_type == 2:
                 line[i] = (line[i] + up) & 0xFF
-            elif kind == 3:
+            elif filter_type == 3:
                 line[i] = (line[i] + (left + up) // 2) & 0xFF
-            elif kind == 4:
+            elif filter_type == 4:
                 p = left + up - corner
                 pa, pb, pc = abs(p - left), abs(p - up), abs(p - corner)
                 pred = left if pa <= pb and pa <= pc else up if pb <= pc else corner

@@ -27,6 +27,7 @@ from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm
 )
 
 import stepwatch.otel_bridge as bridge
+from stepwatch._lineproto import encode_point
 from stepwatch.otel_bridge import (
     TAG_ALLOWLIST,
     convert_request,
@@ -35,6 +36,7 @@ from stepwatch.otel_bridge import (
     format_bound,
     nearest_rank_quantile,
 )
+from stepwatch.otel_bridge._convert import Point
 from stepwatch.otel_bridge._decode import decode_body
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -266,6 +268,7 @@ def test_gauges_and_sums_use_telegraf_names() -> None:
         ),
         (gauge("hw.power", math.inf), "non_finite"),
         (gauge("hw.power", 1.0, time_unix_nano=0), "missing_time"),
+        (gauge("hw.power", 1.0, time_unix_nano=2**64 - 1), "time_out_of_range"),
     ],
 )
 def test_invalid_points_are_rejected_by_reason(metric: object, reason: str) -> None:
@@ -276,7 +279,7 @@ def test_invalid_points_are_rejected_by_reason(metric: object, reason: str) -> N
 
 def test_resource_validation_applies_to_stepwatch_metrics_only() -> None:
     metrics = [gauge("stepwatch.step.last", 1), gauge("process.cpu", 0.5)]
-    missing = {"host.name": "n", "stepwatch.rank": 0}
+    missing: dict[str, str | int] = {"host.name": "n", "stepwatch.rank": 0}
     assert convert_request(request(metrics, missing)).rejected == {"missing_resource_attribute": 1}
     out_of_range = rank_resource("j", 4, 4)
     conversion = convert_request(request(metrics, out_of_range))
@@ -377,3 +380,37 @@ def test_explicit_buckets_cumulative_monotonic(bounds: list[float], data: st.Dat
         assert (value is None) == (sum(counts) == 0)
         if value is not None:
             assert math.isfinite(value)
+
+
+names = st.text(min_size=1, max_size=12)
+
+
+@given(
+    measurement=names,
+    tags=st.dictionaries(names, st.text(max_size=12), max_size=4),
+    fields=st.dictionaries(
+        names,
+        st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(-(2**63), 2**63)),
+        min_size=1,
+        max_size=5,
+    ),
+    time_unix_nano=st.integers(0, 2**63 - 1),
+)
+def test_cached_encoder_matches_core_encode_point(
+    measurement: str,
+    tags: dict[str, str],
+    fields: dict[str, float | int],
+    time_unix_nano: int,
+) -> None:
+    point = Point(measurement, tags, dict(fields), time_unix_nano)
+    assert point.encode() == encode_point(measurement, tags, fields, time_unix_nano)
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    import stepwatch.otel_bridge._convert as convert_module
+
+    for module in (bridge, convert_module):
+        failures, _ = doctest.testmod(module, raise_on_error=False)
+        assert failures == 0

@@ -10,6 +10,7 @@ import stepwatch.exporters.kernels as kernels
 PUBLIC = [
     "CLOCK_EVENT_REASONS",
     "DEFAULT_KERNEL_MAX_SCALE",
+    "DEFAULT_KERNEL_MAX_SIZE",
     "DEFAULT_TOP_K",
     "MEMCPY_KIND_NAMES",
     "ActivityRecord",

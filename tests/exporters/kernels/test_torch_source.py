@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -146,3 +147,56 @@ def test_real_torch_profiler_on_a_training_loop() -> None:
     assert len(window.idle_durations_s) == 6
     forward_gemms = len(window.durations_s[("gemm", "compute")])
     assert forward_gemms >= 6 * 2  # at least two linear layers per profiled step
+
+
+def test_step_monitor_exports_cpu_kernels() -> None:
+    """The source plugs into StepMonitor: kernel histograms ride in the step windows."""
+    from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
+
+    from stepwatch import _schema
+    from stepwatch.exporters import StepMonitor
+
+    class Recording:
+        def __init__(self) -> None:
+            self.windows: list[MetricsData] = []
+
+        def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000) -> Any:
+            self.windows.append(metrics_data)
+            return MetricExportResult.SUCCESS
+
+        def shutdown(self, timeout_millis: float = 30_000) -> None:
+            pass
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    x = torch.randn(4, 8)
+    exporter = Recording()
+    source = TorchProfilerSource(active_steps=2, period_steps=2)
+    monitor = StepMonitor(
+        job_id="j",
+        rank=0,
+        world_size=1,
+        host_name="h",
+        exporter=exporter,
+        kernel_source=source,
+        start=False,
+    )
+    for _ in range(5):
+        with monitor.step():
+            model(x).sum().backward()
+    monitor.export_now()
+    monitor.close()
+    names = {
+        metric.name: metric
+        for window in exporter.windows
+        for metric in window.resource_metrics[0].scope_metrics[0].metrics
+    }
+    assert _schema.KERNEL_DURATION in names
+    classes = {
+        point.attributes[_schema.KERNEL_CLASS]
+        for point in names[_schema.KERNEL_DURATION].data.data_points
+    }
+    assert "gemm" in classes

@@ -1,0 +1,142 @@
+"""Statistical routines: seeded unit tests and hypothesis properties."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from statsmodels.stats.multitest import multipletests
+
+from stepwatch import ConfigError
+from stepwatch.detectors import benjamini_hochberg, change_points, cross_rank_outliers
+from stepwatch.detectors._stats import persistent, rolling_nanmean, safe_log
+
+
+def _job(seed: int, *, windows: int = 40, ranks: int = 64) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.normal(0.0, 0.02, size=(windows, ranks))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bh_matches_statsmodels(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    p = rng.uniform(size=(6, 200)) ** rng.uniform(1, 8, size=(6, 1))
+    p[2, :5] = np.nan
+    ours = benjamini_hochberg(p, q=0.05)
+    for row in range(p.shape[0]):
+        valid = np.isfinite(p[row])
+        expected = multipletests(p[row, valid], alpha=0.05, method="fdr_bh")[0]
+        assert np.array_equal(ours[row, valid], expected)
+        assert not ours[row, ~valid].any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=1, max_size=60),
+    st.sampled_from([0.001, 0.05, 0.2]),
+)
+def test_bh_property_matches_statsmodels(values: list[float], q: float) -> None:
+    p = np.array([values])
+    expected = multipletests(p[0], alpha=q, method="fdr_bh")[0]
+    assert np.array_equal(benjamini_hochberg(p, q=q)[0], expected)
+
+
+def test_bh_rejects_bad_q() -> None:
+    with pytest.raises(ConfigError, match="q"):
+        benjamini_hochberg(np.zeros((1, 3)), q=0.0)
+
+
+def test_rolling_nanmean_is_trailing_and_ignores_nan() -> None:
+    values = np.array([[1.0], [np.nan], [3.0], [5.0]])
+    result = rolling_nanmean(values, 2)
+    assert result[:, 0].tolist() == [1.0, 1.0, 3.0, 4.0]
+    with pytest.raises(ConfigError, match="window"):
+        rolling_nanmean(values, 0)
+
+
+def test_persistent_needs_consecutive_windows() -> None:
+    flags = np.array([[True], [False], [True], [True], [True]])
+    assert persistent(flags, windows=2)[:, 0].tolist() == [False, False, False, True, True]
+
+
+def test_outlier_found_and_clean_ranks_not() -> None:
+    values = _job(1)
+    values[20:, 17] += np.log(1.10)  # rank 17 10% slower from window 20
+    test = cross_rank_outliers(values, metric="m", scale_windows=3)
+    assert test.reject[25:, 17].all()
+    others = np.delete(test.reject, 17, axis=1)
+    assert not others.any()
+    assert not test.reject[:20].any()
+    assert test.log_effect[30, 17] == pytest.approx(np.log(1.10), abs=0.035)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_no_false_rejections_on_noise(seed: int) -> None:
+    values = _job(100 + seed, ranks=512)
+    for scale in (1, 3, 10):
+        assert not cross_rank_outliers(values, metric="m", scale_windows=scale).reject.any()
+
+
+def test_too_few_ranks_and_nan_are_not_tested() -> None:
+    values = _job(2, ranks=3)
+    values[:, 0] += 1.0
+    assert not cross_rank_outliers(values, metric="m").reject.any()
+    values = _job(3, ranks=32)
+    values[:, 5] = np.nan
+    test = cross_rank_outliers(values, metric="m")
+    assert np.isnan(test.p_value[:, 5]).all()
+    assert not test.reject[:, 5].any()
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), factor=st.floats(0.01, 100.0))
+def test_outliers_permute_with_ranks_and_ignore_scale(seed: int, factor: float) -> None:
+    rng = np.random.default_rng(seed)
+    values = np.exp(rng.normal(0.0, 0.03, size=(20, 48)))
+    victim = int(rng.integers(0, 48))
+    values[8:, victim] *= 1.25
+    logs = safe_log(values)
+    base = cross_rank_outliers(logs, metric="m", scale_windows=3)
+    order = rng.permutation(48)
+    permuted = cross_rank_outliers(logs[:, order], metric="m", scale_windows=3)
+    assert np.array_equal(permuted.reject, base.reject[:, order])
+    scaled = cross_rank_outliers(safe_log(values * factor), metric="m", scale_windows=3)
+    assert np.array_equal(scaled.reject, base.reject)
+    assert base.reject[12:, victim].all()
+
+
+def test_change_point_found_with_location_and_ratio() -> None:
+    rng = np.random.default_rng(7)
+    series = np.exp(rng.normal(0.0, 0.01, size=60))
+    series[35:] *= 1.08
+    points = change_points(series)
+    assert len(points) == 1
+    assert points[0].index == 35
+    assert points[0].ratio == pytest.approx(1.08, abs=0.01)
+    assert points[0].p_value < 1e-3
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_no_change_point_on_noise(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    assert change_points(np.exp(rng.normal(0.0, 0.01, size=80))) == []
+
+
+def test_change_point_below_min_shift_is_ignored_and_short_series() -> None:
+    rng = np.random.default_rng(3)
+    series = np.exp(rng.normal(0.0, 0.001, size=60))
+    series[30:] *= 1.01  # significant, but below the 3% minimum shift
+    assert change_points(series) == []
+    assert change_points(np.array([1.0, 2.0, np.nan])) == []
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), factor=st.floats(0.001, 1000.0))
+def test_change_points_ignore_scale(seed: int, factor: float) -> None:
+    rng = np.random.default_rng(seed)
+    series = np.exp(rng.normal(0.0, 0.01, size=50))
+    series[20:] *= 1.2
+    base = change_points(series)
+    scaled = change_points(series * factor)
+    assert [p.index for p in scaled] == [p.index for p in base] == [20]
