@@ -195,11 +195,11 @@ def _mutate_json(document: Any, rng: random.Random) -> Any:
         nodes: list[tuple[Any, Any]] = []
         _walk(document, nodes)
         if not nodes:
-            return rng.choice(_WEIRD_VALUES)
+            return copy.deepcopy(rng.choice(_WEIRD_VALUES))
         parent, key = rng.choice(nodes)
         choice = rng.randrange(5)
         if choice == 0:
-            parent[key] = rng.choice(_WEIRD_VALUES)
+            parent[key] = copy.deepcopy(rng.choice(_WEIRD_VALUES))
         elif choice == 1 and isinstance(parent, dict):
             del parent[key]
         elif choice == 2:
@@ -210,10 +210,10 @@ def _mutate_json(document: Any, rng: random.Random) -> Any:
             return document  # no further walks through the deep nest
         elif choice == 3 and isinstance(parent, dict):
             parent[rng.choice(["unknownField", "time_unix_nano", "asInt", "bucketCounts"])] = (
-                rng.choice(_WEIRD_VALUES)
+                copy.deepcopy(rng.choice(_WEIRD_VALUES))
             )
         elif isinstance(parent[key], list):
-            parent[key] = parent[key] * rng.randint(0, 30)
+            parent[key] = copy.deepcopy(parent[key] * rng.randint(0, 30))
     return document
 
 

@@ -352,7 +352,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({'OK' if stored == expected_points else 'MISMATCH'})")  # fmt: skip
             print(f"  request latency p50 {quantile(latencies, 0.5) * 1e3:.1f} ms, "
                   f"p99 {quantile(latencies, 0.99) * 1e3:.1f} ms")  # fmt: skip
+            write_s = after["stepwatch_bridge_write_duration_seconds_sum"]
             print(f"  bridge RSS {rss:.0f} MiB (peak {hwm:.0f} MiB)")
+            print(f"  time inside InfluxDB writes: {write_s:.1f} s "
+                  f"({written / write_s:,.0f} points/s while writing)")  # fmt: skip
 
             # 2. the same points written directly as line protocol
             lines: list[str] = []

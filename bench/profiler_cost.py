@@ -8,8 +8,9 @@ Run: ``.venv/bin/python bench/profiler_cost.py [--rounds N]``. Prints
    per event and its start cost;
 2. the overhead of :class:`TorchProfilerSource` on a small real training step (an MLP with
    SGD, one thread), A/B interleaved: blocks without and with the source alternate and the
-   median of per-round ratios is reported, for several duty cycles. A background thread drains
-   the source every 0.5 s, as the exporter's export thread would.
+   median of per-round ratios is reported, for several duty cycles, both in process CPU time
+   (all threads, robust against other processes on a shared machine) and in wall time. A
+   background thread drains the source every 0.5 s, as the exporter's export thread would.
 """
 
 from __future__ import annotations
@@ -88,15 +89,18 @@ def overhead(rounds: int, block_steps: int) -> None:
     for _ in range(50):
         _step(model, optimizer, x, y)
 
-    def block(source: TorchProfilerSource | None, first_step: int) -> float:
-        started = time.perf_counter()
+    def block(source: TorchProfilerSource | None, first_step: int) -> tuple[float, float]:
+        started, started_cpu = time.perf_counter(), time.process_time()
         for index in range(first_step, first_step + block_steps):
             _step(model, optimizer, x, y)
             if source is not None:
                 source.on_step_end(index)
-        return (time.perf_counter() - started) / block_steps
+        return (
+            (time.perf_counter() - started) / block_steps,
+            (time.process_time() - started_cpu) / block_steps,
+        )
 
-    for active, period in ((50, 50), (5, 50), (5, 100), (5, 200)):
+    for active, period in ((50, 50), (5, 50), (5, 100), (5, 200), (5, 400)):
         source = TorchProfilerSource(active_steps=active, period_steps=period)
         stop = threading.Event()
         drained = [0]
@@ -112,26 +116,29 @@ def overhead(rounds: int, block_steps: int) -> None:
 
         thread = threading.Thread(target=drain_loop, daemon=True)
         thread.start()
-        ratios, base_times = [], []
+        ratios, cpu_ratios, base_times = [], [], []
         step = 0
         for _ in range(rounds):
-            base = block(None, step)
+            base, base_cpu = block(None, step)
             step += block_steps
-            with_source = block(source, step)
+            with_source, with_source_cpu = block(source, step)
             step += block_steps
             ratios.append(with_source / base)
+            cpu_ratios.append(with_source_cpu / base_cpu)
             base_times.append(base)
         stop.set()
         thread.join()
         source.close()
         drained[0] += sum(len(v) for v in source.drain().durations_s.values())
         median = statistics.median(ratios)
-        low, _, high = statistics.quantiles(ratios, n=4)
+        cpu_median = statistics.median(cpu_ratios)
+        low, _, high = statistics.quantiles(cpu_ratios, n=4)
         step_ms = statistics.median(base_times) * 1e3
         print(
-            f"  active {active:>3} / period {period:>4}: step {step_ms:6.2f} ms, "
-            f"overhead {100 * (median - 1):+6.2f} % (median of {rounds} A/B rounds, "
-            f"IQR {100 * (low - 1):+.1f}..{100 * (high - 1):+.1f} %), "
+            f"  active {active:>3} / period {period:>4}: step {step_ms:6.2f} ms, overhead "
+            f"CPU {100 * (cpu_median - 1):+6.2f} % (IQR {100 * (low - 1):+.1f}.."
+            f"{100 * (high - 1):+.1f} %), wall {100 * (median - 1):+6.2f} % "
+            f"(medians of {rounds} A/B rounds), "
             f"{drained[0]} ops summarised"
         )
 
@@ -143,7 +150,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv[1:])
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 intra-op thread")
+    print(f"torch {torch.__version__}, 1 intra-op thread", flush=True)
     read_paths()
     print(f"overhead of TorchProfilerSource ({args.block_steps}-step blocks, A/B interleaved):")
     overhead(args.rounds, args.block_steps)

@@ -251,14 +251,19 @@ class AlertmanagerSink:
     def from_environment(
         cls, environ: Mapping[str, str], *, transport: HttpTransport | None = None
     ) -> AlertmanagerSink | None:
-        """The sink configured by ``STEPWATCH_ALERTMANAGER_URL`` (None when unset).
+        """The sink configured by ``ALERTMANAGER_URL`` (None when unset).
 
+        ``STEPWATCH_ALERTMANAGER_URL`` takes precedence over the plain name;
         ``STEPWATCH_DASHBOARD_URL`` (optional) is the Grafana dashboard alerts link to.
         """
-        url = environ.get("STEPWATCH_ALERTMANAGER_URL", "").strip()
+
+        def first(*names: str) -> str:
+            return next((environ[n].strip() for n in names if environ.get(n, "").strip()), "")
+
+        url = first("STEPWATCH_ALERTMANAGER_URL", "ALERTMANAGER_URL")
         if not url:
             return None
-        dashboard_url = environ.get("STEPWATCH_DASHBOARD_URL", "").strip() or None
+        dashboard_url = first("STEPWATCH_DASHBOARD_URL") or None
         return cls(url, dashboard_url=dashboard_url, transport=transport)
 
     def alert(self, finding: Diagnosis, *, now_unix_nano: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ finds the id again in InfluxDB (measurement ``stepwatch.grafana_annotation``, wh
 from __future__ import annotations
 
 import dataclasses
+import html
 import logging
 import time
 import urllib.parse
@@ -171,17 +172,18 @@ class GrafanaAnnotationSink:
 
     def _body(self, finding: Diagnosis, *, now_ms: int) -> dict[str, Any]:
         start_ms = finding.start_unix_nano // 1_000_000
+        summary = f"<b>{html.escape(finding.summary)}</b>"
         if finding.end_unix_nano is None:
             end_ms = max(now_ms, start_ms)
-            text = f"<b>{finding.summary}</b>\n{describe(finding)}"
         else:
             end_ms = max(finding.end_unix_nano // 1_000_000, start_ms)
-            text = f"<b>{finding.summary}</b> (ended)\n{describe(finding)}"
+            summary += " (ended)"
+        details = html.escape(describe(finding)).replace("\n", "<br>")
         return {
             "time": start_ms,
             "timeEnd": end_ms,
             "tags": annotation_tags(finding),
-            "text": text.replace("\n", "<br>"),
+            "text": f"{summary}<br>{details}",
         }
 
     def _create(self, finding: Diagnosis, *, now_ms: int) -> None:

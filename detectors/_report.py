@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import math
+import re
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -194,19 +195,42 @@ def load_report_data(
         return {s.tags.get(tag, ""): columns_of(s) for s in client.query(query)}
 
     step = quote_ident(STEP_DURATION)
-    step_by_rank = by_tag(
-        f'SELECT mean("mean") FROM {step} WHERE {where} {group}, {quote_ident(RANK)} fill(none)',
-        RANK,
-    )
-    if not step_by_rank:
+    kernel = quote_ident(KERNEL_DURATION)
+    compute = f"{quote_ident(KERNEL_CATEGORY)} = 'compute'"
+    by_rank = f"GROUP BY {quote_ident(RANK)}"
+
+    def per_rank_total(query: str) -> dict[str, float]:
+        return {
+            s.tags.get(RANK, ""): float(s.values[0][1])
+            for s in client.query(query)
+            if s.values and s.values[0][1] is not None
+        }
+
+    # One value per rank first: with thousands of ranks only the most deviant are drawn,
+    # and only their time series are fetched.
+    step_totals = per_rank_total(f'SELECT mean("mean") FROM {step} WHERE {where} {by_rank}')
+    if not step_totals:
         raise ConfigError(
             f"job: no {STEP_DURATION} data for {job!r} in the requested range "
             f"(database {client.database!r})"
         )
+    compute_totals = per_rank_total(
+        f'SELECT sum("sum") FROM {kernel} WHERE {where} AND {compute} {by_rank}'
+    )
+    all_ranks = sorted(step_totals, key=_rank_key)
+    shown = most_deviant(compute_totals or step_totals, all_ranks)
+    rank_filter = ""
+    if len(shown) < len(all_ranks):
+        alternatives = "|".join(re.escape(rank).replace("/", "\\/") for rank in shown)
+        rank_filter = f" AND {quote_ident(RANK)} =~ /^({alternatives})$/"
+    step_by_rank = by_tag(
+        f'SELECT mean("mean") FROM {step} WHERE {where}{rank_filter} {group}, '
+        f"{quote_ident(RANK)} fill(none)",
+        RANK,
+    )
     compute_by_rank = by_tag(
-        f'SELECT sum("sum") / {bucket_s} FROM {quote_ident(KERNEL_DURATION)} WHERE {where} '
-        f"AND {quote_ident(KERNEL_CATEGORY)} = 'compute' {group}, {quote_ident(RANK)} "
-        "fill(none)",
+        f'SELECT sum("sum") / {bucket_s} FROM {kernel} WHERE {where}{rank_filter} '
+        f"AND {compute} {group}, {quote_ident(RANK)} fill(none)",
         RANK,
     )
     summary = client.query(
@@ -239,14 +263,13 @@ def load_report_data(
         change_unix_nano=change,
         end_unix_nano=end_unix_nano,
     )
-    all_ranks = sorted(step_by_rank, key=_rank_key)
     return ReportData(
         job=job,
         start_unix_nano=start_unix_nano,
         end_unix_nano=end_unix_nano,
         bucket_s=bucket_s,
         column_times_unix_nano=column_times,
-        ranks=_most_deviant(step_by_rank, compute_by_rank, all_ranks),
+        ranks=shown,
         total_ranks=len(all_ranks),
         step_by_rank=step_by_rank,
         compute_by_rank=compute_by_rank,
@@ -275,23 +298,12 @@ def _rank_key(rank: str) -> tuple[int, str]:
     return (int(rank), rank) if rank.isdigit() else (1 << 62, rank)
 
 
-def _most_deviant(
-    step_by_rank: Mapping[str, list[float | None]],
-    compute_by_rank: Mapping[str, list[float | None]],
-    ranks: list[str],
-) -> list[str]:
+def most_deviant(means: Mapping[str, float], ranks: list[str]) -> list[str]:
     """All ranks when few; else the ``MAX_HEATMAP_RANKS`` farthest from the median rank."""
     if len(ranks) <= MAX_HEATMAP_RANKS:
         return ranks
-    source = compute_by_rank or step_by_rank
-
-    def mean(rank: str) -> float:
-        values = [v for v in source.get(rank, []) if v is not None]
-        return statistics.fmean(values) if values else 0.0
-
-    means = {rank: mean(rank) for rank in ranks}
-    centre = statistics.median(means.values())
-    chosen = sorted(ranks, key=lambda r: -abs(means[r] - centre))[:MAX_HEATMAP_RANKS]
+    centre = statistics.median(means.get(rank, 0.0) for rank in ranks)
+    chosen = sorted(ranks, key=lambda r: -abs(means.get(r, 0.0) - centre))[:MAX_HEATMAP_RANKS]
     return sorted(chosen, key=_rank_key)
 
 
@@ -416,8 +428,15 @@ class _Frame:
     top: float = 28.0
 
     def x(self, data: ReportData, time_unix_nano: int) -> float:
-        span = max(1, data.end_unix_nano - data.start_unix_nano)
-        return self.left + self.width * (time_unix_nano - data.start_unix_nano) / span
+        """Horizontal position; the axis spans the columns, so cells line up with it."""
+        first, last = axis_range(data)
+        return self.left + self.width * (time_unix_nano - first) / max(1, last - first)
+
+
+def axis_range(data: ReportData) -> tuple[int, int]:
+    """Start of the first column to the end of the last one."""
+    bucket_ns = data.bucket_s * 1_000_000_000
+    return data.column_times_unix_nano[0], data.column_times_unix_nano[-1] + bucket_ns
 
 
 FRAME = _Frame()
@@ -427,8 +446,9 @@ def _time_axis(data: ReportData, y: float) -> str:
     parts = [
         f'<line x1="{FRAME.left}" y1="{y}" x2="{FRAME.left + FRAME.width}" y2="{y}" class="axis"/>'
     ]
+    first, last = axis_range(data)
     for index in range(6):
-        moment = data.start_unix_nano + (data.end_unix_nano - data.start_unix_nano) * index // 5
+        moment = first + (last - first) * index // 5
         x = FRAME.x(data, moment)
         parts.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 4}" class="axis"/>')
         parts.append(
@@ -465,8 +485,18 @@ def heatmap_svg(
     columns = len(data.column_times_unix_nano)
     cell_w = FRAME.width / columns
     every = [v for rank in ranks for v in values_by_rank[rank] if v is not None]
-    low, high = _quantile(every, 0.02), _quantile(every, 0.98)
+    if not every:
+        return '<p class="empty">No data.</p>'
+    # Top of the scale = the largest value, so one slow row stands out; the bottom ignores
+    # the lowest 2 % (partial windows at the edges of the range).
+    low, high = _quantile(every, 0.02), max(every)
     spread = high - low or 1.0
+
+    def show(value: float) -> str:
+        if unit_label == "s":
+            return format_seconds(value)
+        return f"{value:.2f}{unit_label}" if unit_label == "×" else f"{value:.3f}"
+
     height = FRAME.top + row_h * len(ranks) + 60
     parts = [
         f'<svg class="plot" viewBox="0 0 1000 {height:.0f}" width="1000" '
@@ -488,7 +518,7 @@ def heatmap_svg(
                 f'<rect x="{x:.1f}" y="{y:.1f}" width="{cell_w + 0.3:.1f}" '
                 f'height="{row_h:.1f}" fill="{_colour((value - low) / spread)}">'
                 f"<title>rank {html.escape(rank)} {_clock(data.column_times_unix_nano[column])}"
-                f": {format_seconds(value) if unit_label == 's' else f'{value:.3f}'}</title>"
+                f": {show(value)}</title>"
                 "</rect>"
             )
     bottom = FRAME.top + row_h * len(ranks)
@@ -500,14 +530,31 @@ def heatmap_svg(
             f'<rect x="{FRAME.left + index * 5}" y="{legend_y}" width="5.2" height="10" '
             f'fill="{_colour(index / 39)}"/>'
         )
-    low_text = format_seconds(low) if unit_label == "s" else f"{low:.3f}"
-    high_text = format_seconds(high) if unit_label == "s" else f"{high:.3f}"
+    suffix = {"s": "", "×": " the median rank"}.get(unit_label, " " + unit_label)
     parts.append(
-        f'<text x="{FRAME.left + 206}" y="{legend_y + 9}" class="tick">{low_text} … '
-        f"{high_text} {'' if unit_label == 's' else html.escape(unit_label)}</text>"
+        f'<text x="{FRAME.left + 206}" y="{legend_y + 9}" class="tick">{show(low)} … '
+        f"{show(high)}{html.escape(suffix)}</text>"
     )
     parts.append("</svg>")
     return "".join(parts)
+
+
+def relative_to_median(
+    values_by_rank: Mapping[str, list[float | None]],
+) -> dict[str, list[float | None]]:
+    """Each value divided by the median over ranks of its column (1.0 = a typical rank)."""
+    columns = max((len(values) for values in values_by_rank.values()), default=0)
+    medians: list[float] = []
+    for column in range(columns):
+        present = [x for x in (v[column] for v in values_by_rank.values()) if x is not None]
+        medians.append(statistics.median(present) if present else 0.0)
+    relative: dict[str, list[float | None]] = {}
+    for rank, values in values_by_rank.items():
+        relative[rank] = [
+            value / medians[column] if value is not None and medians[column] > 0 else None
+            for column, value in enumerate(values)
+        ]
+    return relative
 
 
 def _y_scale(values: Sequence[float]) -> tuple[float, float]:
@@ -769,10 +816,11 @@ def render_html(data: ReportData) -> str:
         f"<p class='note'>Mean step wall time, {shown}. Ranks wait for each other in "
         "collectives, so a straggler slows every row; compare with compute time below.</p>",
         heatmap_svg(data, data.step_by_rank, unit_label="s"),
-        "<h2>Compute kernel time by rank</h2>",
-        "<p class='note'>Seconds of compute kernels per second of wall time. The straggler "
-        "is the bright row: its own compute is slow while its peers wait.</p>",
-        heatmap_svg(data, data.compute_by_rank, unit_label="s/s"),
+        "<h2>Compute kernel time by rank, relative to the median rank</h2>",
+        "<p class='note'>Compute-kernel time of each rank divided by the median rank's in "
+        "the same column (1.00× = typical). The straggler is the bright row: its own compute "
+        "is slow while its peers wait.</p>",
+        heatmap_svg(data, relative_to_median(data.compute_by_rank), unit_label="×"),
         "<h2>Phase breakdown</h2>",
         "<p class='note'>Mean time per step in each phase (mean over ranks).</p>",
         phase_svg(data),

@@ -199,7 +199,7 @@ class _AutoState:
 
         def hook(state: Any, bucket: Any) -> Any:
             start_ns = self.clock.monotonic_ns()
-            group = state if state is not None else dist.group.WORLD
+            group: Any = state if state is not None else dist.group.WORLD
             tensor = bucket.buffer()
             tensor.div_(group.size())
             future = dist.all_reduce(tensor, group=group, async_op=True).get_future()

@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from stepwatch._errors import ConfigError
+from stepwatch.exporters._device import DeviceTimer, resolve_device_timer
 from stepwatch.exporters._export import (
     Exporter,
     ExporterConfig,
@@ -37,6 +38,7 @@ logger = logging.getLogger("stepwatch.exporters")
 
 DEFAULT_EXPORT_INTERVAL_S: Final = 1.0
 DEFAULT_BUFFER_STEPS: Final = 4096
+RECONNECT_AFTER_FAILURES: Final = 2
 MAX_PHASE_NAME_LENGTH: Final = 64
 MAX_PHASE_NAMES: Final = 256
 _LOG_INTERVAL_S: Final = 60.0
@@ -148,7 +150,7 @@ class _StepContext:
 
 
 class _PhaseContext:
-    __slots__ = ("_clock", "_depth", "_monitor", "_name", "_start_ns")
+    __slots__ = ("_clock", "_depth", "_device", "_monitor", "_name", "_start_mark", "_start_ns")
 
     def __init__(self, monitor: StepMonitor, name: str) -> None:
         self._monitor = monitor
@@ -156,11 +158,15 @@ class _PhaseContext:
         self._name = name
         self._depth = 0
         self._start_ns = 0
+        self._device = monitor._device_timer
+        self._start_mark: Any = None
 
     def __enter__(self) -> None:
         try:
             if self._depth == 0:
                 self._start_ns = self._clock.monotonic_ns()
+                if self._device is not None:
+                    self._start_mark = self._device.mark()
             self._depth += 1
         except Exception:
             self._monitor._misuse("clock", "the clock raised in phase(); phase ignored")
@@ -176,13 +182,20 @@ class _PhaseContext:
                 return
             self._depth -= 1
             if self._depth == 0:
-                self._monitor._add_phase_ns(self._name, self._clock.monotonic_ns() - self._start_ns)
+                monitor = self._monitor
+                monitor._add_phase_ns(self._name, self._clock.monotonic_ns() - self._start_ns)
+                if self._device is not None and self._start_mark is not None:
+                    intervals = monitor._device_phases.setdefault(self._name, [])
+                    intervals.append((self._start_mark, self._device.mark()))
+                    self._start_mark = None
         except Exception:
             self._monitor._misuse("clock", "the clock raised in phase(); phase ignored")
 
 
-# One finished step: (index, start monotonic ns, end monotonic ns, phase name -> ns).
-_StepRecord = tuple[int, int, int, dict[str, int]]
+# Device marks of one step: (step start, step end, phase name -> [(start, end), ...]).
+_DeviceMarks = tuple[Any, Any, dict[str, list[tuple[Any, Any]]]]
+# One finished step: (index, start monotonic ns, end monotonic ns, phase name -> ns, device).
+_StepRecord = tuple[int, int, int, dict[str, int], _DeviceMarks | None]
 
 
 class StepMonitor:
@@ -221,6 +234,10 @@ class StepMonitor:
         exporter: Any SDK ``MetricExporter``; replaces the OTLP exporter and its settings.
         kernel_source: Kernel events to add to each window.
         clock: Time source (tests inject a fake).
+        device_timer: ``"auto"`` (CUDA events when torch is imported and CUDA is available,
+            else the host clock), ``"cuda"``, ``"cpu"`` or a :class:`DeviceTimer`. With a
+            device timer, ``step()`` and ``phase()`` durations are device time and a window
+            holds only steps the device has finished; auto-mode hooks stay host-timed.
         buffer_steps: Most finished steps waiting for export; more are dropped and counted.
         max_scale: Finest exponential-histogram scale.
         max_size: Most buckets per histogram.
@@ -252,6 +269,7 @@ class StepMonitor:
         exporter: Exporter | None = None,
         kernel_source: KernelSource | None = None,
         clock: Clock | None = None,
+        device_timer: DeviceTimer | str | None = "auto",
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
         max_scale: int = 5,
         max_size: int = 160,
@@ -288,6 +306,7 @@ class StepMonitor:
         self._builder = WindowBuilder(resource, max_scale=max_scale, max_size=max_size)
         self._kernel_source = kernel_source
         self._clock: Clock = clock if clock is not None else SystemClock()
+        self._device_timer = resolve_device_timer(device_timer)
         self._mono_anchor_ns = self._clock.monotonic_ns()
         self._wall_anchor_ns = self._clock.time_ns()
         self._log = _RateLimitedLog(_LOG_INTERVAL_S)
@@ -298,6 +317,8 @@ class StepMonitor:
         self._step_context = _StepContext(self)
         self._phase_contexts: dict[str, _PhaseContext] = {}
         self._phases_ns: dict[str, int] = {}
+        self._device_phases: dict[str, list[tuple[Any, Any]]] = {}
+        self._step_start_mark: Any = None
         self._step_depth = 0
         self._step_start_ns = 0
         self._step_index = 0
@@ -313,8 +334,10 @@ class StepMonitor:
         self._export_dropped = 0
         self._windows_exported = 0
         self._export_failures = 0
+        self._consecutive_failures = 0
         self._last_window_end_ns = self._wall_anchor_ns
         self._stop = threading.Event()
+        self._close_deadline = 0.0
         self._closed = False
         self._instrumentations: list[Instrumentation] = []
         self._thread: threading.Thread | None = None
@@ -375,6 +398,8 @@ class StepMonitor:
                 self._misuse("nested-step", "step() entered inside a step; inner step ignored")
                 return
             self._step_start_ns = self._clock.monotonic_ns()
+            if self._device_timer is not None:
+                self._step_start_mark = self._device_timer.mark()
         except Exception:
             self._misuse("clock", "the clock raised in step(); step ignored")
 
@@ -389,11 +414,18 @@ class StepMonitor:
             end_ns = self._clock.monotonic_ns()
             phases = self._phases_ns
             self._phases_ns = {}
+            device: _DeviceMarks | None = None
+            if self._device_timer is not None:
+                device_phases = self._device_phases
+                self._device_phases = {}
+                start_mark, self._step_start_mark = self._step_start_mark, None
+                if start_mark is not None:
+                    device = (start_mark, self._device_timer.mark(), device_phases)
             index = self._step_index
             self._step_index = index + 1
             self._steps_recorded += 1
             if len(self._buffer) < self._buffer_steps:
-                self._buffer.append((index, self._step_start_ns, end_ns, phases))
+                self._buffer.append((index, self._step_start_ns, end_ns, phases, device))
             else:
                 self._buffer_dropped += 1
                 self._log.warning(
@@ -438,7 +470,21 @@ class StepMonitor:
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             self.export_now()
-        self.export_now()
+        self._final_flush()
+
+    def _final_flush(self) -> None:
+        """Last export at close: first give the device until the close deadline to finish."""
+        timer = self._device_timer
+        if timer is not None:
+            try:
+                while self._buffer and time.monotonic() < self._close_deadline:
+                    device = self._buffer[-1][4]
+                    if device is None or timer.ready(device[1]):
+                        break
+                    time.sleep(0.001)
+            except Exception:
+                self._log.warning("device-ready", "device timer ready() raised", exc_info=True)
+        self.export_now(timeout_s=max(self._close_deadline - time.monotonic(), 0.001))
 
     def export_now(self, *, timeout_s: float | None = None) -> bool:
         """Export every step finished so far as one window (the export thread calls this).
@@ -463,7 +509,11 @@ class StepMonitor:
     def _export_locked(self, timeout_s: float | None) -> bool:
         records: list[_StepRecord] = []
         buffer = self._buffer
+        timer = self._device_timer
         while buffer:
+            device = buffer[0][4]
+            if device is not None and timer is not None and not timer.ready(device[1]):
+                break  # the device is still running this step: it goes in a later window
             records.append(buffer.popleft())
         kernels: KernelWindow | None = None
         if self._kernel_source is not None:
@@ -476,12 +526,14 @@ class StepMonitor:
         ):
             return False
         builder = self._builder
-        for index, start_ns, end_ns, phases in records:
-            builder.add_step(
-                step_index=index,
-                duration_s=(end_ns - start_ns) * 1e-9,
-                phases_s={name: ns * 1e-9 for name, ns in phases.items()},
-            )
+        for index, start_ns, end_ns, phases, device in records:
+            duration_s = (end_ns - start_ns) * 1e-9
+            phases_s = {name: ns * 1e-9 for name, ns in phases.items()}
+            if device is not None and timer is not None:
+                duration_s = timer.elapsed_s(device[0], device[1])
+                for name, intervals in device[2].items():
+                    phases_s[name] = sum(timer.elapsed_s(a, b) for a, b in intervals)
+            builder.add_step(step_index=index, duration_s=duration_s, phases_s=phases_s)
         if kernels is not None:
             builder.add_kernels(kernels)
         if records:
@@ -505,13 +557,35 @@ class StepMonitor:
         if result is MetricExportResult.SUCCESS:
             self._windows_exported += 1
             self._steps_exported += len(records)
+            self._consecutive_failures = 0
             return True
         self._export_failures += 1
+        self._consecutive_failures += 1
+        if self._consecutive_failures % RECONNECT_AFTER_FAILURES == 0:
+            self._reconnect()
         self._export_dropped += len(records)
         self._log.warning(
             "export-failed", "export of a %d-step window failed; steps dropped", len(records)
         )
         return False
+
+    def _reconnect(self) -> None:
+        """Replace an exporter built from settings by a fresh one (new connections).
+
+        A kept-alive connection can outlive the receiver it was opened to (a restarted
+        bridge, a load balancer that moved the backend) and fail every retry; a new exporter
+        opens new connections. Injected exporters are left alone.
+        """
+        if self.exporter_config is None:
+            return
+        try:
+            self._exporter.shutdown(timeout_millis=100.0)
+        except Exception:
+            self._log.warning("reconnect", "shutting down the old exporter failed", exc_info=True)
+        try:
+            self._exporter = create_exporter(self.exporter_config)
+        except Exception:
+            self._log.warning("reconnect", "re-creating the exporter failed", exc_info=True)
 
     @property
     def stats(self) -> MonitorStats:
@@ -541,6 +615,7 @@ class StepMonitor:
             return
         self._closed = True
         deadline = time.monotonic() + max(timeout_s, 0.0)
+        self._close_deadline = deadline
         for instrumentation in self._instrumentations:
             try:
                 instrumentation.remove()
@@ -553,7 +628,7 @@ class StepMonitor:
                 if self._thread.is_alive():
                     logger.warning("stepwatch export thread still busy after %.1f s", timeout_s)
             else:
-                self.export_now(timeout_s=max(deadline - time.monotonic(), 0.001))
+                self._final_flush()
             if self._thread is None or not self._thread.is_alive():
                 self._export_dropped += len(self._buffer)
                 self._buffer.clear()

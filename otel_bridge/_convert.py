@@ -218,6 +218,8 @@ def _resource_problem(attributes: Iterable[KeyValue]) -> str | None:
     values = {item.key: item.value for item in attributes}
     if any(key not in values for key in _REQUIRED_RESOURCE):
         return REASON_MISSING_RESOURCE
+    if not _tag_value(values[_schema.JOB_ID]):
+        return REASON_MISSING_RESOURCE  # an empty job id would be stored without the tag
     rank = _as_int(values[_schema.RANK])
     if rank is None or rank < 0:
         return REASON_RANK_RANGE

@@ -85,8 +85,10 @@ class Bridge:
         tls_cert_file: PEM certificate; with ``tls_key_file`` both receivers use TLS.
         tls_key_file: PEM private key.
         reuse_port: set SO_REUSEPORT so several bridge processes can share the ports.
-        grpc_workers: gRPC handler threads; at most four times as many RPCs are admitted
-            at once, beyond that gRPC answers RESOURCE_EXHAUSTED.
+        grpc_workers: gRPC handler threads.
+        grpc_max_concurrent_rpcs: RPCs admitted at once (running or waiting for a worker);
+            beyond it gRPC itself answers RESOURCE_EXHAUSTED *without* RetryInfo, which
+            OTLP clients do not retry, so keep it above the number of concurrent exporters.
         max_concurrent_requests: OTLP/HTTP requests processed at once; beyond it 503 +
             ``Retry-After`` (with the queue bound this bounds the bridge's memory).
         retry_after_s: the ``Retry-After`` / RetryInfo delay under backpressure.
@@ -117,6 +119,7 @@ class Bridge:
         tls_key_file: str | os.PathLike[str] | None = None,
         reuse_port: bool = False,
         grpc_workers: int = 8,
+        grpc_max_concurrent_rpcs: int = 256,
         max_concurrent_requests: int = 64,
         retry_after_s: int = 1,
     ) -> None:
@@ -129,6 +132,10 @@ class Bridge:
             raise ConfigError(f"max_request_bytes: must be positive, got {max_request_bytes}")
         if grpc_workers <= 0:
             raise ConfigError(f"grpc_workers: must be positive, got {grpc_workers}")
+        if grpc_max_concurrent_rpcs <= 0:
+            raise ConfigError(
+                f"grpc_max_concurrent_rpcs: must be positive, got {grpc_max_concurrent_rpcs}"
+            )
         if max_concurrent_requests <= 0:
             raise ConfigError(
                 f"max_concurrent_requests: must be positive, got {max_concurrent_requests}"
@@ -146,6 +153,7 @@ class Bridge:
         self.retry_after_s = retry_after_s
         self.reuse_port = reuse_port
         self.grpc_workers = grpc_workers
+        self.grpc_max_concurrent_rpcs = grpc_max_concurrent_rpcs
         self.http_slots = threading.BoundedSemaphore(max_concurrent_requests)
         self._requested_grpc_port = grpc_port
         self._requested_http_port = http_port
@@ -296,7 +304,7 @@ class Bridge:
                 ("grpc.max_receive_message_length", self.max_request_bytes),
                 ("grpc.so_reuseport", 1 if self.reuse_port else 0),
             ],
-            maximum_concurrent_rpcs=self.grpc_workers * 4,
+            maximum_concurrent_rpcs=self.grpc_max_concurrent_rpcs,
         )
         address = f"{self._url_host}:{port}"
         try:

@@ -54,6 +54,12 @@ def register(subparsers: Any) -> None:
         help="fault strength: slowdown factor of the affected work (default 2.0)",
     )
     demo.add_argument(
+        "--export-interval",
+        type=float,
+        default=0.25,
+        help="seconds per exported window (default 0.25: a short demo still has many windows)",
+    )
+    demo.add_argument(
         "--kernels", action="store_true", help="also collect op histograms with torch.profiler"
     )
     demo.add_argument(
@@ -153,7 +159,7 @@ def _run_up(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from stepwatch._demo import format_summary, run_demo_job, write_outputs
+    from stepwatch._demo import format_summary, job_time_range, run_demo_job, write_outputs
     from stepwatch._demo_job import DemoJobConfig
 
     job = f"demo-{args.fault}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -168,19 +174,23 @@ def _run_demo(args: argparse.Namespace) -> int:
             fault_step=args.fault_step,
             fault_factor=args.fault_factor,
             endpoint=stack.otlp_http_endpoint,
+            export_interval_s=args.export_interval,
             collect_kernels=args.kernels,
         )
-        start_unix_nano = time.time_ns() - 5_000_000_000
         summary = run_demo_job(stack.client, config)
         print(format_summary(summary, steps=args.steps))
         out_dir = stack.data_dir / "reports"
         out_dir.mkdir(parents=True, exist_ok=True)
+        start_unix_nano, end_unix_nano = job_time_range(stack.client, job) or (
+            time.time_ns() - 600_000_000_000,
+            time.time_ns(),
+        )
         diagnoses, report = write_outputs(
             stack.client,
             job,
             out_dir=out_dir,
-            start_unix_nano=start_unix_nano,
-            end_unix_nano=time.time_ns() + 1_000_000_000,
+            start_unix_nano=start_unix_nano - 1_000_000_000,
+            end_unix_nano=end_unix_nano + 1_000_000_000,
         )
         print(f"diagnosis ({len(diagnoses)} finding{'s' if len(diagnoses) != 1 else ''}):")
         for diagnosis in diagnoses:

@@ -8,6 +8,7 @@ readings into device-health gauges.
 """
 
 from stepwatch.exporters.kernels._cupti import (
+    DEFAULT_ACTIVITY_KINDS,
     MEMCPY_KIND_NAMES,
     ActivityRecord,
     CuptiBackend,
@@ -62,6 +63,7 @@ from stepwatch.exporters.kernels._trace import (
 
 __all__ = [
     "CLOCK_EVENT_REASONS",
+    "DEFAULT_ACTIVITY_KINDS",
     "DEFAULT_KERNEL_MAX_SCALE",
     "DEFAULT_KERNEL_MAX_SIZE",
     "DEFAULT_TOP_K",

@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from stepwatch._errors import ConfigError
@@ -91,33 +91,41 @@ class CuptiBackend(Protocol):
 
 
 # CUpti_ActivityKind values (cupti_activity.h); cupti-python reports ``kind`` as these ints.
-ACTIVITY_KIND_MEMCPY = 1
-ACTIVITY_KIND_MEMSET = 2
-ACTIVITY_KIND_KERNEL = 3
-ACTIVITY_KIND_CONCURRENT_KERNEL = 10
-ACTIVITY_KIND_MEMCPY2 = 22
+# The real backend rebuilds this map from ``cupti.ActivityKind`` so it never depends on them.
+DEFAULT_ACTIVITY_KINDS: Mapping[int, str] = {
+    1: "memcpy",  # CUPTI_ACTIVITY_KIND_MEMCPY
+    2: "memset",  # CUPTI_ACTIVITY_KIND_MEMSET
+    3: "kernel",  # CUPTI_ACTIVITY_KIND_KERNEL
+    10: "kernel",  # CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL
+    22: "memcpy2",  # CUPTI_ACTIVITY_KIND_MEMCPY2 (peer to peer)
+}
 
 
-def activity_to_record(activity: Any) -> ActivityRecord | None:
+def activity_to_record(
+    activity: Any, *, kinds: Mapping[int, str] = DEFAULT_ACTIVITY_KINDS
+) -> ActivityRecord | None:
     """Convert a cupti-python activity object; ``None`` for kinds the source ignores.
 
     Reads ``kind``, ``start``, ``end``, ``device_id``, ``stream_id``, ``correlation_id`` and,
     per kind, ``name`` (kernels) or ``copy_kind`` (memcpy).
+
+    Args:
+        activity: An activity object from the buffer-completed callback.
+        kinds: ``CUpti_ActivityKind`` int → ``kernel``, ``memcpy``, ``memcpy2``, ``memset``.
     """
-    kind = int(activity.kind)
-    if kind in (ACTIVITY_KIND_CONCURRENT_KERNEL, ACTIVITY_KIND_KERNEL):
-        kind_name, name = "kernel", str(activity.name)
-    elif kind == ACTIVITY_KIND_MEMCPY:
-        kind_name = "memcpy"
+    kind = kinds.get(int(activity.kind))
+    if kind == "kernel":
+        name = str(activity.name)
+    elif kind == "memcpy":
         name = MEMCPY_KIND_NAMES.get(int(activity.copy_kind), "Memcpy Unknown")
-    elif kind == ACTIVITY_KIND_MEMCPY2:
-        kind_name, name = "memcpy", "Memcpy PtoP"
-    elif kind == ACTIVITY_KIND_MEMSET:
-        kind_name, name = "memset", "Memset"
+    elif kind == "memcpy2":
+        kind, name = "memcpy", "Memcpy PtoP"
+    elif kind == "memset":
+        name = "Memset"
     else:
         return None
     return ActivityRecord(
-        kind_name,
+        kind,
         name,
         int(activity.start),
         int(activity.end),
@@ -147,26 +155,30 @@ class CuptiPythonBackend:
         def buffer_requested() -> tuple[int, int]:
             return self._buffer_size_bytes, 0
 
+        activity_kind = cupti.ActivityKind
+        kinds = {
+            int(activity_kind.CONCURRENT_KERNEL): "kernel",
+            int(activity_kind.KERNEL): "kernel",
+            int(activity_kind.MEMCPY): "memcpy",
+            int(activity_kind.MEMCPY2): "memcpy2",
+            int(activity_kind.MEMSET): "memset",
+        }
+
         def buffer_completed(activities: Sequence[Any]) -> None:
             records = []
             for activity in activities:
-                record = activity_to_record(activity)
+                record = activity_to_record(activity, kinds=kinds)
                 if record is not None:
                     records.append(record)
             on_records(records)
 
         cupti.activity_register_callbacks(buffer_requested, buffer_completed)
         self._kinds = [
-            cupti.ActivityKind.CONCURRENT_KERNEL,
-            cupti.ActivityKind.MEMCPY,
-            cupti.ActivityKind.MEMSET,
+            activity_kind.CONCURRENT_KERNEL,
+            activity_kind.MEMCPY,
+            activity_kind.MEMCPY2,
+            activity_kind.MEMSET,
         ]
-        if [int(kind) for kind in self._kinds] != [
-            ACTIVITY_KIND_CONCURRENT_KERNEL,
-            ACTIVITY_KIND_MEMCPY,
-            ACTIVITY_KIND_MEMSET,
-        ]:
-            raise RuntimeError("unexpected CUpti_ActivityKind values in this cupti-python")
         for kind in self._kinds:
             cupti.activity_enable(kind)
 

@@ -209,12 +209,20 @@ def ingest_traces(
         What was ingested and what failed.
 
     Raises:
-        ConfigError: ``paths`` is empty or ``job_id`` is empty.
+        ConfigError: ``paths``, ``job_id``, ``host_name``, ``top_k``, ``max_scale`` or
+            ``max_size`` is invalid (checked before any file is read).
     """
     if not paths:
         raise ConfigError("paths: at least one trace file is required")
     if not job_id:
         raise ConfigError("job_id: must not be empty")
+    # Options are checked before any file is read, so a typo fails fast and alone.
+    KernelSummariser(top_k=top_k)
+    WindowBuilder(
+        build_resource(job_id=job_id, rank=0, world_size=1, host_name=host_name or "unknown"),
+        max_scale=max_scale,
+        max_size=max_size,
+    )
     failures: list[IngestFailure] = []
     parsed: list[tuple[str, KinetoTrace]] = []
     for path in paths:
@@ -238,6 +246,7 @@ def ingest_traces(
     )
     file_count = len(paths)
     ingested: list[IngestedTrace] = []
+    seen_ranks: dict[int, str] = {}
     for position, (path, trace) in enumerate(parsed):
         rank = trace.rank if trace.rank is not None else rank_from_file_name(path)
         if rank is None:
@@ -245,6 +254,15 @@ def ingest_traces(
         world_size = trace.world_size
         if world_size is None:
             world_size = max(file_count, rank + 1)
+        if rank in seen_ranks:
+            failures.append(
+                IngestFailure(
+                    path,
+                    f"{path}: rank {rank} was already ingested from {seen_ranks[rank]}; skipped",
+                )
+            )
+            continue
+        seen_ranks[rank] = path
         try:
             windows = trace_windows(
                 trace,

@@ -28,6 +28,7 @@ from stepwatch.detectors import (
     simulate,
     write_direct,
 )
+from stepwatch.detectors._simulate import iter_line_batches
 
 WINDOW_NS = 5_000_000_000
 
@@ -41,8 +42,14 @@ def small_job() -> SimulatedJob:
     return simulate(8, steps=250, faults=faults, seed=21, job="it-job")
 
 
+@pytest.fixture(scope="module")
+def small_lines(small_job: SimulatedJob) -> list[str]:
+    """The job's line protocol (exporters' WindowBuilder → bridge's convert_request), once."""
+    return [line for batch in iter_line_batches(small_job) for line in batch]
+
+
 def test_reader_rebuilds_the_simulated_frame(influx: InfluxClient, small_job: SimulatedJob) -> None:
-    write_direct(small_job, influx)
+    assert write_direct(small_job, influx) > 0
     truth = small_job.truth
     frame = read_frame(
         influx, truth.job, start_unix_nano=truth.start_unix_nano, end_unix_nano=truth.end_unix_nano
@@ -119,9 +126,9 @@ class _CrashingSink:
 
 
 def test_incremental_runner_survives_restarts_without_duplicates(
-    influx: InfluxClient, small_job: SimulatedJob
+    influx: InfluxClient, small_job: SimulatedJob, small_lines: list[str]
 ) -> None:
-    write_direct(small_job, influx)
+    influx.write_lines(small_lines)
     start = small_job.truth.start_unix_nano
     clock = _Clock(start)
     memory = MemorySink()
@@ -165,8 +172,10 @@ def test_incremental_runner_survives_restarts_without_duplicates(
     assert memory.findings[straggler.finding_id].end_unix_nano == straggler.end_unix_nano
 
 
-def test_detector_service_runs_every_job(influx: InfluxClient, small_job: SimulatedJob) -> None:
-    write_direct(small_job, influx)
+def test_detector_service_runs_every_job(
+    influx: InfluxClient, small_job: SimulatedJob, small_lines: list[str]
+) -> None:
+    influx.write_lines(small_lines)
     clock = _Clock(small_job.truth.start_unix_nano + 45 * WINDOW_NS)
     memory = MemorySink()
     service = DetectorService(influx, sinks=[memory], interval_s=0.05, lookback_s=600, clock=clock)
@@ -220,7 +229,9 @@ def test_cli_simulate_detect_evaluate(influx: InfluxClient, tmp_path: Path) -> N
     with redirect_stdout(buffer):
         assert main(["detect", "--job", "cli-job", "--since", "1h", *common]) == 0
         assert (
-            main(["detect", "--job", "cli-job", "--every", "1s", "--passes", "1", "--json", *common])
+            main(
+                ["detect", "--job", "cli-job", "--every", "1s", "--passes", "1", "--json", *common]
+            )
             == 0
         )
     assert "dataloader_stall" in buffer.getvalue()

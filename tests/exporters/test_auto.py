@@ -225,3 +225,30 @@ def test_two_rank_gloo_ddp_auto_mode(tmp_path: Path) -> None:
         assert result["user_hook_summary"]["phases"]["communication"]["count"] == 20
         assert result["stats"]["misuse"] == 0
         assert result["stats"]["steps_dropped"] == 0
+
+
+def test_real_torch_profiler_kernel_source_feeds_the_window() -> None:
+    from stepwatch.exporters import TorchProfilerSource
+
+    exporter = InMemoryExporter()
+    source = TorchProfilerSource(active_steps=2, period_steps=4)
+    monitor = StepMonitor(
+        job_id="kernels", rank=0, world_size=1, exporter=exporter, kernel_source=source, start=False
+    )
+    model = _model(4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.instrument(model, optimizer)
+    _train(model, optimizer, 12)
+    monitor.close()
+    kernel_points = [
+        point
+        for window in exporter.exported
+        for metric in window.resource_metrics[0].scope_metrics[0].metrics
+        if metric.name == _schema.KERNEL_DURATION
+        for point in metric.data.data_points
+    ]
+    assert kernel_points
+    categories = {str(p.attributes[_schema.KERNEL_CATEGORY]) for p in kernel_points}
+    assert categories <= set(_schema.KERNEL_CATEGORIES)
+    assert "compute" in categories
+    assert all(p.count > 0 and p.min >= 0 for p in kernel_points)

@@ -46,14 +46,13 @@ def test_value_lies_inside_its_bucket(value: float, scale: int) -> None:
 @settings(max_examples=200, deadline=None)
 @given(value=st.floats(min_value=1e-30, max_value=1e30), scale=st.integers(-10, 20))
 def test_index_agrees_with_the_sdk_reference_mapping(value: float, scale: int) -> None:
-    from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.exponent_mapping import (
-        ExponentMapping,
-    )
-    from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm_mapping import (
-        LogarithmMapping,
-    )
+    import importlib
 
-    reference = LogarithmMapping(scale) if scale > 0 else ExponentMapping(scale)
+    package = "opentelemetry.sdk.metrics._internal.exponential_histogram.mapping"
+    if scale > 0:
+        reference = importlib.import_module(f"{package}.logarithm_mapping").LogarithmMapping(scale)
+    else:
+        reference = importlib.import_module(f"{package}.exponent_mapping").ExponentMapping(scale)
     assert map_to_index(value, scale) == reference.map_to_index(value)
 
 
@@ -91,7 +90,9 @@ def test_count_sum_min_max_are_exact_and_every_value_is_in_its_bucket(
         if value > 0.0:
             index = map_to_index(value, snap.scale)
             assert snap.offset <= index < snap.offset + len(snap.bucket_counts)
-            assert lower_boundary(index, snap.scale) < value <= lower_boundary(index + 1, snap.scale)
+            assert (
+                lower_boundary(index, snap.scale) < value <= lower_boundary(index + 1, snap.scale)
+            )
 
 
 @settings(max_examples=150, deadline=None)
@@ -146,7 +147,11 @@ def test_empty_snapshot_and_reset() -> None:
 
 @pytest.mark.parametrize(
     ("options", "name"),
-    [({"max_scale": 21}, "max_scale"), ({"max_scale": -11}, "max_scale"), ({"max_size": 1}, "max_size")],
+    [
+        ({"max_scale": 21}, "max_scale"),
+        ({"max_scale": -11}, "max_scale"),
+        ({"max_size": 1}, "max_size"),
+    ],
 )
 def test_bad_options_raise_config_error_naming_them(options: dict[str, int], name: str) -> None:
     with pytest.raises(ConfigError, match=name):

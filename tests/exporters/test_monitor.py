@@ -54,7 +54,9 @@ class RaisingExporter:
     def __init__(self) -> None:
         self.calls = 0
 
-    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000) -> MetricExportResult:
+    def export(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000
+    ) -> MetricExportResult:
         self.calls += 1
         raise ConnectionError("bridge down")
 
@@ -65,7 +67,9 @@ class RaisingExporter:
 class FailingExporter(InMemoryExporter):
     """An Exporter returning FAILURE (what the SDK exporters do when the receiver is down)."""
 
-    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000) -> MetricExportResult:
+    def export(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000
+    ) -> MetricExportResult:
         return MetricExportResult.FAILURE
 
 
@@ -171,7 +175,8 @@ def test_phase_outside_a_step_counts_for_the_next_step(clock: FakeClock) -> None
     monitor.close()
     (window,) = exporter.exported
     phases = {
-        p.attributes[_schema.PHASE]: p.sum for p in _metrics(window)[_schema.PHASE_DURATION].data_points
+        p.attributes[_schema.PHASE]: p.sum
+        for p in _metrics(window)[_schema.PHASE_DURATION].data_points
     }
     assert phases == pytest.approx({"data": 0.002, "my_custom_phase": 0.003})
 
@@ -348,3 +353,70 @@ def test_threads_do_not_leak(clock: FakeClock) -> None:
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert threading.active_count() == before
+
+
+class FakeDeviceTimer:
+    """A DeviceTimer whose marks are device timestamps in ms; the device has run up to `done`."""
+
+    def __init__(self) -> None:
+        self.device_ms = 0.0
+        self.done_ms = 0.0
+
+    def mark(self) -> float:
+        return self.device_ms
+
+    def ready(self, mark: float) -> bool:
+        return mark <= self.done_ms
+
+    def elapsed_s(self, start: float, end: float) -> float:
+        return (end - start) / 1000.0
+
+
+def test_device_timer_gives_durations_and_holds_unfinished_steps(clock: FakeClock) -> None:
+    exporter = InMemoryExporter()
+    device = FakeDeviceTimer()
+    monitor = _monitor(clock, exporter, device_timer=device)
+    for _ in range(3):
+        with monitor.step():
+            with monitor.phase("forward"):
+                device.device_ms += 4.0  # the device spends 4 ms, the host almost nothing
+                clock.advance(0.0001)
+            device.device_ms += 1.0
+    device.done_ms = 5.0  # only the first step has finished on the device
+    assert monitor.export_now()
+    assert not monitor.export_now()  # nothing new has finished
+    device.done_ms = 15.0
+    monitor.close()
+    first, second = exporter.exported
+    first_steps = _metrics(first)[_schema.STEP_DURATION].data_points[0]
+    assert first_steps.count == 1
+    assert first_steps.sum == pytest.approx(0.005)
+    second_metrics = _metrics(second)
+    assert second_metrics[_schema.STEP_DURATION].data_points[0].count == 2
+    forward = second_metrics[_schema.PHASE_DURATION].data_points[0]
+    assert forward.sum == pytest.approx(0.008)
+
+
+def test_device_timer_names() -> None:
+    def make(device_timer: Any) -> StepMonitor:
+        monitor = StepMonitor(
+            job_id="j",
+            rank=0,
+            world_size=1,
+            exporter=InMemoryExporter(),
+            device_timer=device_timer,
+            start=False,
+        )
+        monitor.close()
+        return monitor
+
+    make("cpu")
+    make(None)
+    make("auto")  # no CUDA on this machine (or torch not imported): the host clock
+    with pytest.raises(ConfigError, match="device_timer"):
+        make("tpu")
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA"):
+            make("cuda")

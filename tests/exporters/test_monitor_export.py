@@ -101,7 +101,11 @@ def test_argument_beats_metrics_variable_beats_generic_variable() -> None:
         ({}, {"OTEL_EXPORTER_OTLP_COMPRESSION": "br"}, "OTEL_EXPORTER_OTLP_COMPRESSION"),
         ({"timeout_s": 0}, {}, "timeout_s"),
         ({}, {"OTEL_EXPORTER_OTLP_TIMEOUT": "ten"}, "OTEL_EXPORTER_OTLP_TIMEOUT"),
-        ({}, {"OTEL_EXPORTER_OTLP_METRICS_HEADERS": "novalue"}, "OTEL_EXPORTER_OTLP_METRICS_HEADERS"),
+        (
+            {},
+            {"OTEL_EXPORTER_OTLP_METRICS_HEADERS": "novalue"},
+            "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
+        ),
     ],
 )
 def test_bad_settings_name_their_source(

@@ -183,3 +183,5 @@ def test_from_environment() -> None:
     )
     assert sink is not None and sink.url == "http://am:9093"
     assert sink.dashboard_url == "http://g/d/x"
+    plain = AlertmanagerSink.from_environment({"ALERTMANAGER_URL": "http://other:9093"})
+    assert plain is not None and plain.url == "http://other:9093"

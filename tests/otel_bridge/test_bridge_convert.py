@@ -281,6 +281,10 @@ def test_resource_validation_applies_to_stepwatch_metrics_only() -> None:
     metrics = [gauge("stepwatch.step.last", 1), gauge("process.cpu", 0.5)]
     missing: dict[str, str | int] = {"host.name": "n", "stepwatch.rank": 0}
     assert convert_request(request(metrics, missing)).rejected == {"missing_resource_attribute": 1}
+    empty_job = rank_resource("", 0, 4)
+    assert convert_request(request(metrics, empty_job)).rejected == {
+        "missing_resource_attribute": 1
+    }
     out_of_range = rank_resource("j", 4, 4)
     conversion = convert_request(request(metrics, out_of_range))
     assert conversion.rejected == {"rank_out_of_range": 1}

@@ -139,6 +139,16 @@ def test_base_time_and_rank_from_file_name(cpu_trace: Path, tmp_path: Path) -> N
     assert {"gemm", "relu"} <= classes
 
 
+def test_duplicate_ranks_are_refused(dlrm_traces: list[Path]) -> None:
+    exporter = RecordingExporter()
+    result = ingest_traces(
+        [dlrm_traces[0], dlrm_traces[0]], job_id="j", exporter=exporter, time_origin_unix_nano=0
+    )
+    assert len(result.traces) == 1 and len(exporter.windows) == 1
+    (failure,) = result.failures
+    assert "rank 0 was already ingested" in failure.message
+
+
 def test_export_failures_are_reported(hta_traces: list[Path]) -> None:
     result = ingest_traces(
         hta_traces[:1], job_id="j", exporter=RecordingExporter(fail=True), clock_unix_nano=lambda: 0
@@ -156,7 +166,15 @@ def test_gzip_and_plain_give_the_same_windows(dlrm_traces: list[Path], tmp_path:
     assert plain.windows[0].to_json() == packed.windows[0].to_json()
 
 
-@pytest.mark.parametrize(("paths", "job", "name"), [([], "j", "paths"), (["x.json"], "", "job_id")])
-def test_config_errors(paths: list[str], job: str, name: str) -> None:
+@pytest.mark.parametrize(
+    ("paths", "job", "options", "name"),
+    [
+        ([], "j", {}, "paths"),
+        (["x.json"], "", {}, "job_id"),
+        (["x.json"], "j", {"top_k": 0}, "top_k"),
+        (["x.json"], "j", {"max_size": 0}, "max_size"),
+    ],
+)
+def test_config_errors(paths: list[str], job: str, options: dict[str, int], name: str) -> None:
     with pytest.raises(ConfigError, match=name):
-        ingest_traces(paths, job_id=job, exporter=RecordingExporter())
+        ingest_traces(paths, job_id=job, exporter=RecordingExporter(), **options)

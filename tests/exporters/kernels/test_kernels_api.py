@@ -9,6 +9,7 @@ import stepwatch.exporters.kernels as kernels
 
 PUBLIC = [
     "CLOCK_EVENT_REASONS",
+    "DEFAULT_ACTIVITY_KINDS",
     "DEFAULT_KERNEL_MAX_SCALE",
     "DEFAULT_KERNEL_MAX_SIZE",
     "DEFAULT_TOP_K",

@@ -1,0 +1,127 @@
+"""The public surface of stepwatch.detectors and the CLI's import hygiene."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import stepwatch.detectors
+from stepwatch import ConfigError
+from stepwatch._cli import build_parser
+from stepwatch.detectors import Fault, Topology, Truth, simulate
+from stepwatch.detectors._commands import parse_duration_s, parse_moment
+
+
+def test_all_is_pinned() -> None:
+    assert sorted(stepwatch.detectors.__all__) == sorted(
+        [
+            "AlertmanagerSink",
+            "ChangePoint",
+            "DetectorConfig",
+            "DetectorService",
+            "Fault",
+            "FaultScore",
+            "Finding",
+            "GrafanaAnnotationSink",
+            "IncrementalDetector",
+            "InfluxDiagnosisSink",
+            "JobFrame",
+            "JsonLinesSink",
+            "MemorySink",
+            "OutlierTest",
+            "PassResult",
+            "Score",
+            "SimulatedJob",
+            "Sink",
+            "SuiteSummary",
+            "Topology",
+            "Truth",
+            "TruthFault",
+            "analyse",
+            "benjamini_hochberg",
+            "change_points",
+            "cross_rank_outliers",
+            "detect_job",
+            "detect_job_findings",
+            "diagnose",
+            "list_jobs",
+            "read_diagnoses",
+            "read_frame",
+            "score",
+            "send_otlp",
+            "simulate",
+            "summarise",
+            "write_direct",
+            "write_report",
+        ]
+    )
+    for name in stepwatch.detectors.__all__:
+        assert getattr(stepwatch.detectors, name) is not None
+    with pytest.raises(AttributeError):
+        _ = stepwatch.detectors.no_such_name  # type: ignore[attr-defined]
+
+
+def test_cli_module_imports_only_the_standard_library() -> None:
+    code = (
+        "import sys, stepwatch.detectors._commands, stepwatch._cli;"
+        "stepwatch._cli.build_parser();"
+        "heavy = {'numpy', 'scipy', 'statsmodels', 'opentelemetry'} & {m.split('.')[0] "
+        "for m in sys.modules}; print(sorted(heavy))"
+    )
+    output = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert output.strip() == "[]"
+
+
+def test_subcommands_are_registered() -> None:
+    parser = build_parser()
+    for argv in (
+        ["detect", "--job", "j", "--since", "15m"],
+        ["simulate", "--ranks", "8"],
+        ["evaluate", "--truth", "t.json"],
+    ):
+        assert callable(parser.parse_args(argv).handler)
+
+
+def test_durations_and_moments() -> None:
+    assert parse_duration_s("30s", argument="--every") == 30.0
+    assert parse_duration_s("15m", argument="--since") == 900.0
+    assert parse_duration_s("250ms", argument="--every") == 0.25
+    assert parse_moment("now-1m", argument="--from", now_unix_nano=120 * 10**9) == 60 * 10**9
+    assert parse_moment("2026-11-21T20:00:00Z", argument="--from", now_unix_nano=0) == (
+        1_795_291_200 * 10**9
+    )
+    with pytest.raises(ConfigError, match="--every"):
+        parse_duration_s("soon", argument="--every")
+
+
+def test_fault_and_topology_parsing() -> None:
+    fault = Fault.parse("link_degradation@120:8-10,12:30%")
+    assert (fault.kind, fault.start_step, fault.ranks) == ("link_degradation", 120, (8, 9, 10, 12))
+    assert fault.severity == pytest.approx(1.3)
+    assert Fault.parse("job_regression@5:all:3x").severity == 3.0
+    assert Fault.parse("rank_missing@5:3").ranks == (3,)
+    assert Topology.parse("8x2x4") == Topology(8, 2, 4)
+    assert Topology.parse("8x2x4").pp_rank(17) == 1
+    with pytest.raises(ConfigError, match="topology"):
+        Topology.parse("8xx")
+    with pytest.raises(ConfigError, match="severity"):
+        Fault.parse("jit_stall@5:1:0.5")
+    with pytest.raises(ConfigError, match="rank 99"):
+        simulate(8, steps=10, faults=[Fault.parse("jit_stall@5:99")])
+
+
+def test_truth_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    job = simulate(32, steps=20, faults=[Fault.parse("link_degradation@10:9:1.5")], seed=1, job="t")
+    path = tmp_path / "truth.json"
+    job.truth.write(path)
+    again = Truth.read(path)
+    assert again == job.truth
+    (fault,) = again.faults
+    assert fault.hosts == ("node-0001",)
+    assert fault.ranks == tuple(range(8, 16))
+    with pytest.raises(ConfigError, match="truth"):
+        Truth.from_json_dict({"job": "x"})
