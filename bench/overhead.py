@@ -20,7 +20,6 @@ import http.server
 import json
 import os
 import random
-import socket
 import statistics
 import tempfile
 import threading
@@ -64,12 +63,6 @@ class Receiver:
         self.thread.join(5.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _rank_main(rank: int, options: dict[str, Any]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -82,7 +75,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
     world_size = options["ranks"]
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{options['port']}",
+        init_method=f"file://{options['out_dir']}/store",
         rank=rank,
         world_size=world_size,
     )
@@ -118,8 +111,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
 
             on_model.register_comm_hook(None, allreduce_hook)
         elif options["mode"] == "no-comm-hook":
-            on_model._comm_hooks.append(None)  # makes instrument() skip the comm hook
-            monitor.instrument(on_model, on_opt)
+            monitor.instrument(on_model, on_opt, time_communication=False)
         loss_fn = torch.nn.CrossEntropyLoss()
         generator = torch.Generator().manual_seed(rank)
         batch = options["batch"]
@@ -253,7 +245,6 @@ def main() -> int:
                 "batch": args.batch,
                 "seed": args.seed,
                 "mode": args.mode,
-                "port": _free_port(),
                 "endpoint": receiver.url,
                 "out_dir": out_dir,
             }

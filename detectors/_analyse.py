@@ -42,6 +42,10 @@ from stepwatch.detectors._stats import (
 )
 
 
+#: Metric name of the pooled small compute kernel classes.
+MINOR_CLASSES = "(minor classes)"
+
+
 @dataclasses.dataclass(frozen=True)
 class DetectorConfig:
     """Thresholds of the diagnosis engine (defaults tuned for "never cry wolf").
@@ -62,6 +66,7 @@ class DetectorConfig:
         burst_min_ratio: smallest longest-step / mean-step excess over peers for a stall.
         clock_min_drop: smallest relative SM clock drop for ``gpu_health``.
         min_ranks: fewest ranks for cross-rank tests.
+        major_share: compute classes below this share of compute time are tested pooled.
     """
 
     fdr_q: float = 1e-6
@@ -76,6 +81,7 @@ class DetectorConfig:
     burst_min_ratio: float = 1.2
     clock_min_drop: float = 0.03
     min_ranks: int = 4
+    major_share: float = 0.01
 
     def __post_init__(self) -> None:
         if not 0 < self.fdr_q < 1:
@@ -162,6 +168,18 @@ class _Analysis:
         self.frame = frame
         self.config = config
         self.present = frame.present
+        self.compute_s = frame.category_s(COMPUTE_CATEGORY)
+        # Compute classes holding >= major_share of compute time are tested one by one;
+        # the long tail is pooled (and named by L3 when the pool moves).
+        compute_total = float(np.nansum(self.compute_s))
+        self.major_classes: list[int] = []
+        self.minor_classes: list[int] = []
+        for index, category in enumerate(frame.kernel_categories):
+            if category != COMPUTE_CATEGORY:
+                continue
+            share = float(np.nansum(frame.kernel_s[:, :, index])) / max(compute_total, 1e-300)
+            target = self.major_classes if share >= config.major_share else self.minor_classes
+            target.append(index)
         with np.errstate(invalid="ignore"):
             self.step_median = nanmedian(np.where(self.present, frame.step_s, np.nan), axis=1)[:, 0]
 
@@ -186,14 +204,16 @@ class _Analysis:
             names.append("burst:idle")
             values.append(frame.idle_max_s / frame.idle_s)
             kinds.append("burst")
-            compute = frame.category_s(COMPUTE_CATEGORY)
-            for index, (name, category) in enumerate(
-                zip(frame.kernel_classes, frame.kernel_categories, strict=True)
-            ):
-                if category == COMPUTE_CATEGORY:
-                    names.append(f"share:{name}")
-                    values.append(np.asarray(frame.kernel_s[:, :, index]) / compute)
-                    kinds.append("share")
+            compute = self.compute_s
+            for index in self.major_classes:
+                names.append(f"share:{frame.kernel_classes[index]}")
+                values.append(np.asarray(frame.kernel_s[:, :, index]) / compute)
+                kinds.append("share")
+            if self.minor_classes:
+                names.append(f"share:{MINOR_CLASSES}")
+                minor = np.asarray(frame.kernel_s[:, :, self.minor_classes].sum(axis=2))
+                values.append(minor / compute)
+                kinds.append("share")
             if frame.sm_clock_hz is not None:
                 names.append("clock")
                 values.append(1.0 / frame.sm_clock_hz)
@@ -215,8 +235,7 @@ class _Analysis:
                 columns.append(np.full(frame.n_windows, math.log1p(config.clock_min_drop)))
                 continue
             if kind == "share":
-                index = frame.kernel_classes.index(name.split(":", 1)[1])
-                value = np.asarray(frame.kernel_s[:, :, index])
+                value = value * self.compute_s  # the class's own time per step
             median = nanmedian(np.where(self.present, value, np.nan), axis=1)[:, 0]
             with np.errstate(invalid="ignore", divide="ignore"):
                 columns.append(np.log1p(config.min_step_fraction * self.step_median / median))
@@ -241,18 +260,8 @@ class _Analysis:
             # Gate for every scale: the last few windows must still show the effect, so a
             # long trailing mean cannot keep a finding open after the condition cleared.
             gate_scale = min(3, max(self.config.scales))
-            recent = cross_rank_outliers(
-                logs,
-                metric="recent",
-                scale_windows=gate_scale,
-                fdr_q=self.config.fdr_q,
-                min_scale=self.config.min_scale,
-                min_ranks=self.config.min_ranks,
-            ).log_effect
-            for scale in self.config.scales:
-                if scale > 1 and scale >= frame.n_windows + 1:
-                    continue
-                test = cross_rank_outliers(
+            tests = {
+                scale: cross_rank_outliers(
                     logs,
                     metric="block",
                     scale_windows=scale,
@@ -260,6 +269,13 @@ class _Analysis:
                     min_scale=self.config.min_scale,
                     min_ranks=self.config.min_ranks,
                 )
+                for scale in sorted({gate_scale, *self.config.scales})
+                if scale == 1 or scale <= frame.n_windows
+            }
+            recent = tests[gate_scale].log_effect
+            for scale, test in tests.items():
+                if scale not in self.config.scales:
+                    continue
                 # The last windows must still show at least half of the long-run excess.
                 current = recent >= np.maximum(limit, 0.5 * test.log_effect)
                 hit = test.reject & (test.log_effect >= limit) & current
@@ -518,21 +534,29 @@ class _Analysis:
     def _top_share(
         self, metrics: _Metrics, indices: list[int], first: int, last: int
     ) -> tuple[str | None, float]:
-        best: str | None = None
-        best_effect = 0.0
-        for name in metrics.names:
-            if not name.startswith("share:"):
-                continue
-            effect = self._mean_effect(metrics, name, indices, first, last)
-            if effect > best_effect:
-                best, best_effect = name.split(":", 1)[1], effect
-        if best is None:
+        """L3: the compute class whose share of the ranks' compute time grew most vs peers.
+
+        Returns the class and its kernel-time ratio to peers (``None`` when no class grew).
+        """
+        del metrics
+        frame = self.frame
+        classes = [*self.major_classes, *self.minor_classes]
+        if not classes or not indices:
             return None, 1.0
-        index = self.frame.kernel_classes.index(best)
-        kernel = safe_log(np.asarray(self.frame.kernel_s[first : last + 1, :, index]))
-        peer = nanmedian(kernel, axis=1)
-        ratio = math.exp(float(np.nanmedian(kernel[:, indices] - peer)))
-        return best, ratio
+        span = slice(first, last + 1)
+        kernel = np.asarray(frame.kernel_s[span][:, :, classes])
+        present = self.present[span][:, :, None]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = safe_log(np.where(present, kernel / self.compute_s[span][:, :, None], np.nan))
+        per_rank = nanmedian(share[:, indices, :] - nanmedian(share, axis=1), axis=0)[0]
+        effect = nanmedian(per_rank, axis=0)[0]
+        effect = np.where(np.isfinite(effect), effect, -np.inf)
+        best = int(np.argmax(effect))
+        if not effect[best] > 0:
+            return None, 1.0
+        times = safe_log(np.where(present[:, :, 0], kernel[:, :, best], np.nan))
+        ratio = math.exp(float(np.nanmedian(times[:, indices] - nanmedian(times, axis=1))))
+        return frame.kernel_classes[classes[best]], ratio
 
     # ---- rank_missing --------------------------------------------------------------------
     def _missing(self) -> list[Finding]:
@@ -592,12 +616,13 @@ class _Analysis:
         series = {"step": self.step_median}
         for index, phase in enumerate(frame.phases):
             series[f"phase:{phase}"] = median(np.asarray(frame.phase_s[:, :, index]))
-        if frame.n_ranks and frame.kernel_classes:
-            medians = nanmedian(np.where(present[:, :, None], frame.kernel_s, np.nan), axis=1)[
-                :, 0, :
-            ]
-            for index, name in enumerate(frame.kernel_classes):
-                series[f"kernel:{name}"] = medians[:, index]
+        # The long tail of small classes cannot move the job by a visible amount.
+        keep = [i for i in range(len(frame.kernel_classes)) if i not in self.minor_classes]
+        if frame.n_ranks and keep:
+            kernel = np.asarray(frame.kernel_s[:, :, keep])
+            medians = nanmedian(np.where(present[:, :, None], kernel, np.nan), axis=1)[:, 0, :]
+            for column, index in enumerate(keep):
+                series[f"kernel:{frame.kernel_classes[index]}"] = medians[:, column]
         return series
 
     def _job_level(self, rank_findings: Sequence[Finding]) -> list[Finding]:

@@ -68,13 +68,28 @@ class ChangePoint:
 def nanmedian(values: FloatArray, *, axis: int) -> FloatArray:
     """Median ignoring NaN, keeping dims; fast path when there is no NaN.
 
-    All-NaN slices give NaN without a warning.
+    All-NaN slices give NaN without a warning. With NaN present, one ``np.partition`` at the
+    few order statistics needed (NaN moved to the end as +inf) replaces numpy's per-slice
+    ``nanmedian`` loop, which is ~100x slower on windows x 10,000 ranks.
     """
-    if not np.isnan(values).any():
+    missing = np.isnan(values)
+    if not missing.any():
         return np.median(values, axis=axis, keepdims=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanmedian(values, axis=axis, keepdims=True)
+    counts = np.sum(~missing, axis=axis, keepdims=True)
+    lows = np.maximum((counts - 1) // 2, 0)
+    highs = counts // 2
+    needed = np.unique(np.concatenate([lows.ravel(), highs.ravel()]))
+    if needed.size > 64:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.nanmedian(values, axis=axis, keepdims=True)
+    needed = needed[needed < values.shape[axis]]
+    ordered = np.partition(np.where(missing, np.inf, values), needed, axis=axis)
+    low = np.take_along_axis(ordered, np.minimum(lows, values.shape[axis] - 1), axis=axis)
+    high = np.take_along_axis(ordered, np.minimum(highs, values.shape[axis] - 1), axis=axis)
+    with np.errstate(invalid="ignore"):
+        result = (low + high) / 2.0
+    return np.where(counts > 0, result, np.nan)
 
 
 def safe_log(values: FloatArray) -> FloatArray:
@@ -196,7 +211,7 @@ def cross_rank_outliers(
         Rousseeuw, P. J. and Croux, C. (1993). Alternatives to the median absolute
         deviation. JASA 88. Benjamini and Hochberg (1995), JRSS B 57.
     """
-    from scipy.special import stdtr
+    from scipy.special import ndtr, stdtr
 
     values = np.asarray(log_values, dtype=np.float64)
     residual = values - nanmedian(values, axis=1)
@@ -214,7 +229,16 @@ def cross_rank_outliers(
     # per ``scale_windows``) keeps small jobs from crying wolf.
     independent = np.maximum(pooled_count / scale_windows, 1.0)
     dof = np.maximum(MAD_EFFICIENCY * (reporting - 1) * independent, 1.0)
-    p_value = stdtr(dof, -z)
+    # The t tail is never lighter than the normal one: only ranks whose normal p-value is
+    # already <= q can be rejected, so the (slow) t CDF is evaluated for those alone.
+    with np.errstate(invalid="ignore"):
+        p_value = ndtr(-z)
+        candidates = np.flatnonzero(p_value <= fdr_q)
+    if candidates.size:
+        dof_full = np.broadcast_to(dof, z.shape).ravel()
+        flat = p_value.ravel()
+        flat[candidates] = stdtr(dof_full[candidates], -z.ravel()[candidates])
+        p_value = flat.reshape(z.shape)
     enough = reporting >= min_ranks
     p_value = np.where(enough & np.isfinite(z), p_value, np.nan)
     # One BH family per window (and per metric when a third axis stacks metrics).

@@ -23,6 +23,11 @@ from stepwatch._errors import ConfigError
 MIN_SCALE = -10
 MAX_SCALE = 20
 _MIN_NORMAL = sys.float_info.min
+_SCALE_FACTORS = {
+    scale: math.ldexp(1.0 / math.log(2.0), scale) for scale in range(1, MAX_SCALE + 1)
+}
+# |log(v) * 2**scale / ln 2| < 2**30 for normal floats; its rounding error stays far below this.
+_BOUNDARY_MARGIN = 1e-5
 
 
 def map_to_index(value: float, scale: int) -> int:
@@ -44,8 +49,12 @@ def map_to_index(value: float, scale: int) -> int:
         return (ieee_exponent - exact) >> -scale
     if mantissa == 0.5:
         return (ieee_exponent << scale) - 1
-    index = math.floor(math.log(value) * math.ldexp(1.0 / math.log(2.0), scale))
-    # log() is not exact near boundaries: correct by one against the boundary function itself
+    position = math.log(value) * _SCALE_FACTORS[scale]
+    index = math.floor(position)
+    fraction = position - index
+    if _BOUNDARY_MARGIN < fraction < 1.0 - _BOUNDARY_MARGIN:
+        return index  # far from a boundary: log()'s rounding error cannot matter
+    # Near a boundary log() may be off by one: decide against the boundary function itself,
     # so that map_to_index and lower_boundary never disagree.
     if value <= lower_boundary(index, scale):
         index -= 1
@@ -150,13 +159,16 @@ class ExponentialHistogram:
             return False
         self._count += 1
         self._sum += value
-        self._min = min(self._min, value)
-        self._max = max(self._max, value)
+        if value < self._min:
+            self._min = value
+        if value > self._max:
+            self._max = value
         if value < _MIN_NORMAL:
             self._zero_count += 1
             return True
         index = map_to_index(value, self._scale)
-        if not self._counts:
+        counts = self._counts
+        if not counts:
             self._low = self._high = index
         elif index < self._low or index > self._high:
             low = min(self._low, index)
@@ -168,7 +180,8 @@ class ExponentialHistogram:
                 low >>= change
                 high >>= change
             self._low, self._high = low, high
-        self._counts[index] = self._counts.get(index, 0) + 1
+            counts = self._counts
+        counts[index] = counts.get(index, 0) + 1
         return True
 
     def _downscale(self, change: int) -> None:

@@ -10,6 +10,7 @@ logged (rate-limited) and counted in :attr:`StepMonitor.stats`.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -39,6 +40,7 @@ logger = logging.getLogger("stepwatch.exporters")
 DEFAULT_EXPORT_INTERVAL_S: Final = 1.0
 DEFAULT_BUFFER_STEPS: Final = 4096
 RECONNECT_AFTER_FAILURES: Final = 2
+AT_EXIT_TIMEOUT_S: Final = 2.0
 MAX_PHASE_NAME_LENGTH: Final = 64
 MAX_PHASE_NAMES: Final = 256
 _LOG_INTERVAL_S: Final = 60.0
@@ -346,6 +348,8 @@ class StepMonitor:
                 target=self._run, name=f"stepwatch-export-r{rank}", daemon=True
             )
             self._thread.start()
+            # A monitor nobody closed still flushes its last steps at interpreter exit.
+            atexit.register(self._close_at_exit)
 
     # ------------------------------------------------------------------ hot path
     def step(self) -> _StepContext:
@@ -450,6 +454,7 @@ class StepMonitor:
         *,
         comm_hook: Any = None,
         comm_state: Any = None,
+        time_communication: bool = True,
     ) -> Instrumentation:
         """Time forward, backward, optimizer and DDP communication with hooks (no code changes).
 
@@ -458,7 +463,12 @@ class StepMonitor:
         from stepwatch.exporters._auto import instrument
 
         instrumentation = instrument(
-            self, model, optimizer, comm_hook=comm_hook, comm_state=comm_state
+            self,
+            model,
+            optimizer,
+            comm_hook=comm_hook,
+            comm_state=comm_state,
+            time_communication=time_communication,
         )
         self._instrumentations.append(instrumentation)
         return instrumentation
@@ -614,6 +624,7 @@ class StepMonitor:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._close_at_exit)
         deadline = time.monotonic() + max(timeout_s, 0.0)
         self._close_deadline = deadline
         for instrumentation in self._instrumentations:
@@ -638,6 +649,9 @@ class StepMonitor:
                 self._kernel_source.close()
         except Exception:
             logger.warning("closing the stepwatch monitor failed", exc_info=True)
+
+    def _close_at_exit(self) -> None:
+        self.close(timeout_s=AT_EXIT_TIMEOUT_S)
 
     def __enter__(self) -> StepMonitor:
         return self

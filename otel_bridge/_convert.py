@@ -12,6 +12,7 @@ Data model: https://opentelemetry.io/docs/specs/otel/metrics/data-model/
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -329,11 +330,14 @@ def _number_fields(point: NumberDataPoint, field: str) -> dict[str, FieldValue]:
     return fields
 
 
+@functools.lru_cache(maxsize=65_536)
 def format_bound(bound: float) -> str:
     """A bucket bound as a field key: shortest round-trip decimal, never exponent notation.
 
     Matches Go's ``strconv.FormatFloat(bound, 'f', -1, 64)`` used by otel2influx.
     """
+    if bound == 0:
+        return "0"  # -0.0 == 0.0 (also as a cache key): one field for both
     text = repr(bound)
     if "e" not in text and "E" not in text:
         return text[:-2] if text.endswith(".0") else text
@@ -366,7 +370,7 @@ def nearest_rank_quantile(
         return None
     total = buckets.cumulative[-1]
     rank = max(1, math.ceil(quantile * total))
-    index = next(i for i, cum in enumerate(buckets.cumulative) if cum >= rank)
+    index = bisect.bisect_left(buckets.cumulative, rank)  # cumulative is non-decreasing
     lower, upper = buckets.lowers[index], buckets.uppers[index]
     if math.isinf(upper):
         if maximum is not None:
@@ -475,6 +479,15 @@ def _histogram_fields(point: HistogramDataPoint, *, duration: bool) -> dict[str,
     )
 
 
+@functools.lru_cache(maxsize=65_536)
+def _exponential_boundary(scale: int, index: int) -> float | None:
+    """``base ** index`` with ``base = 2 ** (2 ** -scale)``; None when it overflows."""
+    try:
+        return float(2.0 ** (index * 2.0**-scale))
+    except OverflowError:
+        return None
+
+
 def exponential_buckets(
     scale: int,
     *,
@@ -498,13 +511,12 @@ def exponential_buckets(
         raise _Rejected(REASON_BUCKET_LAYOUT)
     if not math.isfinite(zero_threshold) or zero_threshold < 0:
         raise _Rejected(REASON_BUCKET_LAYOUT)
-    exponent_step = 2.0**-scale
 
     def boundary(index: int) -> float:
-        try:
-            return float(2.0 ** (index * exponent_step))
-        except OverflowError as exc:
-            raise _Rejected(REASON_BUCKET_LAYOUT) from exc
+        bound = _exponential_boundary(scale, index)
+        if bound is None:
+            raise _Rejected(REASON_BUCKET_LAYOUT)
+        return bound
 
     lowers: list[float] = []
     uppers: list[float] = []

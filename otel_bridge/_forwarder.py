@@ -97,6 +97,10 @@ class Forwarder:
     def queued_lines(self) -> int:
         return len(self._queue)
 
+    @property
+    def full(self) -> bool:
+        return len(self._queue) >= self.max_queue_lines
+
     def offer(self, lines: Sequence[str]) -> bool:
         """Queue all ``lines`` or none; False means "over capacity, retry later"."""
         if not lines:

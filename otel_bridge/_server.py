@@ -332,6 +332,8 @@ class Bridge:
 
     def ingest(self, request: ExportMetricsServiceRequest) -> Outcome:
         """Convert, guard and queue one request (called by both receivers)."""
+        if self.forwarder.full:  # refuse before spending CPU on a request we cannot queue
+            return Outcome(False, 0, "bridge queue full, retry later")
         batch = convert_to_points(request, tag_allowlist=self.tag_allowlist)
         points = batch.points
         rejected = batch.rejected
@@ -375,7 +377,11 @@ class Bridge:
             request.ParseFromString(body)
         except (DecodeError, RuntimeError, ValueError) as exc:
             fail(grpc.StatusCode.INVALID_ARGUMENT, f"invalid protobuf: {exc}")
-        outcome = self.ingest(request)
+        try:
+            outcome = self.ingest(request)
+        except Exception:  # a bug must not take the receiver down: answer and keep serving
+            _log.exception("bridge failed to ingest an OTLP/gRPC request")
+            fail(grpc.StatusCode.INTERNAL, "internal error")
         if not outcome.accepted:
             context.set_trailing_metadata(
                 (("grpc-status-details-bin", self._retry_status(outcome.message)),)

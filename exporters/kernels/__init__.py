@@ -1,10 +1,20 @@
 """Kernel-level collection: kernel events → per-step, per-kernel-class histograms.
 
 Sources (:class:`TorchProfilerSource` for CPU ops, :class:`CuptiSource` for GPU activity
-records, recorded Kineto traces via :func:`ingest_traces`) all feed one
-:class:`KernelSummariser`, which classifies names (:func:`classify_kernel`), folds rare
-classes into ``other`` and computes device-idle time. :class:`HealthSampler` turns NVML
-readings into device-health gauges.
+records, recorded Kineto traces via :func:`ingest_traces` / ``stepwatch ingest``) all feed one
+:class:`KernelSummariser`, which classifies names (:func:`classify_kernel`), folds classes
+outside the top K into ``other`` and computes device-idle time per step.
+:class:`HealthSampler` turns NVML readings into device-health gauges.
+
+Usage with the step monitor (the sources implement ``stepwatch.exporters.KernelSource``)::
+
+    from stepwatch.exporters import StepMonitor
+    from stepwatch.exporters.kernels import CuptiSource, TorchProfilerSource
+
+    source = CuptiSource() if torch.cuda.is_available() else TorchProfilerSource()
+    monitor = StepMonitor(job_id="run-42", rank=rank, world_size=world, kernel_source=source)
+
+Without a GPU, ``cupti`` or ``pynvml`` the GPU classes log once and do nothing.
 """
 
 from stepwatch.exporters.kernels._cupti import (

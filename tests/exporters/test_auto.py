@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -141,20 +140,15 @@ def test_instrument_rejects_non_torch_objects() -> None:
 
 
 # ---------------------------------------------------------------- real 2-process DDP (gloo)
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _ddp_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
+def _ddp_rank(rank: int, world_size: int, out_dir: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
+    # A file store: no rendezvous port to race other tests for (gloo binds its own).
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        "gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world_size
     )
     try:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -203,7 +197,7 @@ def test_two_rank_gloo_ddp_auto_mode(tmp_path: Path) -> None:
     world_size = 2
     mp.start_processes(  # type: ignore[no-untyped-call]
         _ddp_rank,
-        args=(world_size, _free_port(), str(tmp_path)),
+        args=(world_size, str(tmp_path)),
         nprocs=world_size,
         join=True,
         start_method="spawn",
