@@ -41,7 +41,6 @@ from stepwatch.detectors._stats import (
     safe_log,
 )
 
-
 #: Metric name of the pooled small compute kernel classes.
 MINOR_CLASSES = "(minor classes)"
 
@@ -67,6 +66,8 @@ class DetectorConfig:
         clock_min_drop: smallest relative SM clock drop for ``gpu_health``.
         min_ranks: fewest ranks for cross-rank tests.
         major_share: compute classes below this share of compute time are tested pooled.
+        reference_ranks: above twice this many ranks, the cross-rank centre and scale are
+            estimated from about this many ranks (chosen by a hash of the rank id).
     """
 
     fdr_q: float = 1e-6
@@ -82,6 +83,7 @@ class DetectorConfig:
     clock_min_drop: float = 0.03
     min_ranks: int = 4
     major_share: float = 0.01
+    reference_ranks: int = 2048
 
     def __post_init__(self) -> None:
         if not 0 < self.fdr_q < 1:
@@ -169,6 +171,13 @@ class _Analysis:
         self.config = config
         self.present = frame.present
         self.compute_s = frame.category_s(COMPUTE_CATEGORY)
+        # Large jobs: centre and scale from ~reference_ranks ranks picked by a hash of the
+        # rank id (deterministic, and it follows the ranks if they are reordered).
+        self.reference: np.ndarray | None = None
+        if frame.n_ranks > 2 * config.reference_ranks:
+            hashed = (frame.ranks.astype(np.uint64) * np.uint64(2654435761)) % np.uint64(2**32)
+            cut = np.uint64(2**32 * config.reference_ranks // frame.n_ranks)
+            self.reference = np.flatnonzero(hashed < cut)
         # Compute classes holding >= major_share of compute time are tested one by one;
         # the long tail is pooled (and named by L3 when the pool moves).
         compute_total = float(np.nansum(self.compute_s))
@@ -227,7 +236,7 @@ class _Analysis:
         config = self.config
         frame = self.frame
         columns = []
-        for kind, value, name in zip(kinds, values, names, strict=True):
+        for kind, value in zip(kinds, values, strict=True):
             if kind == "burst":
                 columns.append(np.full(frame.n_windows, math.log(config.burst_min_ratio)))
                 continue
@@ -268,6 +277,7 @@ class _Analysis:
                     fdr_q=self.config.fdr_q,
                     min_scale=self.config.min_scale,
                     min_ranks=self.config.min_ranks,
+                    reference=self.reference,
                 )
                 for scale in sorted({gate_scale, *self.config.scales})
                 if scale == 1 or scale <= frame.n_windows

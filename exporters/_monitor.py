@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from stepwatch._errors import ConfigError
 from stepwatch.exporters._device import DeviceTimer, resolve_device_timer
 from stepwatch.exporters._export import (
+    DEFAULT_TIMEOUT_S,
     Exporter,
     ExporterConfig,
     create_exporter,
@@ -233,7 +234,8 @@ class StepMonitor:
         timeout_s: Bound on one export, retries included (else ``..._TIMEOUT`` in ms; 10 s).
         export_interval_s: Seconds between exports (else ``OTEL_METRIC_EXPORT_INTERVAL`` in ms;
             1 s). Each export carries every whole step finished since the previous one.
-        exporter: Any SDK ``MetricExporter``; replaces the OTLP exporter and its settings.
+        exporter: Any :class:`Exporter` (every SDK ``MetricExporter`` is one); replaces the
+            OTLP exporter built from the settings above.
         kernel_source: Kernel events to add to each window.
         clock: Time source (tests inject a fake).
         device_timer: ``"auto"`` (CUDA events when torch is imported and CUDA is available,
@@ -303,7 +305,9 @@ class StepMonitor:
             exporter = create_exporter(self.exporter_config)
             self._export_timeout_s = self.exporter_config.timeout_s
         else:
-            self._export_timeout_s = timeout_s if timeout_s and timeout_s > 0 else 10.0
+            if timeout_s is not None and not timeout_s > 0:
+                raise ConfigError(f"timeout_s must be positive, got {timeout_s!r}")
+            self._export_timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         self._exporter: Exporter = exporter
         self._builder = WindowBuilder(resource, max_scale=max_scale, max_size=max_size)
         self._kernel_source = kernel_source
@@ -397,6 +401,13 @@ class StepMonitor:
         try:
             if explicit:
                 self._explicit_steps = True
+                if self._auto_step_open:
+                    # Auto mode opened a step (a forward before the first monitor.step()):
+                    # the loop marks steps itself, so that step is abandoned, not nested.
+                    self._auto_step_open = False
+                    self._step_depth = 0
+            elif self._step_depth == 0:
+                self._auto_step_open = True
             self._step_depth += 1
             if self._step_depth > 1:
                 self._misuse("nested-step", "step() entered inside a step; inner step ignored")
@@ -415,6 +426,7 @@ class StepMonitor:
             self._step_depth -= 1
             if self._step_depth > 0:
                 return
+            self._auto_step_open = False
             end_ns = self._clock.monotonic_ns()
             phases = self._phases_ns
             self._phases_ns = {}

@@ -419,10 +419,13 @@ def _add_buckets(
     minimum: float | None,
     maximum: float | None,
     start_time_unix_nano: int,
+    sparse: bool = False,
 ) -> dict[str, FieldValue]:
-    for upper, cumulative in zip(buckets.uppers, buckets.cumulative, strict=True):
+    keep = _populated_edges(buckets) if sparse else range(len(buckets.uppers))
+    for index in keep:
+        upper = buckets.uppers[index]
         key = "+Inf" if math.isinf(upper) else format_bound(upper)
-        fields[key] = float(cumulative)
+        fields[key] = float(buckets.cumulative[index])
     if not buckets.uppers or not math.isinf(buckets.uppers[-1]):
         fields["+Inf"] = fields["count"]
     for name, quantile in QUANTILES:
@@ -432,6 +435,24 @@ def _add_buckets(
     if start_time_unix_nano:
         fields["start_time_unix_nano"] = start_time_unix_nano
     return fields
+
+
+def _populated_edges(buckets: Buckets) -> list[int]:
+    """Indexes of the bounds that edge a populated bucket (its lower or its upper bound).
+
+    An exponential histogram's empty buckets between populated ones add nothing a reader
+    needs: the cumulative count is flat across them. Keeping both edges of every populated
+    bucket keeps each observation's bucket exact (quantiles survive) while a window that spans
+    several octaves at scale 5 stores a handful of fields instead of ~32 per octave.
+    """
+    cumulative = buckets.cumulative
+    keep: list[int] = []
+    for index in range(len(cumulative)):
+        count = cumulative[index] - (cumulative[index - 1] if index else 0)
+        following = cumulative[index + 1] - cumulative[index] if index + 1 < len(cumulative) else 0
+        if count or following or index == len(cumulative) - 1:
+            keep.append(index)
+    return keep
 
 
 def explicit_buckets(bounds: Sequence[float], counts: Sequence[int]) -> Buckets:
@@ -573,6 +594,7 @@ def _exponential_fields(
         minimum=minimum,
         maximum=maximum,
         start_time_unix_nano=int(point.start_time_unix_nano),
+        sparse=True,
     )
 
 

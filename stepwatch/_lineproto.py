@@ -1,9 +1,10 @@
 """InfluxDB line protocol encoding.
 
 Spec: https://docs.influxdata.com/influxdb/v1/write_protocols/line_protocol_reference/
-(measurement: escape comma and space; tag keys/values and field keys: escape comma, equals
-sign and space; string field values: double-quoted with ``"`` and ``\\`` escaped; integers
-carry an ``i`` suffix; NaN and infinities cannot be represented and are rejected.)
+Measurement: escape comma and space. Tag keys, tag values and field keys: escape comma, equals
+sign and space; a backslash there is literal (InfluxDB 1.x does not unescape a doubled one)
+and one at the very end cannot be carried at all. String field values: double-quoted, with
+``"`` and ``\\`` escaped. Integers carry an ``i`` suffix; NaN and infinities are rejected.
 """
 
 from __future__ import annotations
@@ -19,13 +20,23 @@ _MEASUREMENT_ESCAPES = str.maketrans({",": r"\,", " ": r"\ ", "\n": r"\n"})
 _KEY_ESCAPES = str.maketrans({",": r"\,", "=": r"\=", " ": r"\ ", "\n": r"\n"})
 
 
+def _representable(text: str, what: str) -> str:
+    # InfluxDB 1.x cannot parse a measurement, tag or field key/value that ends in a
+    # backslash, however it is escaped: refuse it here with a clear error.
+    if text.endswith("\\"):
+        raise ConfigError(f"{what} {text!r} ends in a backslash, which line protocol cannot carry")
+    return text
+
+
 def escape_measurement(name: str) -> str:
-    return name.replace("\\", "\\\\").translate(_MEASUREMENT_ESCAPES)
+    _representable(name, "measurement")
+    return name.translate(_MEASUREMENT_ESCAPES)
 
 
 def escape_key(key: str) -> str:
     """Escape a tag key, tag value or field key."""
-    return key.replace("\\", "\\\\").translate(_KEY_ESCAPES)
+    _representable(key, "key or tag value")
+    return key.translate(_KEY_ESCAPES)
 
 
 def format_field_value(value: FieldValue) -> str:

@@ -96,3 +96,20 @@ def test_influx_client_reports_bad_writes_and_bad_urls(influx: InfluxClient) -> 
     with pytest.raises(ConfigError, match="url"):
         InfluxClient("localhost:8086")
     assert "Token" not in repr(InfluxClient("http://x:1", token="secret"))
+
+
+def test_line_protocol_refuses_trailing_backslash(influx: InfluxClient) -> None:
+    # InfluxDB 1.x rejects such a point whatever the escaping; we say so before sending.
+    with pytest.raises(ConfigError, match="backslash"):
+        encode_point("m", {"host.name": "node\\"}, {"value": 1.0}, 1)
+    influx.write_lines([encode_point("m", {"host.name": "a\\b"}, {"value": 1.0}, 1)])
+    (series,) = influx.query('SHOW TAG VALUES FROM "m" WITH KEY = "host.name"')
+    assert series.values == [["host.name", "a\\b"]]
+
+
+def test_line_protocol_backslashes_round_trip(influx: InfluxClient) -> None:
+    influx.write_lines(
+        [encode_point("m.b", {"host.name": "a\\ b,c"}, {"note": 'x\\"y\\', "v": 1.0}, 1)]
+    )
+    (series,) = influx.query('SELECT "host.name", "note" FROM "m.b"')
+    assert series.values[0][1:] == ["a\\ b,c", 'x\\"y\\']

@@ -420,3 +420,23 @@ def test_device_timer_names() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA"):
             make("cuda")
+
+
+def test_an_unclosed_monitor_flushes_at_interpreter_exit() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit\n"
+        "from stepwatch.exporters import InMemoryExporter, StepMonitor\n"
+        "exporter = InMemoryExporter()\n"
+        "atexit.register(lambda: print('windows', len(exporter.exported)))\n"
+        "monitor = StepMonitor(job_id='j', rank=0, world_size=1, exporter=exporter,\n"
+        "                      export_interval_s=3600)\n"
+        "with monitor.step():\n"
+        "    pass\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == "windows 1"

@@ -421,3 +421,22 @@ def test_docstring_examples_run() -> None:
     for module in (bridge, convert_module):
         failures, _ = doctest.testmod(module, raise_on_error=False)
         assert failures == 0
+
+
+def test_exponential_fields_keep_only_edges_of_populated_buckets() -> None:
+    # Two clusters 64 buckets apart at scale 5 (two octaves): the empty buckets between them
+    # add no field; both edges of each populated bucket stay (the lowest is `min`), so the bucket of every
+    # observation (and the nearest-rank quantiles) can be read back from the stored fields.
+    counts = [3, 0, 1] + [0] * 61 + [2]
+    metric = exponential_histogram(
+        "stepwatch.kernel.duration", scale=5, offset=-320, counts=counts, total=0.02
+    )
+    (line,) = convert_request(request([metric])).lines
+    fields = dict(item.split("=") for item in line.split(" ")[1].split(","))
+    edges = {format_bound(2.0 ** ((-320 + i) * 2.0**-5)) for i in (1, 2, 3, 64, 65)}
+    bucket_keys = {key for key in fields if key[0].isdigit()}
+    assert bucket_keys == edges
+    cumulative = sorted((float(key), float(fields[key])) for key in bucket_keys)
+    # The first bucket's lower edge is the data's own `min` (as in the dense layout).
+    assert [count for _, count in cumulative] == [3.0, 3.0, 4.0, 4.0, 6.0]
+    assert fields["+Inf"] == "6.0"
