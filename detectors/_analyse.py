@@ -35,7 +35,7 @@ from stepwatch.detectors._stats import (
     BoolArray,
     FloatArray,
     change_points,
-    cross_rank_outliers,
+    multiscale_outliers,
     nanmedian,
     persistent,
     safe_log,
@@ -174,19 +174,22 @@ class _Analysis:
         # Large jobs: centre and scale from ~reference_ranks ranks picked by a hash of the
         # rank id (deterministic, and it follows the ranks if they are reordered).
         self.reference: np.ndarray | None = None
+        self.dtype: type = np.float64
         if frame.n_ranks > 2 * config.reference_ranks:
+            self.dtype = np.float32  # half the memory traffic; log-times need no more
             hashed = (frame.ranks.astype(np.uint64) * np.uint64(2654435761)) % np.uint64(2**32)
             cut = np.uint64(2**32 * config.reference_ranks // frame.n_ranks)
             self.reference = np.flatnonzero(hashed < cut)
         # Compute classes holding >= major_share of compute time are tested one by one;
         # the long tail is pooled (and named by L3 when the pool moves).
         compute_total = float(np.nansum(self.compute_s))
+        class_totals = np.nansum(frame.kernel_s, axis=(0, 1))
         self.major_classes: list[int] = []
         self.minor_classes: list[int] = []
         for index, category in enumerate(frame.kernel_categories):
             if category != COMPUTE_CATEGORY:
                 continue
-            share = float(np.nansum(frame.kernel_s[:, :, index])) / max(compute_total, 1e-300)
+            share = float(class_totals[index]) / max(compute_total, 1e-300)
             target = self.major_classes if share >= config.major_share else self.minor_classes
             target.append(index)
         with np.errstate(invalid="ignore"):
@@ -264,24 +267,24 @@ class _Analysis:
         for start in range(0, len(names), chunk):
             stop = min(start + chunk, len(names))
             block = np.stack(values[start:stop], axis=2)
-            logs = np.where(present, safe_log(block), np.nan)
+            logs = np.where(present, safe_log(block, dtype=self.dtype), np.nan)
             limit = thresholds[:, None, start:stop]
             # Gate for every scale: the last few windows must still show the effect, so a
             # long trailing mean cannot keep a finding open after the condition cleared.
             gate_scale = min(3, max(self.config.scales))
-            tests = {
-                scale: cross_rank_outliers(
-                    logs,
-                    metric="block",
-                    scale_windows=scale,
-                    fdr_q=self.config.fdr_q,
-                    min_scale=self.config.min_scale,
-                    min_ranks=self.config.min_ranks,
-                    reference=self.reference,
-                )
-                for scale in sorted({gate_scale, *self.config.scales})
-                if scale == 1 or scale <= frame.n_windows
-            }
+            tests = multiscale_outliers(
+                logs,
+                metric="block",
+                scales=[
+                    scale
+                    for scale in sorted({gate_scale, *self.config.scales})
+                    if scale == 1 or scale <= frame.n_windows
+                ],
+                fdr_q=self.config.fdr_q,
+                min_scale=self.config.min_scale,
+                min_ranks=self.config.min_ranks,
+                reference=self.reference,
+            )
             recent = tests[gate_scale].log_effect
             for scale, test in tests.items():
                 if scale not in self.config.scales:

@@ -88,10 +88,10 @@ class JobFrame:
 
     def category_s(self, category: str) -> FloatArray:
         """``(W, R)`` kernel time per step of every class in ``category`` (NaN if none)."""
-        mask = np.array([c == category for c in self.kernel_categories], dtype=bool)
+        mask = np.array([c == category for c in self.kernel_categories], dtype=np.float64)
         if not mask.any():
             return np.full(self.step_s.shape, np.nan)
-        return np.asarray(self.kernel_s[:, :, mask].sum(axis=2), dtype=np.float64)
+        return np.asarray(self.kernel_s @ mask, dtype=np.float64)
 
     def phase(self, name: str) -> FloatArray | None:
         if name not in self.phases:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -92,9 +93,10 @@ def nanmedian(values: FloatArray, *, axis: int) -> FloatArray:
     return np.where(counts > 0, result, np.nan)
 
 
-def safe_log(values: FloatArray) -> FloatArray:
+def safe_log(values: FloatArray, *, dtype: type = np.float64) -> FloatArray:
     """Natural log where positive and finite, NaN elsewhere (zero time has no ratio)."""
-    result = np.full(values.shape, np.nan)
+    values = np.asarray(values, dtype=dtype)
+    result = np.full(values.shape, np.nan, dtype=dtype)
     ok = np.isfinite(values) & (values > 0)
     np.log(values, out=result, where=ok)
     return result
@@ -146,7 +148,7 @@ def benjamini_hochberg(p_values: FloatArray, *, q: float) -> BoolArray:
     """
     if not 0 < q < 1:
         raise ConfigError(f"q: must be in (0, 1), got {q}")
-    p = np.asarray(p_values, dtype=np.float64)
+    p = np.asarray(p_values)
     if p.ndim != 2:
         raise ConfigError(f"p_values: need a 2-D array, got shape {p.shape}")
     reject = np.zeros(p.shape, dtype=bool)
@@ -216,59 +218,112 @@ def cross_rank_outliers(
         Rousseeuw, P. J. and Croux, C. (1993). Alternatives to the median absolute
         deviation. JASA 88. Benjamini and Hochberg (1995), JRSS B 57.
     """
+    return multiscale_outliers(
+        log_values,
+        metric=metric,
+        scales=(scale_windows,),
+        fdr_q=fdr_q,
+        min_scale=min_scale,
+        min_ranks=min_ranks,
+        pool_windows=pool_windows,
+        reference=reference,
+    )[scale_windows]
+
+
+def multiscale_outliers(
+    log_values: FloatArray,
+    *,
+    metric: str,
+    scales: Sequence[int],
+    fdr_q: float = 1e-6,
+    min_scale: float = 0.002,
+    min_ranks: int = 4,
+    pool_windows: int = 30,
+    reference: npt.NDArray[np.intp] | None = None,
+) -> dict[int, OutlierTest]:
+    """:func:`cross_rank_outliers` at several scales, sharing the per-window centring.
+
+    float32 input stays float32 (half the memory traffic for very large jobs).
+    """
     from scipy.special import ndtr, stdtr
 
-    values = np.asarray(log_values, dtype=np.float64)
-    if reference is None:
-        residual = values - nanmedian(values, axis=1)
-        rolled = rolling_nanmean(residual, scale_windows)
-        deviation = rolled - nanmedian(rolled, axis=1)
-        window_mad = MAD_TO_SD * nanmedian(np.abs(deviation), axis=1)
-    else:  # centre and scale from a fixed subset of ranks (large jobs)
-        residual = values - nanmedian(values[:, reference], axis=1)
-        rolled = rolling_nanmean(residual, scale_windows)
-        deviation = rolled - nanmedian(rolled[:, reference], axis=1)
-        window_mad = MAD_TO_SD * nanmedian(np.abs(deviation[:, reference]), axis=1)
-    # The noise level of a job changes slowly: pool the per-window MADs over the trailing
-    # ``pool_windows`` windows (median of MADs), which steadies the scale for small jobs.
-    pooled, pooled_count = _trailing_median(window_mad, pool_windows)
-    scale = np.where(np.isfinite(pooled), np.maximum(pooled, min_scale), np.nan)
-    z = deviation / scale
-    reporting = np.expand_dims(np.isfinite(values).sum(axis=1), 1)
-    # The MAD is a noisy scale with few ranks: a Student-t reference with the pooled MAD's
-    # effective degrees of freedom (37% efficiency; overlapping trailing means count once
-    # per ``scale_windows``) keeps small jobs from crying wolf.
-    independent = np.maximum(pooled_count / scale_windows, 1.0)
-    dof = np.maximum(MAD_EFFICIENCY * (reporting - 1) * independent, 1.0)
-    # The t tail is never lighter than the normal one: only ranks whose normal p-value is
-    # already <= q can be rejected, so the (slow) t CDF is evaluated for those alone.
-    with np.errstate(invalid="ignore"):
-        p_value = ndtr(-z)
-        candidates = np.flatnonzero(p_value <= fdr_q)
-    if candidates.size:
-        dof_full = np.broadcast_to(dof, z.shape).ravel()
-        flat = p_value.ravel()
-        flat[candidates] = stdtr(dof_full[candidates], -z.ravel()[candidates])
-        p_value = flat.reshape(z.shape)
+    values = np.asarray(log_values)
+    if not np.issubdtype(values.dtype, np.floating):
+        values = values.astype(np.float64)
+    reference_values = values if reference is None else values[:, reference]
+    residual = values - nanmedian(reference_values, axis=1)
+    valid = np.isfinite(residual)
+    reporting = np.expand_dims(valid.sum(axis=1), 1)
     enough = reporting >= min_ranks
-    p_value = np.where(enough & np.isfinite(z), p_value, np.nan)
-    # One BH family per window (and per metric when a third axis stacks metrics).
-    families = np.moveaxis(p_value, 1, -1)
-    reject = np.moveaxis(
-        benjamini_hochberg(families.reshape(-1, families.shape[-1]), q=fdr_q).reshape(
-            families.shape
-        ),
-        -1,
-        1,
-    )
-    return OutlierTest(
-        metric=metric,
-        scale_windows=scale_windows,
-        z=z,
-        p_value=p_value,
-        reject=reject,
-        log_effect=deviation,
-    )
+    sums = np.cumsum(np.where(valid, residual, 0.0), axis=0)
+    counts = np.cumsum(valid, axis=0, dtype=np.int32)
+    results: dict[int, OutlierTest] = {}
+    for scale_windows in scales:
+        if scale_windows < 1:
+            raise ConfigError(f"scale_windows: must be >= 1, got {scale_windows}")
+        rolled = _trailing_mean(residual, sums, counts, scale_windows)
+        if reference is None:
+            deviation = rolled - nanmedian(rolled, axis=1)
+            window_mad = MAD_TO_SD * nanmedian(np.abs(deviation), axis=1)
+        else:  # centre and scale from a fixed subset of ranks (large jobs)
+            deviation = rolled - nanmedian(rolled[:, reference], axis=1)
+            window_mad = MAD_TO_SD * nanmedian(np.abs(deviation[:, reference]), axis=1)
+        # The noise level of a job changes slowly: pool the per-window MADs over the
+        # trailing ``pool_windows`` windows (median of MADs), steadying small jobs' scale.
+        pooled, pooled_count = _trailing_median(window_mad, pool_windows)
+        scale = np.where(np.isfinite(pooled), np.maximum(pooled, min_scale), np.nan)
+        z = deviation / scale.astype(deviation.dtype)
+        # The MAD is a noisy scale with few ranks: a Student-t reference with the pooled
+        # MAD's effective degrees of freedom (37% efficiency; overlapping trailing means
+        # count once per ``scale_windows``) keeps small jobs from crying wolf.
+        independent = np.maximum(pooled_count / scale_windows, 1.0)
+        dof = np.maximum(MAD_EFFICIENCY * (reporting - 1) * independent, 1.0)
+        # The t tail is never lighter than the normal one: only ranks whose normal p-value
+        # is already <= q can be rejected, so the (slow) t CDF is evaluated for those alone.
+        with np.errstate(invalid="ignore"):
+            p_value = ndtr(-z)
+            candidates = np.flatnonzero((p_value <= fdr_q) & np.broadcast_to(enough, z.shape))
+        if candidates.size:
+            dof_full = np.broadcast_to(dof, z.shape).ravel()
+            flat = p_value.ravel()
+            flat[candidates] = stdtr(dof_full[candidates], -z.ravel()[candidates])
+            p_value = flat.reshape(z.shape)
+        p_value = np.where(enough & np.isfinite(z), p_value, np.nan)
+        # One BH family per window (and per metric when a third axis stacks metrics).
+        families = np.moveaxis(p_value, 1, -1)
+        reject = np.moveaxis(
+            benjamini_hochberg(families.reshape(-1, families.shape[-1]), q=fdr_q).reshape(
+                families.shape
+            ),
+            -1,
+            1,
+        )
+        results[scale_windows] = OutlierTest(
+            metric=metric,
+            scale_windows=scale_windows,
+            z=z,
+            p_value=p_value,
+            reject=reject,
+            log_effect=deviation,
+        )
+    return results
+
+
+def _trailing_mean(
+    values: FloatArray, sums: FloatArray, counts: npt.NDArray[np.int32], window: int
+) -> FloatArray:
+    """Trailing NaN-ignoring mean from precomputed cumulative sums (see rolling_nanmean)."""
+    if window == 1:
+        return values
+    span_sums = sums.copy()
+    span_counts = counts.copy()
+    if values.shape[0] > window:
+        span_sums[window:] -= sums[:-window]
+        span_counts[window:] -= counts[:-window]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = span_sums / span_counts
+    mean[span_counts == 0] = np.nan
+    return mean.astype(values.dtype, copy=False)
 
 
 def _trailing_median(values: FloatArray, window: int) -> tuple[FloatArray, FloatArray]:

@@ -94,8 +94,15 @@ def read_kineto_ops(results: Any) -> list[OpRecord]:
     ops: list[OpRecord] = []
     append = ops.append
     cpu = DeviceType.CPU
-    for event in results.events():
-        if event.device_type() != cpu or event.is_user_annotation() or event.is_python_function():
+    events = results.events()
+    # Older torch builds may lack is_user_annotation / is_python_function; then only
+    # ProfilerStep#N is recognised (by name) and every other CPU event counts as an op.
+    sample = events[0] if events else None
+    has_flags = hasattr(sample, "is_user_annotation") and hasattr(sample, "is_python_function")
+    for event in events:
+        if event.device_type() != cpu:
+            continue
+        if has_flags and (event.is_user_annotation() or event.is_python_function()):
             continue
         name = event.name()
         if name.startswith("ProfilerStep#"):
