@@ -1,15 +1,22 @@
 """Overhead of stepwatch on a real CPU DDP job: A/B interleaved in one run.
 
 Four ranks (gloo over loopback) train two identical DDP replicas of a small MLP in alternating
-blocks of steps: replica A fully instrumented (``monitor.step()``, a ``data`` phase, auto-mode
+blocks of steps. Arm A is fully instrumented: ``monitor.step()``, a ``data`` phase, auto-mode
 hooks on forward/backward/optimizer and the timing DDP comm hook, exporting OTLP/HTTP every
-second to a local receiver this script starts), replica B plain DDP. Block order within each
-pair is random (seeded) so drift and neighbours on the machine hit both arms alike. Each step is
-timed outside stepwatch with ``perf_counter``.
+second to the real stepwatch bridge started in this process (with a counting writer; a plain
+local OTLP/HTTP receiver when the bridge is not installed). Arm B is plain DDP. The block order
+within each pair is random (seeded) so drift and neighbours on the machine hit both arms alike.
+Each step is timed outside stepwatch with ``perf_counter``. Every run first measures an A/A
+control (both replicas plain, same block design): the replicas are not exactly equally fast
+(memory placement), so the overhead is the A/B difference minus the A/A difference.
+
+``--mode`` isolates parts of arm A: ``no-comm-hook`` (auto mode without the comm hook),
+``manual`` (only ``step()`` and one phase), ``plain-python-hook`` (no stepwatch at all, just
+DDP's own Python ``allreduce_hook``: the price of any Python comm hook)).
 
 Also measures the hot-path cost of one step with four phases in a tight loop.
 
-Usage: ``.venv/bin/python bench/overhead.py [--ranks 4] [--pairs 30] [--block 20]``
+Usage: ``.venv/bin/python bench/overhead.py [--ranks 4] [--pairs 30] [--block 20] [--mode M]``
 """
 
 from __future__ import annotations
@@ -28,8 +35,41 @@ from pathlib import Path
 from typing import Any
 
 
+class CountingWriter:
+    """A bridge LineWriter that only counts: the bench measures the exporter, not InfluxDB."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+
+    def write_lines(self, lines: Any) -> None:
+        self.lines += len(lines)
+
+    def close(self) -> None:
+        return None
+
+
+class BridgeSink:
+    """The real stepwatch bridge (OTLP/HTTP) in this process, writing to a CountingWriter."""
+
+    def __init__(self) -> None:
+        from stepwatch.otel_bridge import Bridge
+
+        self.writer = CountingWriter()
+        self.bridge = Bridge(self.writer, grpc_port=None, http_port=0).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.bridge.http_port}"
+
+    def describe(self) -> str:
+        return f"stepwatch bridge: {self.writer.lines} line-protocol points converted"
+
+    def stop(self) -> None:
+        self.bridge.stop()
+
+
 class Receiver:
-    """A loopback OTLP/HTTP endpoint that accepts and counts requests."""
+    """A loopback OTLP/HTTP endpoint that accepts and counts requests (no bridge installed)."""
 
     def __init__(self) -> None:
         self.requests = 0
@@ -56,6 +96,9 @@ class Receiver:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def describe(self) -> str:
+        return f"plain receiver: {self.requests} OTLP requests, {self.bytes} bytes"
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -104,21 +147,15 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
             endpoint=options["endpoint"],
             export_interval_s=1.0,
         )
-        if options["mode"] == "full":
-            monitor.instrument(on_model, on_opt)
-        elif options["mode"] == "plain-python-hook":
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-            on_model.register_comm_hook(None, allreduce_hook)
-        elif options["mode"] == "no-comm-hook":
-            monitor.instrument(on_model, on_opt, time_communication=False)
         loss_fn = torch.nn.CrossEntropyLoss()
         generator = torch.Generator().manual_seed(rank)
         batch = options["batch"]
+        instrumented = False
 
-        def step(model: Any, optimizer: Any, instrumented: bool) -> None:
-            step_context = monitor.step() if instrumented else contextlib.nullcontext()
-            data_context = monitor.phase("data") if instrumented else contextlib.nullcontext()
+        def step(model: Any, optimizer: Any, arm_on: bool) -> None:
+            active = instrumented and arm_on
+            step_context = monitor.step() if active else contextlib.nullcontext()
+            data_context = monitor.phase("data") if active else contextlib.nullcontext()
             with step_context:
                 with data_context:
                     inputs = torch.randn(batch, 128, generator=generator)
@@ -128,30 +165,50 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
                 loss.backward()
                 optimizer.step()
 
+        order_rng = random.Random(options["seed"])  # same on every rank: blocks stay aligned
+
+        def run_pairs(pairs: int) -> tuple[dict[str, list[float]], list[tuple[float, float]]]:
+            samples: dict[str, list[float]] = {"on": [], "off": []}
+            pair_medians: list[tuple[float, float]] = []
+            for _ in range(pairs):
+                arms = ["on", "off"]
+                order_rng.shuffle(arms)
+                medians: dict[str, float] = {}
+                for arm in arms:
+                    model, optimizer = (on_model, on_opt) if arm == "on" else (off_model, off_opt)
+                    times = []
+                    for _ in range(options["block"]):
+                        started = time.perf_counter()
+                        step(model, optimizer, arm == "on")
+                        times.append(time.perf_counter() - started)
+                    samples[arm].extend(times)
+                    medians[arm] = statistics.median(times)
+                pair_medians.append((medians["on"], medians["off"]))
+            return samples, pair_medians
+
         for _ in range(options["warmup"]):
             step(on_model, on_opt, True)
             step(off_model, off_opt, False)
-        order_rng = random.Random(options["seed"])  # same on every rank: blocks stay aligned
-        samples: dict[str, list[float]] = {"on": [], "off": []}
-        pair_medians: list[tuple[float, float]] = []
-        for _ in range(options["pairs"]):
-            arms = ["on", "off"]
-            order_rng.shuffle(arms)
-            medians: dict[str, float] = {}
-            for arm in arms:
-                model, optimizer = (on_model, on_opt) if arm == "on" else (off_model, off_opt)
-                times = []
-                for _ in range(options["block"]):
-                    started = time.perf_counter()
-                    step(model, optimizer, arm == "on")
-                    times.append(time.perf_counter() - started)
-                samples[arm].extend(times)
-                medians[arm] = statistics.median(times)
-            pair_medians.append((medians["on"], medians["off"]))
+        # A/A first: both replicas plain. The two replicas are not exactly equally fast (memory
+        # placement), so the A/B difference is read against this control.
+        _, control_pairs = run_pairs(options["pairs"])
+        if options["mode"] == "full":
+            monitor.instrument(on_model, on_opt)
+        elif options["mode"] == "plain-python-hook":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            on_model.register_comm_hook(None, allreduce_hook)
+        elif options["mode"] == "no-comm-hook":
+            monitor.instrument(on_model, on_opt, time_communication=False)
+        instrumented = options["mode"] != "plain-python-hook"
+        for _ in range(options["warmup"]):
+            step(on_model, on_opt, True)
+        samples, pair_medians = run_pairs(options["pairs"])
         monitor.close(timeout_s=5.0)
         result = {
             "samples": samples,
             "pair_medians": pair_medians,
+            "control_pair_medians": control_pairs,
             "stats": monitor.stats.__dict__,
         }
         Path(options["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
@@ -201,10 +258,22 @@ def hot_path_cost_us(steps: int = 200_000) -> tuple[float, float]:
     return instrumented, bare
 
 
-def _bootstrap_ci(values: list[float], *, seed: int = 0, rounds: int = 5000) -> tuple[float, float]:
+def _relative(pairs: list[list[float]]) -> list[float]:
+    """Per block pair, the relative difference (%) of the on and off block medians."""
+    return [(on - off) / off * 100.0 for on, off in pairs]
+
+
+def _bootstrap_ci(
+    values: list[float], control: list[float], *, seed: int = 0, rounds: int = 4000
+) -> tuple[float, float]:
+    """95% CI of median(values) - median(control), resampling both."""
     rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
-    return medians[int(0.025 * rounds)], medians[int(0.975 * rounds)]
+    estimates = sorted(
+        statistics.median(rng.choices(values, k=len(values)))
+        - statistics.median(rng.choices(control, k=len(control)))
+        for _ in range(rounds)
+    )
+    return estimates[int(0.025 * rounds)], estimates[int(0.975 * rounds)]
 
 
 def main() -> int:
@@ -233,7 +302,11 @@ def main() -> int:
         f"-> {with_phases - bare:.2f} µs added per step"
     )
 
-    receiver = Receiver()
+    receiver: BridgeSink | Receiver
+    try:
+        receiver = BridgeSink()
+    except ImportError:
+        receiver = Receiver()
     try:
         with tempfile.TemporaryDirectory() as out_dir:
             options = {
@@ -263,13 +336,10 @@ def main() -> int:
     on = [t for r in results for t in r["samples"]["on"]]
     off = [t for r in results for t in r["samples"]["off"]]
     median_on, median_off = statistics.median(on), statistics.median(off)
-    # Paired estimate: per block pair and rank, the relative difference of block medians.
-    relative = [
-        (pair_on - pair_off) / pair_off * 100.0
-        for r in results
-        for pair_on, pair_off in r["pair_medians"]
-    ]
-    low, high = _bootstrap_ci(relative)
+    ab = [x for r in results for x in _relative(r["pair_medians"])]
+    aa = [x for r in results for x in _relative(r["control_pair_medians"])]
+    overhead = statistics.median(ab) - statistics.median(aa)
+    low, high = _bootstrap_ci(ab, aa)
     exported = sum(r["stats"]["steps_exported"] for r in results)
     recorded = sum(r["stats"]["steps_recorded"] for r in results)
     print(
@@ -279,13 +349,11 @@ def main() -> int:
     print(f"median step time  on: {median_on * 1000:.3f} ms   off: {median_off * 1000:.3f} ms")
     print(f"increase (pooled medians): {(median_on - median_off) / median_off * 100:+.2f} %")
     print(
-        f"increase (median of paired block differences): {statistics.median(relative):+.2f} % "
-        f"(95% bootstrap CI {low:+.2f} .. {high:+.2f} %)"
+        f"paired block differences: A/B {statistics.median(ab):+.2f} %, "
+        f"A/A control (same replicas, both plain) {statistics.median(aa):+.2f} %"
     )
-    print(
-        f"exported {exported}/{recorded} instrumented steps in {receiver.requests} OTLP requests "
-        f"({receiver.bytes} bytes)"
-    )
+    print(f"overhead = A/B - A/A: {overhead:+.2f} % (95% bootstrap CI {low:+.2f} .. {high:+.2f} %)")
+    print(f"exported {exported}/{recorded} instrumented steps; sink: {receiver.describe()}")
     return 0
 
 

@@ -68,6 +68,7 @@ class DetectorConfig:
         major_share: compute classes below this share of compute time are tested pooled.
         reference_ranks: above twice this many ranks, the cross-rank centre and scale are
             estimated from about this many ranks (chosen by a hash of the rank id).
+        workers: threads testing disjoint blocks of metrics (results do not depend on it).
     """
 
     fdr_q: float = 1e-6
@@ -76,7 +77,7 @@ class DetectorConfig:
     min_step_fraction: float = 0.005
     min_shift: float = 0.03
     change_alpha: float = 1e-3
-    min_scale: float = 0.002
+    min_scale: float = 0.0005
     gap_windows: int = 6
     missing_windows: int = 3
     burst_min_ratio: float = 1.2
@@ -84,6 +85,7 @@ class DetectorConfig:
     min_ranks: int = 4
     major_share: float = 0.01
     reference_ranks: int = 2048
+    workers: int = 2
 
     def __post_init__(self) -> None:
         if not 0 < self.fdr_q < 1:
@@ -260,26 +262,26 @@ class _Analysis:
         frame = self.frame
         shape = (frame.n_windows, frame.n_ranks, len(names))
         flags = np.zeros(shape, dtype=bool)
-        effect = np.full(shape, np.nan)
+        effect: FloatArray = np.full(shape, np.nan, dtype=self.dtype)
         zmax = np.zeros(shape)
-        present = self.present[:, :, None]
-        chunk = 16
-        for start in range(0, len(names), chunk):
-            stop = min(start + chunk, len(names))
+        # Gate for every scale: the last few windows must still show the effect, so a long
+        # trailing mean cannot keep a finding open after the condition cleared.
+        gate_scale = min(3, max(self.config.scales))
+        scales = [
+            scale
+            for scale in sorted({gate_scale, *self.config.scales})
+            if scale == 1 or scale <= frame.n_windows
+        ]
+
+        def test_block(start: int, stop: int) -> None:
             block = np.stack(values[start:stop], axis=2)
-            logs = np.where(present, safe_log(block, dtype=self.dtype), np.nan)
+            logs = safe_log(block, dtype=self.dtype)  # silent ranks are NaN already
+            del block
             limit = thresholds[:, None, start:stop]
-            # Gate for every scale: the last few windows must still show the effect, so a
-            # long trailing mean cannot keep a finding open after the condition cleared.
-            gate_scale = min(3, max(self.config.scales))
             tests = multiscale_outliers(
                 logs,
                 metric="block",
-                scales=[
-                    scale
-                    for scale in sorted({gate_scale, *self.config.scales})
-                    if scale == 1 or scale <= frame.n_windows
-                ],
+                scales=scales,
                 fdr_q=self.config.fdr_q,
                 min_scale=self.config.min_scale,
                 min_ranks=self.config.min_ranks,
@@ -294,11 +296,24 @@ class _Analysis:
                 hit = test.reject & (test.log_effect >= limit) & current
                 hit = persistent(hit, windows=self.config.persistence_windows)
                 flags[:, :, start:stop] |= hit
-                zmax[:, :, start:stop] = np.where(
-                    hit, np.fmax(zmax[:, :, start:stop], test.z), zmax[:, :, start:stop]
-                )
+                target = zmax[:, :, start:stop]
+                np.fmax(target, test.z, out=target, where=hit)
                 if scale == 1:
                     effect[:, :, start:stop] = test.log_effect
+
+        # Disjoint metric blocks on worker threads: numpy releases the GIL in the heavy
+        # kernels (partition, cumsum, ufuncs), so a big job uses every core it is given.
+        workers = max(1, min(self.config.workers, len(names)))
+        size = -(-len(names) // workers)
+        blocks = [(start, min(start + size, len(names))) for start in range(0, len(names), size)]
+        if len(blocks) == 1:
+            test_block(*blocks[0])
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=len(blocks)) as pool:
+                for future in [pool.submit(test_block, *block) for block in blocks]:
+                    future.result()
         return _Metrics(names=tuple(names), flags=flags, effect=effect, z=zmax)
 
     def episodes(self, metrics: _Metrics) -> list[_Episode]:
@@ -374,11 +389,15 @@ class _Analysis:
             return 0.0
         return float(np.nanmedian(block))
 
+    def _peers(self, values: FloatArray) -> FloatArray:
+        """The reference ranks' columns (all ranks for ordinary jobs)."""
+        return values if self.reference is None else values[:, self.reference]
+
     def _excess_s(
         self, metrics: _Metrics, name: str, values: FloatArray, ranks: Sequence[int], span: slice
     ) -> float:
         effect = self._mean_effect(metrics, name, ranks, span.start, span.stop - 1)
-        peer = nanmedian(np.where(self.present[span], values[span], np.nan), axis=1)
+        peer = nanmedian(self._peers(values[span]), axis=1)
         base = float(np.nanmedian(peer)) if np.isfinite(peer).any() else 0.0
         return base * math.expm1(effect)
 
@@ -557,18 +576,26 @@ class _Analysis:
         if not classes or not indices:
             return None, 1.0
         span = slice(first, last + 1)
-        kernel = np.asarray(frame.kernel_s[span][:, :, classes])
-        present = self.present[span][:, :, None]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            share = safe_log(np.where(present, kernel / self.compute_s[span][:, :, None], np.nan))
-        per_rank = nanmedian(share[:, indices, :] - nanmedian(share, axis=1), axis=0)[0]
+        peers = np.arange(frame.n_ranks) if self.reference is None else self.reference
+        mine = np.asarray(indices)
+
+        def log_times(columns: np.ndarray, *, share: bool) -> FloatArray:
+            kernel = np.asarray(frame.kernel_s[span][:, columns][:, :, classes])
+            if share:  # silent ranks are NaN already
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    kernel = kernel / self.compute_s[span][:, columns][:, :, None]
+            return safe_log(kernel)
+
+        peer_share = nanmedian(log_times(peers, share=True), axis=1)
+        per_rank = nanmedian(log_times(mine, share=True) - peer_share, axis=0)[0]
         effect = nanmedian(per_rank, axis=0)[0]
         effect = np.where(np.isfinite(effect), effect, -np.inf)
         best = int(np.argmax(effect))
         if not effect[best] > 0:
             return None, 1.0
-        times = safe_log(np.where(present[:, :, 0], kernel[:, :, best], np.nan))
-        ratio = math.exp(float(np.nanmedian(times[:, indices] - nanmedian(times, axis=1))))
+        peer_time = nanmedian(log_times(peers, share=False)[:, :, best], axis=1)
+        own_time = log_times(mine, share=False)[:, :, best]
+        ratio = math.exp(float(np.nanmedian(own_time - peer_time)))
         return frame.kernel_classes[classes[best]], ratio
 
     # ---- rank_missing --------------------------------------------------------------------
@@ -660,7 +687,7 @@ class _Analysis:
                 series, min_shift=config.min_shift, alpha=config.change_alpha
             ):
                 excess = point.after - point.before
-                if point.ratio < 1 or excess < 2 * config.min_step_fraction * step:
+                if point.ratio < 1 or excess < config.min_step_fraction * step:
                     continue
                 if any(low - 6 <= point.index <= high + 1 for low, high in explained):
                     continue
@@ -675,7 +702,16 @@ class _Analysis:
             else:
                 groups.append([candidate])
         results = []
+        waiting = {f"phase:{COMMUNICATION_CATEGORY}"} | {
+            f"kernel:{name}"
+            for name, category in zip(frame.kernel_classes, frame.kernel_categories, strict=True)
+            if category == COMMUNICATION_CATEGORY
+        }
         for group in groups:
+            if all(c[1] in waiting for c in group):
+                # Collective time is mostly waiting for the last rank: its median is an
+                # extreme-value statistic, too jumpy to call a job regression on its own.
+                continue
             index = min(c[0] for c in group)
             phases = [c for c in group if c[1].startswith("phase:")]
             kernels = [c for c in group if c[1].startswith("kernel:")]
@@ -690,6 +726,7 @@ class _Analysis:
                 detail.append(f"{phase} moved most")
             if top_kernel:
                 detail.append(f"{kernel_class} {top_kernel[3]:.2f}x")
+            head = f"job step time {ratio:.2f}x" if steps else "job slower"
             diagnosis = Diagnosis(
                 job=frame.job,
                 kind="job_regression",
@@ -699,7 +736,7 @@ class _Analysis:
                 end_unix_nano=None,
                 severity=_severity(ratio),
                 score=float(max(c[3] for c in group)),
-                summary=f"job step time {ratio:.2f}x since {since} on every rank"
+                summary=f"{head} since {since} on every rank"
                 + (f" ({', '.join(detail)})" if detail else ""),
             )
             confirm = min(index + 2, frame.n_windows - 1)

@@ -120,13 +120,16 @@ def _detect(args: argparse.Namespace) -> int:
     if args.every is not None:
         interval_s = parse_duration_s(args.every, argument="--every")
         lookback_s = parse_duration_s(args.lookback, argument="--lookback")
-        sinks = [JsonLinesSink(sys.stdout, json_lines=args.json), *_extra_sinks(args)]
         detector = IncrementalDetector(
-            client, args.job, sinks=sinks, window_s=window_s, lookback_s=lookback_s
+            client, args.job, sinks=_extra_sinks(args), window_s=window_s, lookback_s=lookback_s
         )
+        # Only changes are printed (opened, then closed), so a restarted runner, which finds
+        # its open findings in InfluxDB, never prints one twice.
+        printer = JsonLinesSink(sys.stdout, json_lines=args.json)
         passes = 0
         while True:
-            detector.run_pass()
+            result = detector.run_pass()
+            printer.publish([*result.opened, *result.closed])
             passes += 1
             if args.passes is not None and passes >= args.passes:
                 return 0

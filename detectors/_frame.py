@@ -88,10 +88,18 @@ class JobFrame:
 
     def category_s(self, category: str) -> FloatArray:
         """``(W, R)`` kernel time per step of every class in ``category`` (NaN if none)."""
-        mask = np.array([c == category for c in self.kernel_categories], dtype=np.float64)
-        if not mask.any():
+        names = sorted(set(self.kernel_categories))
+        if category not in names:
             return np.full(self.step_s.shape, np.nan)
-        return np.asarray(self.kernel_s @ mask, dtype=np.float64)
+        cache = self.__dict__.setdefault("_category_cache", {})
+        if not cache:  # one pass over the (W, R, K) array for every category
+            one_hot = np.array(
+                [[float(c == name) for name in names] for c in self.kernel_categories]
+            )
+            totals = self.kernel_s @ one_hot
+            for column, name in enumerate(names):
+                cache[name] = np.ascontiguousarray(totals[:, :, column])
+        return np.asarray(cache[category])
 
     def phase(self, name: str) -> FloatArray | None:
         if name not in self.phases:

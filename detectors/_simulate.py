@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from stepwatch._diagnosis import format_time, parse_time
-from stepwatch._errors import ConfigError
+from stepwatch._errors import ConfigError, StepwatchError
 from stepwatch._schema import DIAGNOSIS_KINDS
 from stepwatch.detectors._frame import JobFrame
 from stepwatch.detectors._stats import FloatArray
@@ -690,7 +690,7 @@ def send_otlp(job: SimulatedJob, endpoint: str, *, timeout_s: float = 10.0) -> i
         for window in range(job.n_windows):
             for data in _metrics_for_window(job, builders, window):
                 if exporter.export(data) is not MetricExportResult.SUCCESS:
-                    raise ConfigError(f"endpoint: OTLP export to {url} failed")
+                    raise StepwatchError(f"OTLP export to {url} failed (see the log)")
                 sent += 1
     finally:
         exporter.shutdown()

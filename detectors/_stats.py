@@ -96,7 +96,7 @@ def nanmedian(values: FloatArray, *, axis: int) -> FloatArray:
 def safe_log(values: FloatArray, *, dtype: type = np.float64) -> FloatArray:
     """Natural log where positive and finite, NaN elsewhere (zero time has no ratio)."""
     values = np.asarray(values, dtype=dtype)
-    result = np.full(values.shape, np.nan, dtype=dtype)
+    result: FloatArray = np.full(values.shape, np.nan, dtype=dtype)
     ok = np.isfinite(values) & (values > 0)
     np.log(values, out=result, where=ok)
     return result
@@ -171,7 +171,7 @@ def cross_rank_outliers(
     metric: str,
     scale_windows: int = 1,
     fdr_q: float = 1e-6,
-    min_scale: float = 0.002,
+    min_scale: float = 0.0005,
     min_ranks: int = 4,
     pool_windows: int = 30,
     reference: npt.NDArray[np.intp] | None = None,
@@ -236,7 +236,7 @@ def multiscale_outliers(
     metric: str,
     scales: Sequence[int],
     fdr_q: float = 1e-6,
-    min_scale: float = 0.002,
+    min_scale: float = 0.0005,
     min_ranks: int = 4,
     pool_windows: int = 30,
     reference: npt.NDArray[np.intp] | None = None,
@@ -315,13 +315,15 @@ def _trailing_mean(
     """Trailing NaN-ignoring mean from precomputed cumulative sums (see rolling_nanmean)."""
     if window == 1:
         return values
-    span_sums = sums.copy()
-    span_counts = counts.copy()
-    if values.shape[0] > window:
-        span_sums[window:] -= sums[:-window]
-        span_counts[window:] -= counts[:-window]
+    span_sums = np.empty_like(sums)
+    span_counts = np.empty_like(counts)
+    head = min(window, values.shape[0])
+    span_sums[:head] = sums[:head]
+    span_counts[:head] = counts[:head]
+    np.subtract(sums[head:], sums[: sums.shape[0] - head], out=span_sums[head:])
+    np.subtract(counts[head:], counts[: counts.shape[0] - head], out=span_counts[head:])
     with np.errstate(invalid="ignore", divide="ignore"):
-        mean = span_sums / span_counts
+        mean = np.divide(span_sums, span_counts, out=span_sums)
     mean[span_counts == 0] = np.nan
     return mean.astype(values.dtype, copy=False)
 

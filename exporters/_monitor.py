@@ -45,6 +45,7 @@ AT_EXIT_TIMEOUT_S: Final = 2.0
 MAX_PHASE_NAME_LENGTH: Final = 64
 MAX_PHASE_NAMES: Final = 256
 _LOG_INTERVAL_S: Final = 60.0
+_YIELD_EVERY_STEPS: Final = 16
 
 
 class Clock(Protocol):
@@ -548,7 +549,11 @@ class StepMonitor:
         ):
             return False
         builder = self._builder
-        for index, start_ns, end_ns, phases, device in records:
+        for position, (index, start_ns, end_ns, phases, device) in enumerate(records):
+            if position % _YIELD_EVERY_STEPS == _YIELD_EVERY_STEPS - 1:
+                # Release the GIL now and then: the training thread (and DDP's comm-hook
+                # callbacks) must never wait a whole switch interval (5 ms) for this thread.
+                time.sleep(0)
             duration_s = (end_ns - start_ns) * 1e-9
             phases_s = {name: ns * 1e-9 for name, ns in phases.items()}
             if device is not None and timer is not None:

@@ -180,26 +180,24 @@ def write_outputs(
     """Run the detectors over the job and write the HTML report, when those parts exist."""
     diagnoses: list[Any] = []
     try:
-        from stepwatch.detectors import detect_job
+        from stepwatch.detectors import InfluxDiagnosisSink, detect_job, write_report
     except ImportError as exc:
         logger.warning("detectors unavailable: %s", exc)
-    else:
-        diagnoses = list(
-            detect_job(client, job, start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano)
+        return diagnoses, None
+    diagnoses = list(
+        detect_job(client, job, start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano)
+    )
+    # Stored like the detector service stores them: the report, Grafana's annotation query
+    # and a later `stepwatch detect` all read stepwatch.diagnosis.
+    InfluxDiagnosisSink(client).publish(diagnoses)
+    report_path = Path(
+        write_report(
+            client,
+            job,
+            start_unix_nano=start_unix_nano,
+            end_unix_nano=end_unix_nano,
+            out_path=out_dir / f"report-{job}.html",
+            findings=diagnoses,
         )
-    report_path: Path | None = None
-    try:
-        from stepwatch.detectors import write_report
-    except ImportError as exc:
-        logger.warning("report unavailable: %s", exc)
-    else:
-        report_path = Path(
-            write_report(
-                client,
-                job,
-                start_unix_nano=start_unix_nano,
-                end_unix_nano=end_unix_nano,
-                out_path=out_dir / f"report-{job}.html",
-            )
-        )
+    )
     return diagnoses, report_path

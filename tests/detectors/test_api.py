@@ -125,3 +125,36 @@ def test_truth_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert fault.ranks == tuple(range(8, 16))
     with pytest.raises(ConfigError, match="truth"):
         Truth.from_json_dict({"job": "x"})
+
+
+def test_json_lines_sink_prints_each_state_once() -> None:
+    import dataclasses
+    import io
+    import json
+
+    from stepwatch import Diagnosis
+    from stepwatch.detectors import JsonLinesSink, MemorySink
+
+    diagnosis = Diagnosis(
+        job="j",
+        kind="rank_missing",
+        ranks=(3,),
+        start_unix_nano=1_795_291_200_000_000_000,
+        end_unix_nano=None,
+        severity="critical",
+        score=1.0,
+        summary="rank 3 stopped reporting at 20:00:00 (the others still report)",
+    )
+    closed = dataclasses.replace(diagnosis, end_unix_nano=diagnosis.start_unix_nano + 10**10)
+    stream = io.StringIO()
+    sink = JsonLinesSink(stream)
+    memory = MemorySink()
+    for batch in ([diagnosis], [diagnosis], [closed], [closed]):
+        sink.publish(batch)
+        memory.publish(batch)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [line["end"] for line in lines] == [None, "2026-11-21T20:00:10Z"]
+    assert list(memory.findings.values()) == [closed]
+    table = io.StringIO()
+    JsonLinesSink(table, json_lines=False).publish([closed])
+    assert "rank_missing" in table.getvalue() and "critical" in table.getvalue()

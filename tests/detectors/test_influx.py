@@ -236,3 +236,48 @@ def test_cli_simulate_detect_evaluate(influx: InfluxClient, tmp_path: Path) -> N
         )
     assert "dataloader_stall" in buffer.getvalue()
     assert count_points(influx, DIAGNOSIS_MEASUREMENT) == 1
+    # A restarted incremental runner finds the open finding in InfluxDB: nothing new printed.
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        every = ["detect", "--job", "cli-job", "--every", "1s", "--passes", "1", "--json"]
+        assert main([*every, *common]) == 0
+    assert buffer.getvalue() == ""
+    assert count_points(influx, DIAGNOSIS_MEASUREMENT) == 1
+
+
+def test_simulated_ranks_over_otlp_through_the_bridge(influx: InfluxClient) -> None:
+    from stepwatch._influx import wait_until
+    from stepwatch.detectors import send_otlp
+    from stepwatch.otel_bridge import Bridge, InfluxV1Writer
+
+    job = simulate(
+        8, steps=120, faults=[Fault.parse("gpu_health@50:2:1.3")], seed=8, job="otlp-job"
+    )
+    bridge = Bridge(InfluxV1Writer(influx), grpc_port=None, http_port=0)
+    bridge.start()
+    try:
+        exports = send_otlp(job, f"http://127.0.0.1:{bridge.http_port}")
+        assert exports == 8 * job.n_windows
+        expected = 8 * job.n_windows
+        assert wait_until(
+            lambda: count_points(influx, "stepwatch.step.duration") >= expected, timeout_s=30
+        )
+    finally:
+        bridge.stop()
+    truth = job.truth
+    frame = read_frame(
+        influx, truth.job, start_unix_nano=truth.start_unix_nano, end_unix_nano=truth.end_unix_nano
+    )
+    np.testing.assert_allclose(frame.step_s[: job.n_windows], job.frame().step_s, rtol=1e-9)
+    # No NVML exporter in a simulation: GPU health shows as a compute straggler on rank 2
+    # (every compute class slower); with the clock it would be named gpu_health.
+    kinds = {
+        (d.kind, d.ranks)
+        for d in detect_job(
+            influx,
+            truth.job,
+            start_unix_nano=truth.start_unix_nano,
+            end_unix_nano=truth.end_unix_nano,
+        )
+    }
+    assert kinds == {("compute_straggler", (2,))}
