@@ -170,7 +170,7 @@ def read_frame(
         start_unix_nano: first instant read (rounded down to a window boundary).
         end_unix_nano: last instant read (inclusive).
         window_s: analysis window; export windows whose end falls in it are merged. When
-            ``None``, the median export window length of the data (at least 1 s).
+            ``None``, derived from the data's export window (:func:`export_window_s`).
 
     Raises:
         ConfigError: bad range or window.
@@ -213,7 +213,14 @@ def read_frame(
 
 
 def export_window_s(results: Sequence[QuerySeries]) -> float:
-    """Median export window length (``time - start_time_unix_nano``), at least 1 s."""
+    """Analysis window for the data's median export window (``time - start_time_unix_nano``).
+
+    Exports of 1 s or more: the export window rounded to whole seconds. Sub-second exports
+    (a demo, a short job) drift by a large fraction of their length on a loaded host, so
+    a bin of exactly one export window would often hold none of a rank's exports and
+    another two: those are binned at twice the export window rounded to 50 ms (at most 1 s).
+    10 s when the data carries no export window.
+    """
     lengths: list[int] = []
     for series in results:
         if series.name != _schema.STEP_DURATION or "start_time_unix_nano" not in series.columns:
@@ -226,7 +233,9 @@ def export_window_s(results: Sequence[QuerySeries]) -> float:
     if not lengths:
         return 10.0
     median_s = float(np.median(lengths)) / 1e9
-    return float(max(1.0, round(median_s)))
+    if median_s >= 1.0:
+        return float(round(median_s))
+    return min(1.0, 2.0 * max(0.05, round(median_s * 20.0) / 20.0))
 
 
 def frame_from_series(

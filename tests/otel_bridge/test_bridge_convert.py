@@ -27,6 +27,7 @@ from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm
 )
 
 import stepwatch.otel_bridge as bridge
+from stepwatch._errors import ConfigError
 from stepwatch._lineproto import encode_point
 from stepwatch.otel_bridge import (
     TAG_ALLOWLIST,
@@ -410,6 +411,14 @@ def test_cached_encoder_matches_core_encode_point(
     time_unix_nano: int,
 ) -> None:
     point = Point(measurement, tags, dict(fields), time_unix_nano)
+    texts = [measurement, *tags, *(value for value in tags.values() if value), *fields]
+    if any(text.endswith("\\") for text in texts):
+        # Unrepresentable in line protocol: both encoders refuse it the same way.
+        with pytest.raises(ConfigError, match="backslash"):
+            point.encode()
+        with pytest.raises(ConfigError, match="backslash"):
+            encode_point(measurement, tags, fields, time_unix_nano)
+        return
     assert point.encode() == encode_point(measurement, tags, fields, time_unix_nano)
 
 
@@ -425,8 +434,8 @@ def test_docstring_examples_run() -> None:
 
 def test_exponential_fields_keep_only_edges_of_populated_buckets() -> None:
     # Two clusters 64 buckets apart at scale 5 (two octaves): the empty buckets between them
-    # add no field; both edges of each populated bucket stay (the lowest is `min`), so the bucket of every
-    # observation (and the nearest-rank quantiles) can be read back from the stored fields.
+    # add no field; both edges of each populated bucket stay (the lowest is `min`), so the
+    # bucket of every observation (and the nearest-rank quantiles) can be read back.
     counts = [3, 0, 1] + [0] * 61 + [2]
     metric = exponential_histogram(
         "stepwatch.kernel.duration", scale=5, offset=-320, counts=counts, total=0.02
