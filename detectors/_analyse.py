@@ -43,6 +43,8 @@ from stepwatch.detectors._stats import (
 
 #: Metric name of the pooled small compute kernel classes.
 MINOR_CLASSES = "(minor classes)"
+#: Host-side phases that never contain waiting for peers (one-off stalls show there).
+STALL_PHASES = ("data", "forward", "optimizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,12 @@ class DetectorConfig:
         gap_windows: flag-free windows that end an episode.
         missing_windows: consecutive silent windows before ``rank_missing``.
         burst_min_ratio: smallest longest-step / mean-step excess over peers for a stall.
+        stall_min_steps: smallest one-off stall, in job median steps: the longest single
+            occurrence of a host-side phase (``data``, ``forward``, ``optimizer``) above
+            the peers' longest one in the same window. Peers that wait for a stalled rank
+            in a collective show the stall in their step and communication time too, so
+            only phases that cannot contain waiting localise it.
+        stall_min_ratio: smallest ratio of that longest occurrence to the peers' one.
         clock_min_drop: smallest relative SM clock drop for ``gpu_health``.
         min_ranks: fewest ranks for cross-rank tests.
         major_share: compute classes below this share of compute time are tested pooled.
@@ -81,6 +89,8 @@ class DetectorConfig:
     gap_windows: int = 6
     missing_windows: int = 3
     burst_min_ratio: float = 1.2
+    stall_min_steps: float = 20.0
+    stall_min_ratio: float = 10.0
     clock_min_drop: float = 0.03
     min_ranks: int = 4
     major_share: float = 0.01
@@ -96,6 +106,8 @@ class DetectorConfig:
             raise ConfigError("persistence_windows: must be >= 1")
         if self.missing_windows < 1:
             raise ConfigError("missing_windows: must be >= 1")
+        if self.stall_min_steps <= 0 or self.stall_min_ratio <= 1:
+            raise ConfigError("stall_min_steps/stall_min_ratio: need > 0 and > 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +326,49 @@ class _Analysis:
             with ThreadPoolExecutor(max_workers=len(blocks)) as pool:
                 for future in [pool.submit(test_block, *block) for block in blocks]:
                     future.result()
+        stall_names, stall_flags, stall_effect = self._stalls()
+        if stall_names:
+            names = [*names, *stall_names]
+            flags = np.concatenate([flags, stall_flags], axis=2)
+            effect = np.concatenate([effect, stall_effect.astype(effect.dtype)], axis=2)
+            stall_z = np.where(stall_flags, np.nan_to_num(stall_effect), 0.0)
+            zmax = np.concatenate([zmax, stall_z], axis=2)
         return _Metrics(names=tuple(names), flags=flags, effect=effect, z=zmax)
+
+    def _stalls(self) -> tuple[list[str], BoolArray, FloatArray]:
+        """One-off host-side stalls: ``stall:<phase>`` flags and log ratios ``(W, R, S)``.
+
+        A single window suffices (a stall is one event): the rank's longest occurrence of
+        the phase must exceed the peers' median longest occurrence by ``stall_min_steps``
+        job median steps and by a factor ``stall_min_ratio``.
+        """
+        frame = self.frame
+        config = self.config
+        phases = [p for p in STALL_PHASES if p in frame.phases]
+        step = float(np.nanmedian(self.step_median)) if np.isfinite(self.step_median).any() else 0
+        shape = (frame.n_windows, frame.n_ranks, len(phases))
+        flags = np.zeros(shape, dtype=bool)
+        effect = np.full(shape, np.nan)
+        if not phases or step <= 0:
+            return [], flags, effect
+        for column, phase in enumerate(phases):
+            longest = np.where(
+                self.present, frame.phase_max_s[:, :, frame.phases.index(phase)], np.nan
+            )
+            reporting = np.isfinite(longest).sum(axis=1, keepdims=True)
+            peer = nanmedian(self._peers(longest), axis=1)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ratio = longest / peer
+                hit = (
+                    (longest - peer >= config.stall_min_steps * step)
+                    & (ratio >= config.stall_min_ratio)
+                    & (reporting >= config.min_ranks)
+                )
+                effect[:, :, column] = np.where(
+                    np.isfinite(ratio) & (ratio > 0), np.log(ratio), np.nan
+                )
+            flags[:, :, column] = hit
+        return [f"stall:{phase}" for phase in phases], flags, effect
 
     def episodes(self, metrics: _Metrics) -> list[_Episode]:
         any_flag: BoolArray = np.asarray(metrics.flags.any(axis=2))
@@ -360,7 +414,7 @@ class _Analysis:
         flagged = episode.metrics
         if "clock" in flagged:
             return "gpu_health"
-        if any(name.startswith("burst:") for name in flagged):
+        if any(name.startswith(("burst:", "stall:")) for name in flagged):
             return "jit_stall"
         if "phase:data" in flagged:
             return "dataloader_stall"
@@ -490,6 +544,10 @@ class _Analysis:
                 )
             )
             phase = self._top_phase(metrics, indices, span, COMPUTE_PHASES)
+            stalls = self._stall_ratios(metrics, indices, first, last)
+            if stalls:  # a one-off stall localised to a host-side phase
+                phase, stall_ratio = max(stalls.items(), key=lambda item: item[1])
+                ratio = max(ratio, stall_ratio)
             summary = (
                 f"{rank_text} host-side stalls with the device idle: longest step {ratio:.2f}x "
                 f"its peers' since {since}"
@@ -525,6 +583,21 @@ class _Analysis:
             detected_unix_nano=int(frame.window_end_unix_nano[detected]),
             last_seen_unix_nano=int(frame.window_end_unix_nano[last]),
         )
+
+    def _stall_ratios(
+        self, metrics: _Metrics, indices: list[int], first: int, last: int
+    ) -> dict[str, float]:
+        """Flagged stall phases → longest occurrence / peers' longest (largest in the span)."""
+        ratios: dict[str, float] = {}
+        for m, name in enumerate(metrics.names):
+            if not name.startswith("stall:"):
+                continue
+            hit = metrics.flags[first : last + 1, indices, m]
+            if hit.any():
+                ratios[name.split(":", 1)[1]] = math.exp(
+                    float(np.nanmax(metrics.effect[first : last + 1, indices, m][hit]))
+                )
+        return ratios
 
     def _host_group(self, indices: list[int]) -> tuple[list[int], tuple[str, ...]]:
         hosts = self.frame.hosts
