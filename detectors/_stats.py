@@ -56,7 +56,8 @@ class ChangePoint:
         before: median of the series before ``index``.
         after: median of the series from ``index`` on (to the next change point).
         ratio: ``after / before``.
-        p_value: CUSUM-of-OLS-residuals stability test of the segment that was split.
+        p_value: CUSUM-of-OLS-residuals stability test of the segment that was split (or the
+            split's Bonferroni-corrected Welch t-test when smaller, for short segments).
     """
 
     index: int
@@ -364,6 +365,24 @@ def _best_split(values: FloatArray, min_segment: int) -> tuple[int, float]:
     return best + 1, float(statistic[best])
 
 
+#: Below this many windows the CUSUM test's asymptotic null cannot reach small alphas (its
+#: statistic is at most ``sqrt(n) / 2``); a split t-test backs it up.
+SMALL_SEGMENT = 30
+
+
+def _split_t_p_value(segment: FloatArray, split: int, min_segment: int) -> float:
+    """Welch t-test of the two sides of ``split``, Bonferroni over the candidate splits."""
+    from scipy.stats import ttest_ind
+
+    before, after = segment[:split], segment[split:]
+    if np.ptp(before) == 0 and np.ptp(after) == 0:
+        return 1.0  # no spread on either side: the t statistic is undefined
+    result = ttest_ind(before, after, equal_var=False)
+    candidates = max(1, segment.size - 2 * min_segment + 1)
+    p_value = float(result.pvalue)
+    return min(1.0, p_value * candidates) if math.isfinite(p_value) else 1.0
+
+
 def change_points(
     series: FloatArray,
     *,
@@ -389,8 +408,12 @@ def change_points(
         Binary segmentation on the log series: the split maximising the standardised CUSUM
         is kept when ``statsmodels.stats.diagnostic.breaks_cusumolsresid`` rejects parameter
         stability of the segment at ``alpha`` *and* the segment medians differ by at least
-        ``min_shift``; both halves are then searched again. Assumes independent noise
-        between windows. Fewer than ``2 * min_segment`` finite windows → no change point.
+        ``min_shift``; both halves are then searched again. The CUSUM statistic of ``n``
+        points is at most ``sqrt(n) / 2``, so below ``SMALL_SEGMENT`` (30) windows it can
+        never reach a small ``alpha`` however large the shift (a short job); there a Welch
+        t-test of the two sides, Bonferroni-corrected over the candidate splits, may reject
+        instead. Assumes independent noise between windows. Fewer than ``2 * min_segment``
+        finite windows → no change point.
 
     References:
         Ploberger, W. and Krämer, W. (1992). The CUSUM test with OLS residuals.
@@ -418,6 +441,8 @@ def change_points(
         if abs(ratio - 1) < min_shift:
             continue
         _, p_value, _ = breaks_cusumolsresid(segment - segment.mean(), ddof=1)
+        if segment.size < SMALL_SEGMENT:
+            p_value = min(p_value, _split_t_p_value(segment, split, min_segment))
         if not p_value < alpha:
             continue
         found.append(

@@ -9,6 +9,7 @@ Every bad request is answered and the server keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import http.server
 import logging
@@ -239,6 +240,7 @@ class Bridge:
             self._grpc_server = None
         if self._http_server is not None:
             self._http_server.shutdown()
+            self._http_server.close_connections()
             self._http_server.server_close()
             self._http_server = None
         if self._http_thread is not None:
@@ -421,9 +423,31 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
         bridge: Bridge,
     ) -> None:
         self.bridge = bridge
+        # Keep-alive connections outlive serve_forever(): remember them so stop() can close
+        # them, or an exporter reusing its connection would talk to a stopped bridge forever.
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._connections_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        """Close every open client connection (after ``shutdown()``: none are accepted)."""
+        with self._connections_lock:
+            connections, self._connections = self._connections, set()
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
 
     def server_bind(self) -> None:
         if self.bridge.reuse_port and hasattr(socket, "SO_REUSEPORT"):

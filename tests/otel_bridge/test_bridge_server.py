@@ -412,3 +412,28 @@ def test_cli_runs_until_sigterm(influx: InfluxClient, tmp_path: Path) -> None:
         if process.poll() is None:
             process.kill()
         process.communicate(timeout=10)  # reaps and closes the pipes
+
+
+def test_stop_closes_keep_alive_connections(influx: InfluxClient) -> None:
+    # An SDK exporter reuses its HTTP connection; after stop() that connection must end, not
+    # keep being answered by a bridge that no longer forwards anything.
+    import http.client
+
+    from stepwatch.otel_bridge import InfluxV1Writer
+
+    bridge = Bridge(InfluxV1Writer(influx), grpc_port=None)
+    bridge.start()
+    connection = http.client.HTTPConnection("127.0.0.1", bridge.http_port, timeout=5)
+    try:
+        body = request([gauge("stepwatch.step.last", 3.0)]).SerializeToString()
+        connection.request("POST", "/v1/metrics", body=body, headers=proto_headers())
+        response = connection.getresponse()
+        response.read()
+        assert response.status == 200
+        bridge.stop()
+        with pytest.raises((ConnectionError, http.client.HTTPException)):
+            connection.request("POST", "/v1/metrics", body=body, headers=proto_headers())
+            connection.getresponse().read()
+    finally:
+        connection.close()
+        bridge.stop()
