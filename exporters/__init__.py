@@ -17,7 +17,13 @@ from stepwatch.exporters._export import (
     resolve_exporter_config,
 )
 from stepwatch.exporters._histogram import ExponentialHistogram, HistogramSnapshot
-from stepwatch.exporters._monitor import Clock, MonitorStats, StepMonitor, SystemClock
+from stepwatch.exporters._monitor import (
+    Clock,
+    HealthSource,
+    MonitorStats,
+    StepMonitor,
+    SystemClock,
+)
 from stepwatch.exporters._window import KernelSource, KernelWindow, WindowBuilder, build_resource
 from stepwatch.exporters.kernels import *  # noqa: F403  (its __all__, pinned by its own test)
 
@@ -28,6 +34,7 @@ __all__ = [
     "ExponentialHistogram",
     "Exporter",
     "ExporterConfig",
+    "HealthSource",
     "HistogramSnapshot",
     "InMemoryExporter",
     "Instrumentation",

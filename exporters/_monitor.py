@@ -34,6 +34,9 @@ from stepwatch.exporters._export import (
 from stepwatch.exporters._window import KernelSource, KernelWindow, WindowBuilder, build_resource
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import MetricsData
+    from opentelemetry.sdk.resources import Resource
+
     from stepwatch.exporters._auto import Instrumentation
 
 logger = logging.getLogger("stepwatch.exporters")
@@ -238,6 +241,10 @@ class StepMonitor:
         exporter: Any :class:`Exporter` (every SDK ``MetricExporter`` is one); replaces the
             OTLP exporter built from the settings above.
         kernel_source: Kernel events to add to each window.
+        health: GPU health (NVML) sampled once per window and sent with it: a
+            :class:`HealthSource` such as ``stepwatch.exporters.kernels.HealthSampler``;
+            ``None`` (default) builds one when ``pynvml`` is installed (it logs once and goes
+            quiet on a machine without a GPU); ``False`` turns it off.
         clock: Time source (tests inject a fake).
         device_timer: ``"auto"`` (CUDA events when torch is imported and CUDA is available,
             else the host clock), ``"cuda"``, ``"cpu"`` or a :class:`DeviceTimer`. With a
@@ -273,6 +280,7 @@ class StepMonitor:
         export_interval_s: float | None = None,
         exporter: Exporter | None = None,
         kernel_source: KernelSource | None = None,
+        health: HealthSource | bool | None = None,
         clock: Clock | None = None,
         device_timer: DeviceTimer | str | None = "auto",
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
@@ -312,6 +320,7 @@ class StepMonitor:
         self._exporter: Exporter = exporter
         self._builder = WindowBuilder(resource, max_scale=max_scale, max_size=max_size)
         self._kernel_source = kernel_source
+        self._health = _resolve_health(health, resource)
         self._clock: Clock = clock if clock is not None else SystemClock()
         self._device_timer = resolve_device_timer(device_timer)
         self._mono_anchor_ns = self._clock.monotonic_ns()
@@ -487,6 +496,35 @@ class StepMonitor:
         return instrumentation
 
     # ------------------------------------------------------------------ export
+    def _with_health(
+        self, metrics: MetricsData, start_unix_nano: int, end_unix_nano: int
+    ) -> MetricsData:
+        """``metrics`` plus this window's device-health scope (one request per window)."""
+        from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics
+
+        health = self._health
+        try:
+            if health is None:
+                return metrics
+            health.sample()
+            extra = health.build(start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano)
+        except Exception:
+            self._log.warning("health", "device-health sampling raised", exc_info=True)
+            return metrics
+        if extra is None or not extra.resource_metrics:
+            return metrics
+        window = metrics.resource_metrics[0]
+        scopes = [*window.scope_metrics]
+        for resource_metrics in extra.resource_metrics:
+            scopes.extend(resource_metrics.scope_metrics)
+        return MetricsData(
+            resource_metrics=[
+                ResourceMetrics(
+                    resource=window.resource, scope_metrics=scopes, schema_url=window.schema_url
+                )
+            ]
+        )
+
     def _wall_ns(self, monotonic_ns: int) -> int:
         return self._wall_anchor_ns + (monotonic_ns - self._mono_anchor_ns)
 
@@ -572,6 +610,8 @@ class StepMonitor:
         metrics = builder.build(start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano)
         if metrics is None:
             return False
+        if self._health is not None:
+            metrics = self._with_health(metrics, start_unix_nano, end_unix_nano)
         self._last_window_end_ns = end_unix_nano
         timeout = self._export_timeout_s if timeout_s is None else timeout_s
         from opentelemetry.sdk.metrics.export import MetricExportResult
@@ -680,6 +720,30 @@ class StepMonitor:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class HealthSource(Protocol):
+    """Device-health readings for a window (e.g. ``kernels.HealthSampler`` over NVML)."""
+
+    def sample(self) -> None:
+        """Read the devices now (export thread); never raises."""
+
+    def build(self, *, start_unix_nano: int, end_unix_nano: int) -> MetricsData | None:
+        """The readings since the last build as metrics of this rank's resource."""
+
+
+def _resolve_health(health: HealthSource | bool | None, resource: Resource) -> HealthSource | None:
+    if health is False:
+        return None
+    if health is None or health is True:
+        import importlib.util
+
+        if health is None and importlib.util.find_spec("pynvml") is None:
+            return None
+        from stepwatch.exporters.kernels import HealthSampler
+
+        return HealthSampler(resource)
+    return health
 
 
 def _resolve_interval(export_interval_s: float | None) -> float:

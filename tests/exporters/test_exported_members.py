@@ -15,6 +15,7 @@ EXPECTED_CORE = {
     "ExponentialHistogram",
     "Exporter",
     "ExporterConfig",
+    "HealthSource",
     "HistogramSnapshot",
     "InMemoryExporter",
     "Instrumentation",
