@@ -411,7 +411,8 @@ def test_cached_encoder_matches_core_encode_point(
     time_unix_nano: int,
 ) -> None:
     point = Point(measurement, tags, dict(fields), time_unix_nano)
-    texts = [measurement, *tags, *(value for value in tags.values() if value), *fields]
+    # Tags with an empty value are not written at all (InfluxDB refuses empty tag values).
+    texts = [measurement, *(text for item in tags.items() if item[1] for text in item), *fields]
     if any(text.endswith("\\") for text in texts):
         # Unrepresentable in line protocol: both encoders refuse it the same way.
         with pytest.raises(ConfigError, match="backslash"):
