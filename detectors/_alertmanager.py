@@ -160,19 +160,10 @@ def finding_labels(finding: Diagnosis) -> dict[str, str]:
 
 def describe(finding: Diagnosis) -> str:
     """A few lines of plain text: what, where, since when, how sure."""
-    where = []
-    if finding.ranks:
-        where.append("ranks " + ", ".join(str(rank) for rank in finding.ranks))
-    if finding.hosts:
-        where.append("hosts " + ", ".join(finding.hosts))
-    if finding.phase:
-        where.append(f"phase {finding.phase}")
-    if finding.kernel_class:
-        where.append(f"kernel class {finding.kernel_class}")
     lines = [
         f"{finding.kind.replace('_', ' ')} in job {finding.job} ({finding.severity}, "
         f"score {finding.score:.2f})",
-        "where: " + ("; ".join(where) if where else "job-wide"),
+        f"where: {finding.location}",
         f"since: {rfc3339(finding.start_unix_nano)}",
     ]
     if finding.end_unix_nano is not None:

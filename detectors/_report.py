@@ -724,15 +724,6 @@ def findings_html(data: ReportData) -> str:
         return "<p>No findings: the detectors found nothing wrong in this range.</p>"
     items = []
     for number, finding in enumerate(data.findings, start=1):
-        where = []
-        if finding.ranks:
-            where.append("ranks " + ", ".join(str(r) for r in finding.ranks))
-        if finding.hosts:
-            where.append("hosts " + ", ".join(finding.hosts))
-        if finding.phase:
-            where.append(f"phase {finding.phase}")
-        if finding.kernel_class:
-            where.append(f"kernel class {finding.kernel_class}")
         until = (
             "still open"
             if finding.end_unix_nano is None
@@ -743,7 +734,7 @@ def findings_html(data: ReportData) -> str:
             f"{html.escape(finding.summary)}</b><br>"
             f"{html.escape(finding.kind.replace('_', ' '))}, {html.escape(finding.severity)} "
             f"(score {finding.score:.2f}); "
-            f"{html.escape('; '.join(where) if where else 'job-wide')}; "
+            f"{html.escape(finding.location)}; "
             f"since {_stamp(finding.start_unix_nano)}, {until}.</li>"
         )
     return f"<ol class='findings'>{''.join(items)}</ol>"

@@ -10,19 +10,10 @@ import dataclasses
 
 import numpy as np
 
+from stepwatch._schema import DIAGNOSIS_KINDS
 from stepwatch.detectors._simulate import Fault, SimulatedJob, Topology, simulate
 
-FAULT_KINDS = (
-    "compute_straggler",
-    "masked_straggler",
-    "link_degradation",
-    "pipeline_bubble",
-    "jit_stall",
-    "dataloader_stall",
-    "job_regression",
-    "gpu_health",
-    "rank_missing",
-)
+FAULT_KINDS = DIAGNOSIS_KINDS
 SEVERITIES = (1.05, 1.1, 1.2, 1.5, 2.0, 3.0)
 WORLD_SIZES = (8, 16, 32, 64, 128, 256, 1024, 4096)
 

@@ -74,6 +74,21 @@ class Diagnosis:
         )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
+    @property
+    def location(self) -> str:
+        """Where the finding is, in words: "ranks 3, 17; hosts node-1; phase backward" or
+        "job-wide" when the kind localises nothing."""
+        parts = []
+        if self.ranks:
+            parts.append("ranks " + ", ".join(str(rank) for rank in self.ranks))
+        if self.hosts:
+            parts.append("hosts " + ", ".join(self.hosts))
+        if self.phase:
+            parts.append(f"phase {self.phase}")
+        if self.kernel_class:
+            parts.append(f"kernel class {self.kernel_class}")
+        return "; ".join(parts) if parts else "job-wide"
+
     def to_json_dict(self) -> dict[str, Any]:
         """The SCHEMA.md JSON object."""
         return {

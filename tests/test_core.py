@@ -113,3 +113,20 @@ def test_line_protocol_backslashes_round_trip(influx: InfluxClient) -> None:
     )
     (series,) = influx.query('SELECT "host.name", "note" FROM "m.b"')
     assert series.values[0][1:] == ["a\\ b,c", 'x\\"y\\']
+
+
+def test_diagnosis_location_in_words() -> None:
+    base = Diagnosis(
+        job="j",
+        kind="job_regression",
+        start_unix_nano=0,
+        end_unix_nano=None,
+        severity="warning",
+        score=1.0,
+        summary="s",
+    )
+    assert base.location == "job-wide"
+    located = Diagnosis.from_json_dict(
+        {**base.to_json_dict(), "ranks": [3, 17], "hosts": ["n1"], "phase": "backward"}
+    )
+    assert located.location == "ranks 3, 17; hosts n1; phase backward"
