@@ -6,14 +6,11 @@ condition clears it sends the alert once more with ``endsAt`` set to when it end
 identified by their label set, so re-sending the same finding never duplicates it: the
 ``finding`` label (``Diagnosis.finding_id``) makes every finding its own alert.
 API: https://github.com/prometheus/alertmanager/blob/main/api/v2/openapi.yaml
-
-The small HTTP transport here is shared with the Grafana sink (``_grafana.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 import urllib.error
@@ -21,115 +18,15 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any
 
 from stepwatch._diagnosis import Diagnosis
-from stepwatch._errors import ConfigError, StepwatchError
+from stepwatch._errors import ConfigError
+from stepwatch._http import HttpTransport, UrllibTransport, check_base_url, send_json
 
 logger = logging.getLogger(__name__)
 
 ALERTNAME = "StepwatchFinding"
-
-
-class DeliveryError(StepwatchError):
-    """A sink could not deliver to its server (unreachable or a non-2xx answer).
-
-    The sink keeps no record of what failed, so the next ``publish`` retries it.
-    """
-
-    def __init__(self, message: str, *, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@dataclasses.dataclass(frozen=True)
-class HttpResponse:
-    """What a transport returns for any HTTP status (errors are not exceptions here)."""
-
-    status: int
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body) if self.body else None
-
-
-class HttpTransport(Protocol):
-    """Sends one HTTP request. Raises ``OSError`` only when the server cannot be reached."""
-
-    def request(
-        self,
-        method: str,
-        url: str,
-        *,
-        headers: Mapping[str, str],
-        body: bytes | None,
-        timeout_s: float,
-    ) -> HttpResponse: ...
-
-
-class UrllibTransport:
-    """The default transport: the standard library's ``urllib``."""
-
-    def request(
-        self,
-        method: str,
-        url: str,
-        *,
-        headers: Mapping[str, str],
-        body: bytes | None,
-        timeout_s: float,
-    ) -> HttpResponse:
-        request = urllib.request.Request(url, data=body, method=method, headers=dict(headers))
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                return HttpResponse(int(response.status), response.read())
-        except urllib.error.HTTPError as exc:
-            return HttpResponse(int(exc.code), exc.read())
-        except urllib.error.URLError as exc:
-            reason = exc.reason
-            raise OSError(str(reason)) from exc
-
-
-def check_base_url(url: str, argument: str) -> str:
-    """``url`` without a trailing slash, or ``ConfigError`` naming ``argument``."""
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ConfigError(f"{argument}: {url!r} is not an http(s) URL")
-    return url.rstrip("/")
-
-
-def send_json(
-    transport: HttpTransport,
-    method: str,
-    url: str,
-    payload: Any,
-    *,
-    timeout_s: float,
-    headers: Mapping[str, str] | None = None,
-) -> HttpResponse:
-    """Send ``payload`` as JSON; ``DeliveryError`` unless the answer is 2xx."""
-    body = None if payload is None else json.dumps(payload).encode()
-    all_headers = {"Accept": "application/json", **(headers or {})}
-    if body is not None:
-        all_headers["Content-Type"] = "application/json"
-    try:
-        response = transport.request(
-            method, url, headers=all_headers, body=body, timeout_s=timeout_s
-        )
-    except OSError as exc:
-        raise DeliveryError(f"{method} {_redact(url)} failed: {exc}") from exc
-    if not 200 <= response.status < 300:
-        detail = response.body.decode("utf-8", "replace").strip()[:300]
-        raise DeliveryError(
-            f"{method} {_redact(url)} answered {response.status}: {detail}",
-            status=response.status,
-        )
-    return response
-
-
-def _redact(url: str) -> str:
-    parsed = urllib.parse.urlparse(url)
-    return parsed._replace(query="").geturl() if parsed.query else url
 
 
 def rfc3339(time_unix_nano: int) -> str:

@@ -25,17 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from stepwatch._diagnosis import Diagnosis
-from stepwatch._errors import ConfigError, InfluxError
+from stepwatch._errors import ConfigError, DeliveryError, InfluxError
+from stepwatch._http import HttpTransport, UrllibTransport, check_base_url, send_json
 from stepwatch._influx import InfluxClient, quote_ident, quote_literal
 from stepwatch._lineproto import encode_point
-from stepwatch.detectors._alertmanager import (
-    DeliveryError,
-    HttpTransport,
-    UrllibTransport,
-    check_base_url,
-    describe,
-    send_json,
-)
+from stepwatch.detectors._alertmanager import describe
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ its own extra: ``stepwatch.exporters`` (``[exporters]``), ``stepwatch.otel_bridg
 from stepwatch._diagnosis import Diagnosis
 from stepwatch._errors import (
     ConfigError,
+    DeliveryError,
     InfluxError,
     InfluxUnavailableError,
     ServerStartError,
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "DeliveryError",
     "Diagnosis",
     "InfluxClient",
     "InfluxError",

@@ -29,7 +29,11 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class DemoJobConfig:
-    """What one demo run does. ``fault_rank`` is ignored for job-wide faults."""
+    """What one demo run does. ``fault_rank`` is ignored for job-wide faults.
+
+    The defaults are the ``stepwatch demo`` CLI's: a 300-step job exporting a window every
+    0.25 s gives the detectors ~20 analysis windows of 0.5 s (see ``export_window_s``).
+    """
 
     job_id: str
     world_size: int = 4
@@ -37,12 +41,12 @@ class DemoJobConfig:
     fault: str = "none"
     fault_rank: int = 2
     fault_step: int = 120
-    fault_factor: float = 1.5
+    fault_factor: float = 2.0
     endpoint: str = "http://127.0.0.1:4318"
     protocol: str = "http/protobuf"
     batch_size: int = 32
     hidden: int = 256
-    export_interval_s: float = 1.0
+    export_interval_s: float = 0.25
     collect_kernels: bool = False
 
     def __post_init__(self) -> None:

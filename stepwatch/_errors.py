@@ -33,3 +33,14 @@ class TraceFormatError(StepwatchError):
 
 class ServerStartError(StepwatchError):
     """A managed server (influxd, alertmanager, the bridge) failed to start."""
+
+
+class DeliveryError(StepwatchError):
+    """A sink could not deliver to its server (unreachable or a non-2xx answer).
+
+    The sink keeps no record of what failed, so the next ``publish`` retries it.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status

@@ -15,6 +15,7 @@ from stepwatch._lineproto import encode_point
 def test_all_is_pinned() -> None:
     assert sorted(stepwatch.__all__) == [
         "ConfigError",
+        "DeliveryError",
         "Diagnosis",
         "InfluxClient",
         "InfluxError",

@@ -11,11 +11,9 @@ from typing import Any
 import pytest
 
 from stepwatch import ConfigError, Diagnosis
-from stepwatch.detectors._alertmanager import (
-    AlertmanagerSink,
-    DeliveryError,
-    HttpResponse,
-)
+from stepwatch._errors import DeliveryError
+from stepwatch._http import HttpResponse
+from stepwatch.detectors._alertmanager import AlertmanagerSink
 
 from .conftest import ManagedAlertmanager, WebhookReceiver
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from stepwatch import Diagnosis
-from stepwatch.detectors._alertmanager import AlertmanagerSink, HttpResponse
+from stepwatch._http import HttpResponse
+from stepwatch.detectors._alertmanager import AlertmanagerSink
 from stepwatch.detectors._grafana import GrafanaAnnotationSink
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

@@ -26,7 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch import ConfigError, Diagnosis, InfluxClient
-from stepwatch.detectors._alertmanager import DeliveryError, HttpResponse
+from stepwatch._errors import DeliveryError
+from stepwatch._http import HttpResponse
 from stepwatch.detectors._grafana import GrafanaAnnotationSink
 
 TOKEN = "glsa_test_token"
