@@ -8,30 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
-import re
 import sys
 import time
 from typing import Any
 
-_log = logging.getLogger(__name__)
-
-_DURATION_RE = re.compile(r"^(?P<value>\d+(?:\.\d+)?)(?P<unit>ms|s|m|h|d)?$")
-_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration_s(text: str, *, argument: str) -> float:
-    """``30s``, ``15m``, ``1h``, ``250ms`` or plain seconds."""
-    from stepwatch._errors import ConfigError
-
-    match = _DURATION_RE.match(text.strip())
-    if match is None:
-        raise ConfigError(f"{argument}: {text!r} is not a duration like 30s, 15m or 1h")
-    seconds = float(match["value"]) * _UNITS_S[match["unit"] or "s"]
-    if seconds <= 0:
-        raise ConfigError(f"{argument}: must be positive, got {text!r}")
-    return seconds
+from stepwatch._durations import parse_duration_s
 
 
 def parse_moment(text: str, *, argument: str, now_unix_nano: int) -> int:
@@ -79,34 +61,18 @@ def _resolve_influx(args: argparse.Namespace) -> None:
 
 
 def _extra_sinks(args: argparse.Namespace) -> list[Any]:
-    """Alertmanager and Grafana sinks when configured and installed."""
-    import importlib
+    """Alertmanager and Grafana sinks from the arguments, else the environment."""
+    from stepwatch.detectors._sinks import sinks_from_environment
 
-    sinks: list[Any] = []
-    alertmanager_url = args.alertmanager_url or os.environ.get("ALERTMANAGER_URL")
-    if alertmanager_url:
-        try:
-            module = importlib.import_module("stepwatch.detectors._alertmanager")
-            sinks.append(
-                module.AlertmanagerSink(alertmanager_url, dashboard_url=args.dashboard_url)
-            )
-        except (ImportError, AttributeError) as exc:
-            _log.warning("Alertmanager sink unavailable, skipped: %s", exc)
-    grafana_url = args.grafana_url or os.environ.get("GRAFANA_URL")
-    grafana_token = os.environ.get("GRAFANA_TOKEN")
-    if grafana_url and grafana_token:
-        try:
-            module = importlib.import_module("stepwatch.detectors._grafana")
-            sinks.append(
-                module.GrafanaAnnotationSink(
-                    grafana_url, token=grafana_token, state_client=_client(args)
-                )
-            )
-        except (ImportError, AttributeError) as exc:
-            _log.warning("Grafana sink unavailable, skipped: %s", exc)
-    elif grafana_url:
-        _log.warning("GRAFANA_URL set without GRAFANA_TOKEN: Grafana sink skipped")
-    return sinks
+    return list(
+        sinks_from_environment(
+            os.environ,
+            state_client=_client(args),
+            alertmanager_url=args.alertmanager_url,
+            grafana_url=args.grafana_url,
+            dashboard_url=args.dashboard_url,
+        )
+    )
 
 
 def _detect(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, TextIO
 
 from stepwatch import _schema
@@ -198,3 +198,39 @@ def format_table(diagnoses: Sequence[Diagnosis]) -> str:
 def dumps(diagnoses: Sequence[Diagnosis]) -> str:
     """JSON lines of several diagnoses."""
     return "".join(json.dumps(d.to_json_dict()) + "\n" for d in diagnoses)
+
+
+def sinks_from_environment(
+    environ: Mapping[str, str],
+    *,
+    state_client: InfluxClient | None = None,
+    alertmanager_url: str | None = None,
+    grafana_url: str | None = None,
+    dashboard_url: str | None = None,
+) -> list[Sink]:
+    """The Alertmanager and Grafana sinks configured by arguments, else the environment.
+
+    ``ALERTMANAGER_URL`` (or ``STEPWATCH_ALERTMANAGER_URL``), ``GRAFANA_URL`` +
+    ``GRAFANA_TOKEN`` (or the ``STEPWATCH_`` names) and ``STEPWATCH_DASHBOARD_URL``; an
+    argument given here replaces its variable. Neither configured: an empty list.
+
+    Raises:
+        ConfigError: a Grafana URL without a token, or a malformed URL (names it).
+    """
+    from stepwatch.detectors._alertmanager import AlertmanagerSink
+    from stepwatch.detectors._grafana import GrafanaAnnotationSink
+
+    overrides = {
+        "STEPWATCH_ALERTMANAGER_URL": alertmanager_url,
+        "STEPWATCH_GRAFANA_URL": grafana_url,
+        "STEPWATCH_DASHBOARD_URL": dashboard_url,
+    }
+    merged = {**environ, **{key: value for key, value in overrides.items() if value}}
+    sinks: list[Sink] = []
+    alertmanager = AlertmanagerSink.from_environment(merged)
+    if alertmanager is not None:
+        sinks.append(alertmanager)
+    grafana = GrafanaAnnotationSink.from_environment(merged, state_client=state_client)
+    if grafana is not None:
+        sinks.append(grafana)
+    return sinks

@@ -6,7 +6,6 @@ detector service, all in one process tree on loopback, stopped together.
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,6 @@ from typing import Any
 from stepwatch._errors import ConfigError
 from stepwatch._influx import InfluxClient, ManagedInfluxDB
 from stepwatch._schema import DEFAULT_DATABASE
-
-logger = logging.getLogger(__name__)
 
 
 def default_data_dir() -> Path:
@@ -104,16 +101,16 @@ class LocalStack:
         return self
 
     def _start_detectors(self) -> None:
-        try:
-            from stepwatch.detectors import DetectorService
-        except ImportError as exc:
-            logger.warning("detector service unavailable: %s", exc)
+        from stepwatch.detectors import DetectorService
+        from stepwatch.detectors._sinks import sinks_from_environment
+
+        if self.client is None:
             return
-        assert_client = self.client
-        if assert_client is None:
-            return
+        # Findings always go to InfluxDB (the service's own sink); Alertmanager and Grafana
+        # join when ALERTMANAGER_URL / GRAFANA_URL + GRAFANA_TOKEN are set.
+        sinks = [*self.sinks, *sinks_from_environment(os.environ, state_client=self.client)]
         self.detector_service = DetectorService(
-            assert_client, sinks=self.sinks, interval_s=self.detect_every_s
+            self.client, sinks=sinks, interval_s=self.detect_every_s
         )
         self.detector_service.start()
 

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stepwatch._durations import parse_duration_s
+
 
 def register(subparsers: Any) -> None:
     up = subparsers.add_parser(
@@ -94,21 +96,6 @@ def _add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=0, help="OTLP/HTTP port (0: free)")
 
 
-def parse_duration_s(text: str) -> float:
-    """``30s``, ``2m``, ``1h``, ``500ms`` or a plain number of seconds."""
-    from stepwatch._errors import ConfigError
-
-    units = (("ms", 1e-3), ("s", 1.0), ("m", 60.0), ("h", 3600.0))
-    stripped = text.strip().lower()
-    for suffix, scale in units:
-        if stripped.endswith(suffix) and stripped[: -len(suffix)].replace(".", "", 1).isdigit():
-            return float(stripped[: -len(suffix)]) * scale
-    try:
-        return float(stripped)
-    except ValueError:
-        raise ConfigError(f"duration: {text!r} is not like 30s, 2m or 1h") from None
-
-
 def _stack(args: argparse.Namespace, *, detect_every_s: float | None) -> Any:
     from stepwatch._stack import LocalStack, default_data_dir
 
@@ -149,7 +136,11 @@ def _print_endpoints(stack: Any) -> None:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    every = None if args.detect_every == "off" else parse_duration_s(args.detect_every)
+    every = (
+        None
+        if args.detect_every == "off"
+        else parse_duration_s(args.detect_every, argument="--detect-every")
+    )
     with _stack(args, detect_every_s=every) as stack:
         _print_endpoints(stack)
         print("stepwatch up: running; Ctrl-C stops everything", flush=True)

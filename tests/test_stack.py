@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from stepwatch import InfluxClient
+from stepwatch._durations import parse_duration_s
 from stepwatch._influx import wait_until
-from stepwatch._stack_commands import parse_duration_s
 from stepwatch.exporters import StepMonitor
 
 
@@ -86,14 +86,16 @@ def test_up_starts_managed_influxdb_and_bridge_and_stops_on_ctrl_c(tmp_path: Pat
     ("text", "seconds"), [("30s", 30.0), ("2m", 120.0), ("1h", 3600.0), ("500ms", 0.5), ("7", 7.0)]
 )
 def test_parse_duration(text: str, seconds: float) -> None:
-    assert parse_duration_s(text) == seconds
+    assert parse_duration_s(text, argument="--every") == seconds
 
 
 def test_parse_duration_rejects_garbage() -> None:
     from stepwatch import ConfigError
 
-    with pytest.raises(ConfigError, match="duration"):
-        parse_duration_s("soon")
+    with pytest.raises(ConfigError, match="--every"):
+        parse_duration_s("soon", argument="--every")
+    with pytest.raises(ConfigError, match="positive"):
+        parse_duration_s("0s", argument="--every")
 
 
 def test_stepwatch_help_lists_every_command() -> None:
