@@ -39,6 +39,7 @@ from stepwatch.detectors._stats import (
     nanmedian,
     persistent,
     safe_log,
+    sustained_outliers,
 )
 
 #: Metric name of the pooled small compute kernel classes.
@@ -65,6 +66,11 @@ class DetectorConfig:
         gap_windows: flag-free windows that end an episode.
         missing_windows: consecutive silent windows before ``rank_missing``.
         burst_min_ratio: smallest longest-step / mean-step excess over peers for a stall.
+        sustained_windows: consecutive windows in which a rank, tested alone in each window
+            at level ``(fdr_q / ranks)^(1 / sustained_windows)``, must be slower than its
+            peers to be flagged without reaching ``fdr_q`` in any one window (small jobs:
+            the MAD of a few ranks cannot give a tiny p-value; persistence can).
+        sustained_min_ratio: smallest ratio to the peers' median in each of those windows.
         stall_min_steps: smallest one-off stall, in job median steps: the longest single
             occurrence of a host-side phase (``data``, ``forward``, ``optimizer``) above
             the peers' longest one in the same window. Peers that wait for a stalled rank
@@ -89,6 +95,8 @@ class DetectorConfig:
     gap_windows: int = 6
     missing_windows: int = 3
     burst_min_ratio: float = 1.2
+    sustained_windows: int = 6
+    sustained_min_ratio: float = 1.5
     stall_min_steps: float = 20.0
     stall_min_ratio: float = 10.0
     clock_min_drop: float = 0.03
@@ -106,6 +114,8 @@ class DetectorConfig:
             raise ConfigError("persistence_windows: must be >= 1")
         if self.missing_windows < 1:
             raise ConfigError("missing_windows: must be >= 1")
+        if self.sustained_windows < 2 or self.sustained_min_ratio <= 1:
+            raise ConfigError("sustained_windows/sustained_min_ratio: need >= 2 and > 1")
         if self.stall_min_steps <= 0 or self.stall_min_ratio <= 1:
             raise ConfigError("stall_min_steps/stall_min_ratio: need > 0 and > 1")
 
@@ -208,6 +218,7 @@ class _Analysis:
             target.append(index)
         with np.errstate(invalid="ignore"):
             self.step_median = nanmedian(np.where(self.present, frame.step_s, np.nan), axis=1)[:, 0]
+        self.overlap_waiting = self._overlap_waiting()
 
     # ---- L2: cross-rank tests ------------------------------------------------------------
     def _metric_arrays(self) -> tuple[list[str], list[FloatArray], list[str]]:
@@ -219,6 +230,11 @@ class _Analysis:
             names.append(f"phase:{phase}")
             values.append(np.asarray(frame.phase_s[:, :, index]))
             kinds.append("time")
+        if self.overlap_waiting:  # the waiters are the long ones there: no blame from them
+            keep = [i for i, name in enumerate(names) if name not in self.overlap_waiting]
+            names = [names[i] for i in keep]
+            values = [values[i] for i in keep]
+            kinds = [kinds[i] for i in keep]
         for category in sorted(set(frame.kernel_categories)):
             names.append(f"category:{category}")
             values.append(frame.category_s(category))
@@ -272,16 +288,23 @@ class _Analysis:
         names, values, kinds = self._metric_arrays()
         thresholds = self._thresholds(kinds, values, names)
         frame = self.frame
-        shape = (frame.n_windows, frame.n_ranks, len(names))
+        # One-off stalls take the last columns (filled here, not tested across scales).
+        stall_names, stall_flags, stall_effect = self._stalls()
+        tested = len(names)
+        shape = (frame.n_windows, frame.n_ranks, tested + len(stall_names))
         flags = np.zeros(shape, dtype=bool)
         effect: FloatArray = np.full(shape, np.nan, dtype=self.dtype)
         zmax = np.zeros(shape)
+        if stall_names:
+            flags[:, :, tested:] = stall_flags
+            effect[:, :, tested:] = stall_effect
+            zmax[:, :, tested:] = np.where(stall_flags, np.nan_to_num(stall_effect), 0.0)
         # Gate for every scale: the last few windows must still show the effect, so a long
         # trailing mean cannot keep a finding open after the condition cleared.
         gate_scale = min(3, max(self.config.scales))
         scales = [
             scale
-            for scale in sorted({gate_scale, *self.config.scales})
+            for scale in sorted({1, gate_scale, *self.config.scales})
             if scale == 1 or scale <= frame.n_windows
         ]
 
@@ -312,6 +335,16 @@ class _Analysis:
                 np.fmax(target, test.z, out=target, where=hit)
                 if scale == 1:
                     effect[:, :, start:stop] = test.log_effect
+            single = tests[1]
+            hit = sustained_outliers(
+                single,
+                windows=self.config.sustained_windows,
+                q=self.config.fdr_q,
+                min_log_effect=np.maximum(limit, math.log(self.config.sustained_min_ratio)),
+            )
+            flags[:, :, start:stop] |= hit
+            target = zmax[:, :, start:stop]
+            np.fmax(target, single.z, out=target, where=hit)
 
         # Disjoint metric blocks on worker threads: numpy releases the GIL in the heavy
         # kernels (partition, cumsum, ufuncs), so a big job uses every core it is given.
@@ -326,14 +359,7 @@ class _Analysis:
             with ThreadPoolExecutor(max_workers=len(blocks)) as pool:
                 for future in [pool.submit(test_block, *block) for block in blocks]:
                     future.result()
-        stall_names, stall_flags, stall_effect = self._stalls()
-        if stall_names:
-            names = [*names, *stall_names]
-            flags = np.concatenate([flags, stall_flags], axis=2)
-            effect = np.concatenate([effect, stall_effect.astype(effect.dtype)], axis=2)
-            stall_z = np.where(stall_flags, np.nan_to_num(stall_effect), 0.0)
-            zmax = np.concatenate([zmax, stall_z], axis=2)
-        return _Metrics(names=tuple(names), flags=flags, effect=effect, z=zmax)
+        return _Metrics(names=(*names, *stall_names), flags=flags, effect=effect, z=zmax)
 
     def _stalls(self) -> tuple[list[str], BoolArray, FloatArray]:
         """One-off host-side stalls: ``stall:<phase>`` flags and log ratios ``(W, R, S)``.
@@ -502,12 +528,16 @@ class _Analysis:
         elif kind == "masked_straggler":
             phase = self._top_phase(metrics, indices, span, (*COMPUTE_PHASES, "other"))
             ratio = math.exp(self._mean_effect(metrics, f"phase:{phase}", indices, first, last))
-            wait = math.exp(
-                self._mean_effect(metrics, f"phase:{COMMUNICATION_CATEGORY}", indices, first, last)
+            wait_name = f"phase:{COMMUNICATION_CATEGORY}"
+            wait = math.exp(self._mean_effect(metrics, wait_name, indices, first, last))
+            wait_text = (
+                f"its collective wait {wait:.2f}x peers (peers wait for it)"
+                if wait_name in metrics.names
+                else "its peers wait for it in the collective"
             )
             summary = (
-                f"{rank_text} {phase} {ratio:.2f}x peers with normal kernels; its collective "
-                f"wait {wait:.2f}x peers (peers wait for it) since {since}"
+                f"{rank_text} {phase} {ratio:.2f}x peers with normal kernels; {wait_text} "
+                f"since {since}"
             )
         elif kind == "pipeline_bubble":
             stages = sorted({int(frame.pp_ranks[i]) for i in indices})
@@ -721,12 +751,15 @@ class _Analysis:
     # ---- L1: job level -------------------------------------------------------------------
     def _job_series(self) -> dict[str, FloatArray]:
         frame = self.frame
-        present = self.present
+        # Each rank's first window holds its warm-up steps (lazy initialisation, allocator
+        # and cache warm-up): slower for a reason no later window shares, it would pass for
+        # a level shift or, in a short job, swamp the test of one.
+        present = self.present & (np.cumsum(self.present, axis=0) > 1)
 
         def median(values: FloatArray) -> FloatArray:
             return nanmedian(np.where(present, values, np.nan), axis=1)[:, 0]
 
-        series = {"step": self.step_median}
+        series = {"step": median(frame.step_s)}
         for index, phase in enumerate(frame.phases):
             series[f"phase:{phase}"] = median(np.asarray(frame.phase_s[:, :, index]))
         # The long tail of small classes cannot move the job by a visible amount.
@@ -737,6 +770,50 @@ class _Analysis:
             for column, index in enumerate(keep):
                 series[f"kernel:{frame.kernel_classes[index]}"] = medians[:, column]
         return series
+
+    def _waiting_series(self) -> set[str]:
+        """Job-level series that hold waiting in collectives (not evidence on their own).
+
+        Communication phases and kernels always, plus :meth:`_overlap_waiting`: a host
+        slowed by other work slows its collectives and with them those series, which is
+        not a regression of the job's code.
+        """
+        frame = self.frame
+        waiting = {f"phase:{COMMUNICATION_CATEGORY}"} | {
+            f"kernel:{name}"
+            for name, category in zip(frame.kernel_classes, frame.kernel_categories, strict=True)
+            if category == COMMUNICATION_CATEGORY
+        }
+        return waiting | self.overlap_waiting
+
+    def _overlap_waiting(self) -> set[str]:
+        """Series that hold the wait for peers when the phases overlap the communication.
+
+        The phases overlap when their sum exceeds the step by more than 10% (DDP runs its
+        allreduce inside ``loss.backward()``; on CPU/gloo the backward phase holds the
+        whole wait). Then the step, the communication phase and every phase at least as
+        long as the communication (only such a phase can hold it) measure waiting for the
+        slowest rank as much as the rank's own work: the ranks that wait are the long
+        ones there, so they are neither cross-rank evidence nor job-level evidence.
+        """
+        frame = self.frame
+        communication = frame.phase(COMMUNICATION_CATEGORY)
+        if communication is None or not self.present.any():
+            return set()
+        with np.errstate(invalid="ignore"):
+            phase_sum = float(np.nanmedian(np.nansum(frame.phase_s, axis=2)[self.present]))
+            step = float(np.nanmedian(frame.step_s[self.present]))
+            overlap = float(np.nanmedian(communication[self.present]))
+        if not (math.isfinite(step) and phase_sum > 1.1 * step and math.isfinite(overlap)):
+            return set()
+        waiting = {"step", f"phase:{COMMUNICATION_CATEGORY}"}
+        for phase in frame.phases:
+            values = frame.phase(phase)
+            if phase == COMMUNICATION_CATEGORY or values is None:
+                continue
+            if float(np.nanmedian(values[self.present])) >= overlap:
+                waiting.add(f"phase:{phase}")
+        return waiting
 
     def _job_level(self, rank_findings: Sequence[Finding]) -> list[Finding]:
         frame = self.frame
@@ -775,11 +852,7 @@ class _Analysis:
             else:
                 groups.append([candidate])
         results = []
-        waiting = {f"phase:{COMMUNICATION_CATEGORY}"} | {
-            f"kernel:{name}"
-            for name, category in zip(frame.kernel_classes, frame.kernel_categories, strict=True)
-            if category == COMMUNICATION_CATEGORY
-        }
+        waiting = self._waiting_series()
         for group in groups:
             if all(c[1] in waiting for c in group):
                 # Collective time is mostly waiting for the last rank: its median is an

@@ -37,6 +37,8 @@ class OutlierTest:
         p_value: one-sided (slower) p-value under a normal null.
         reject: Benjamini–Hochberg rejections per window (``False`` where NaN).
         log_effect: rank's trailing mean log-time minus the peers' median (log ratio).
+        dof: Student-t degrees of freedom of the pooled scale, broadcastable to ``z``
+            (``None``: a normal reference).
     """
 
     metric: str
@@ -45,6 +47,7 @@ class OutlierTest:
     p_value: FloatArray
     reject: BoolArray
     log_effect: FloatArray
+    dof: FloatArray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +60,7 @@ class ChangePoint:
         after: median of the series from ``index`` on (to the next change point).
         ratio: ``after / before``.
         p_value: CUSUM-of-OLS-residuals stability test of the segment that was split (or the
-            split's Bonferroni-corrected Welch t-test when smaller, for short segments).
+            split's Bonferroni-corrected t-test when smaller, doubled, for short segments).
     """
 
     index: int
@@ -306,8 +309,62 @@ def multiscale_outliers(
             p_value=p_value,
             reject=reject,
             log_effect=deviation,
+            dof=dof,
         )
     return results
+
+
+def sustained_outliers(
+    test: OutlierTest, *, windows: int, q: float, min_log_effect: FloatArray | float
+) -> BoolArray:
+    """Ranks slower than their peers in each of ``windows`` consecutive windows.
+
+    Args:
+        test: a single-window (``scale_windows=1``) :class:`OutlierTest`.
+        windows: consecutive windows required (``k``).
+        q: error rate per window and metric for the whole run of ``k`` windows.
+        min_log_effect: smallest log ratio to the peers' median in every window of the run,
+            broadcastable to ``test.z``.
+
+    Returns:
+        ``True`` at ``w`` when the rank passed in windows ``w - k + 1 .. w``.
+
+    Notes:
+        A small job (a handful of ranks, a few dozen windows) cannot reach a tiny ``q`` in
+        any one window: the MAD of four ranks pooled over a few windows leaves a Student-t
+        with few degrees of freedom. Persistence is the evidence instead: each window at
+        one-sided level ``alpha = (q / n)^(1 / k)`` (n ranks reporting; Student-t critical
+        value with the test's degrees of freedom) gives, for windows independent under the
+        null, at most ``q`` per run start that any rank passes ``k`` in a row. Noise that
+        stays on one rank for several windows (a busy core) breaks that independence, hence
+        ``min_log_effect`` and a ``k`` well above the length of such bursts.
+
+    References:
+        Bonferroni correction over ranks; the product of independent per-window levels.
+    """
+    from scipy.special import stdtrit
+
+    if windows < 1:
+        raise ConfigError(f"windows: must be >= 1, got {windows}")
+    if not 0 < q < 1:
+        raise ConfigError(f"q: must be in (0, 1), got {q}")
+    tested = np.isfinite(test.p_value)
+    reporting = np.maximum(tested.sum(axis=1, keepdims=True), 1)
+    alpha = (q / reporting) ** (1.0 / windows)
+    dof = np.inf if test.dof is None else test.dof
+    critical = np.where(
+        np.isinf(dof), _ndtri_upper(alpha), stdtrit(np.minimum(dof, 1e9), 1 - alpha)
+    )
+    with np.errstate(invalid="ignore"):
+        passed = tested & (test.z >= critical) & (test.log_effect >= min_log_effect)
+    return persistent(passed, windows=windows)
+
+
+def _ndtri_upper(alpha: FloatArray | float) -> FloatArray:
+    """Upper-tail standard normal quantile: ``z`` with ``P(Z > z) = alpha``."""
+    from scipy.special import ndtri
+
+    return np.asarray(-ndtri(alpha), dtype=np.float64)
 
 
 def _trailing_mean(
@@ -371,13 +428,16 @@ SMALL_SEGMENT = 30
 
 
 def _split_t_p_value(segment: FloatArray, split: int, min_segment: int) -> float:
-    """Welch t-test of the two sides of ``split``, Bonferroni over the candidate splits."""
+    """Two-sample t-test of the two sides of ``split``, Bonferroni over the candidate splits.
+
+    The pooled-variance test: Welch's with three windows on one side is anti-conservative.
+    """
     from scipy.stats import ttest_ind
 
     before, after = segment[:split], segment[split:]
     if np.ptp(before) == 0 and np.ptp(after) == 0:
         return 1.0  # no spread on either side: the t statistic is undefined
-    result = ttest_ind(before, after, equal_var=False)
+    result = ttest_ind(before, after)
     candidates = max(1, segment.size - 2 * min_segment + 1)
     p_value = float(result.pvalue)
     return min(1.0, p_value * candidates) if math.isfinite(p_value) else 1.0
@@ -410,10 +470,11 @@ def change_points(
         stability of the segment at ``alpha`` *and* the segment medians differ by at least
         ``min_shift``; both halves are then searched again. The CUSUM statistic of ``n``
         points is at most ``sqrt(n) / 2``, so below ``SMALL_SEGMENT`` (30) windows it can
-        never reach a small ``alpha`` however large the shift (a short job); there a Welch
-        t-test of the two sides, Bonferroni-corrected over the candidate splits, may reject
-        instead. Assumes independent noise between windows. Fewer than ``2 * min_segment``
-        finite windows → no change point.
+        never reach a small ``alpha`` however large the shift (a short job); there a
+        two-sample t-test of the two sides, Bonferroni-corrected over the candidate splits,
+        may reject instead (the smaller p-value of the two tests, doubled). Assumes
+        independent noise between windows. Fewer than ``2 * min_segment`` finite windows →
+        no change point.
 
     References:
         Ploberger, W. and Krämer, W. (1992). The CUSUM test with OLS residuals.
@@ -441,8 +502,8 @@ def change_points(
         if abs(ratio - 1) < min_shift:
             continue
         _, p_value, _ = breaks_cusumolsresid(segment - segment.mean(), ddof=1)
-        if segment.size < SMALL_SEGMENT:
-            p_value = min(p_value, _split_t_p_value(segment, split, min_segment))
+        if segment.size < SMALL_SEGMENT:  # two tests: Bonferroni over them as well
+            p_value = min(1.0, 2.0 * min(p_value, _split_t_p_value(segment, split, min_segment)))
         if not p_value < alpha:
             continue
         found.append(

@@ -1,0 +1,148 @@
+"""Every fault of ``stepwatch demo`` through the real pipeline, and what the detectors say.
+
+Run: ``.venv/bin/python bench/demo_faults.py [--faults straggler,link,...] [--clean-runs 2]``
+
+Each row is one real 4-rank DDP job (separate processes, gloo on loopback, StepMonitor →
+OTLP/HTTP → the bridge → a managed influxd), diagnosed exactly as the demo CLI does
+(:func:`stepwatch._demo.write_outputs` over the job's range ±1 s). Prints: fault, expected
+finding, diagnosed kinds/ranks/hosts, correct (the expected finding and nothing else; for
+``none``, no finding at all) and the wall time of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from stepwatch import ManagedInfluxDB
+from stepwatch._demo import job_time_range, run_demo_job, write_outputs
+from stepwatch._demo_job import DemoJobConfig
+from stepwatch._diagnosis import Diagnosis
+from stepwatch._stack import LocalStack
+
+FAULT_RANK = 2
+FAULT_HOST_SUFFIX = f"-node{FAULT_RANK // 2}"
+EXPECTED = {
+    "straggler": "compute_/masked_straggler rank 2 forward",
+    "link": f"link_degradation rank 2 / host *{FAULT_HOST_SUFFIX}",
+    "jit": "jit_stall rank 2",
+    "dataloader": "dataloader_stall rank 2 data",
+    "regression": "job_regression",
+    "none": "nothing",
+}
+
+
+def _expected(fault: str, diagnosis: Diagnosis) -> bool:
+    ranks = set(diagnosis.ranks)
+    if fault == "straggler":
+        return (
+            diagnosis.kind in ("compute_straggler", "masked_straggler")
+            and ranks == {FAULT_RANK}
+            and diagnosis.phase == "forward"
+        )
+    if fault == "link":
+        return diagnosis.kind == "link_degradation" and (
+            FAULT_RANK in ranks or any(h.endswith(FAULT_HOST_SUFFIX) for h in diagnosis.hosts)
+        )
+    if fault == "jit":
+        return diagnosis.kind == "jit_stall" and ranks == {FAULT_RANK}
+    if fault == "dataloader":
+        return (
+            diagnosis.kind == "dataloader_stall"
+            and ranks == {FAULT_RANK}
+            and diagnosis.phase == "data"
+        )
+    if fault == "regression":
+        return diagnosis.kind == "job_regression"
+    return False
+
+
+def correct(fault: str, diagnoses: Sequence[Diagnosis]) -> bool:
+    """The expected finding and nothing else (``none``: no finding at all)."""
+    if fault == "none":
+        return not diagnoses
+    return bool(diagnoses) and all(_expected(fault, d) for d in diagnoses)
+
+
+def describe(diagnosis: Diagnosis) -> str:
+    where = ",".join(str(r) for r in diagnosis.ranks)
+    hosts = ",".join(h.rsplit("-", 1)[-1] for h in diagnosis.hosts)
+    parts = [diagnosis.kind]
+    if where:
+        parts.append(f"r{where}")
+    if hosts:
+        parts.append(f"h{hosts}")
+    if diagnosis.phase:
+        parts.append(diagnosis.phase)
+    return " ".join(parts)
+
+
+def run_one(server: ManagedInfluxDB, work: Path, fault: str) -> tuple[list[Diagnosis], float]:
+    started = time.monotonic()
+    name = f"{fault}-{uuid.uuid4().hex[:6]}"
+    with LocalStack(work / name, influx_url=server.url, database=f"demo_{name}") as stack:
+        if stack.client is None:
+            raise RuntimeError("the stack has no InfluxDB client")
+        config = DemoJobConfig(
+            job_id=f"demo-{name}",
+            fault=fault,
+            fault_rank=FAULT_RANK,
+            endpoint=stack.otlp_http_endpoint,
+        )
+        run_demo_job(stack.client, config, progress=lambda _: None)
+        time_range = job_time_range(stack.client, config.job_id)
+        if time_range is None:
+            raise RuntimeError(f"job {config.job_id} left no data")
+        diagnoses, _ = write_outputs(
+            stack.client,
+            config.job_id,
+            out_dir=work,
+            start_unix_nano=time_range[0] - 1_000_000_000,
+            end_unix_nano=time_range[1] + 1_000_000_000,
+        )
+    return list(diagnoses), time.monotonic() - started
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--faults",
+        default="straggler,link,jit,dataloader,regression",
+        help="comma-separated faults (default: every injected fault)",
+    )
+    parser.add_argument("--clean-runs", type=int, default=2, help="runs with --fault none")
+    args = parser.parse_args(argv)
+    faults = [f for f in args.faults.split(",") if f] + ["none"] * args.clean_runs
+    rows: list[tuple[str, str, str, bool, float]] = []
+    print(f"{'fault':<11} {'expected':<44} {'diagnosed':<44} {'ok':<3} {'run s':>6}")
+    with (
+        tempfile.TemporaryDirectory() as directory,
+        ManagedInfluxDB(Path(directory) / "influxdb") as server,
+    ):
+        for fault in faults:
+            diagnoses, elapsed_s = run_one(server, Path(directory), fault)
+            found = "; ".join(describe(d) for d in diagnoses) or "-"
+            ok = correct(fault, diagnoses)
+            rows.append((fault, EXPECTED[fault], found, ok, elapsed_s))
+            print(
+                f"{fault:<11} {EXPECTED[fault]:<44} {found:<44} {'yes' if ok else 'NO':<3} "
+                f"{elapsed_s:>6.1f}",
+                flush=True,
+            )
+    faulty = [row for row in rows if row[0] != "none"]
+    clean = [row for row in rows if row[0] == "none"]
+    print(
+        f"faults diagnosed right: {sum(r[3] for r in faulty)}/{len(faulty)}; "
+        f"clean runs without a finding: {sum(r[3] for r in clean)}/{len(clean)}; "
+        f"total {sum(r[4] for r in rows):.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
