@@ -33,6 +33,10 @@ ENVIRONMENT: dict[str, tuple[str, str | None]] = {
     "tls_key": ("STEPWATCH_BRIDGE_TLS_KEY", None),
     "max_series": ("STEPWATCH_BRIDGE_MAX_SERIES", "100000"),
     "max_queue_lines": ("STEPWATCH_BRIDGE_MAX_QUEUE_LINES", "200000"),
+    "max_future_skew_s": ("STEPWATCH_BRIDGE_MAX_FUTURE_SKEW_S", "600"),
+    "max_past_skew_s": ("STEPWATCH_BRIDGE_MAX_PAST_SKEW_S", "0"),
+    "max_duration_s": ("STEPWATCH_BRIDGE_MAX_DURATION_S", "86400"),
+    "duplicate_rank_takeover_s": ("STEPWATCH_BRIDGE_DUPLICATE_RANK_TAKEOVER_S", "30"),
 }
 TOKEN_VARIABLE = "STEPWATCH_BRIDGE_TOKEN"
 
@@ -70,6 +74,27 @@ def register(subparsers: Any) -> None:
     option("--tls-key", "tls_key", "PEM private key for TLS")
     option("--max-series", "max_series", "series per measurement per job (0: no guard)")
     option("--max-queue-lines", "max_queue_lines", "points queued in memory before 429s")
+    option(
+        "--max-future-skew-s",
+        "max_future_skew_s",
+        "reject points stamped this far ahead of receive time (0: no limit)",
+    )
+    option(
+        "--max-past-skew-s",
+        "max_past_skew_s",
+        "reject points stamped this far behind receive time (0: no limit; e.g. 604800)",
+    )
+    option(
+        "--max-duration-s",
+        "max_duration_s",
+        "reject duration histograms whose max or mean exceed this (0: no limit)",
+    )
+    option(
+        "--duplicate-rank-takeover-s",
+        "duplicate_rank_takeover_s",
+        "reject a second producer of a live (job, rank) until the first is silent this "
+        "long (0: no duplicate-rank guard)",
+    )
     parser.add_argument(
         "--reuse-port",
         action="store_true",
@@ -95,6 +120,18 @@ def _int(options: Mapping[str, str | None], dest: str) -> int:
         return int(text or "")
     except ValueError as exc:
         raise ConfigError(f"--{dest.replace('_', '-')}: {text!r} is not an integer") from exc
+
+
+def _seconds(options: Mapping[str, str | None], dest: str) -> float | None:
+    """A positive number of seconds, or None for 0 (no limit)."""
+    text = options[dest]
+    try:
+        value = float(text or "")
+    except ValueError as exc:
+        raise ConfigError(f"--{dest.replace('_', '-')}: {text!r} is not a number") from exc
+    if value < 0 or value != value:
+        raise ConfigError(f"--{dest.replace('_', '-')}: must be >= 0, got {text!r}")
+    return value or None
 
 
 def auth_token(options: Mapping[str, str | None], environ: Mapping[str, str]) -> str | None:
@@ -143,6 +180,10 @@ def run_bridge(args: argparse.Namespace) -> int:
         tls_cert_file=options["tls_cert"],
         tls_key_file=options["tls_key"],
         reuse_port=bool(args.reuse_port),
+        max_future_skew_s=_seconds(options, "max_future_skew_s"),
+        max_past_skew_s=_seconds(options, "max_past_skew_s"),
+        max_duration_s=_seconds(options, "max_duration_s"),
+        duplicate_rank_takeover_s=_seconds(options, "duplicate_rank_takeover_s"),
     )
     stop = threading.Event()
 

@@ -18,7 +18,7 @@ import functools
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from decimal import Decimal
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -60,6 +60,9 @@ REASON_TIME_RANGE = "time_out_of_range"
 REASON_INVALID_NAME = "invalid_name"
 REASON_NO_VALUE = "no_value"
 REASON_CARDINALITY = "cardinality_limit"
+REASON_CLOCK_SKEW = "clock_skew"
+REASON_IMPLAUSIBLE_DURATION = "implausible_duration"
+REASON_DUPLICATE_RANK = "duplicate_rank"
 # InfluxDB's line-protocol parser reads a trailing backslash as escaping the delimiter after
 # it, so a name or tag value ending in "\\" cannot be written (found by bench/bridge_fuzz.py).
 REASON_UNREPRESENTABLE = "unrepresentable"
@@ -70,6 +73,12 @@ MAX_TIME_UNIX_NANO = 2**63 - 2
 MAX_BUCKETS = 4096
 _STEPWATCH_PREFIX = "stepwatch."
 _REQUIRED_RESOURCE = (_schema.JOB_ID, _schema.RANK)
+# A duration histogram whose max or mean exceeds this is a broken clock or unit, not a step.
+MAX_DURATION_S = 86_400.0
+
+ResourceCheck = Callable[[Mapping[str, str]], str | None]
+"""Called with a resource's scalar attributes (as tag strings) once its job and rank are valid;
+returns a rejection reason for its ``stepwatch.*`` points, or None to accept them."""
 
 
 class Point(NamedTuple):
@@ -154,12 +163,20 @@ def convert_request(
     request: ExportMetricsServiceRequest,
     *,
     tag_allowlist: frozenset[str] = TAG_ALLOWLIST,
+    max_duration_s: float | None = MAX_DURATION_S,
+    time_bounds_unix_nano: tuple[int, int] | None = None,
 ) -> Conversion:
     """Convert an OTLP metrics export request to InfluxDB line protocol.
 
     Args:
         request: the decoded ``ExportMetricsServiceRequest`` from any producer.
         tag_allowlist: attribute keys stored as tags; others are dropped and counted.
+        max_duration_s: a duration histogram or summary (unit ``s`` or a name ending in
+            ``.duration``) whose max or mean exceeds this is rejected
+            (``implausible_duration``); None disables the check.
+        time_bounds_unix_nano: ``(earliest, latest)`` accepted ``time_unix_nano``; points
+            outside are rejected (``clock_skew``). None (the default) accepts any valid time;
+            the bridge derives the bounds from its receive time.
 
     Returns:
         The lines, the number of accepted points and the rejected points by reason.
@@ -170,7 +187,12 @@ def convert_request(
         >>> convert_request(ExportMetricsServiceRequest()).accepted_points
         0
     """
-    batch = convert_to_points(request, tag_allowlist=tag_allowlist)
+    batch = convert_to_points(
+        request,
+        tag_allowlist=tag_allowlist,
+        max_duration_s=max_duration_s,
+        time_bounds_unix_nano=time_bounds_unix_nano,
+    )
     return Conversion(
         lines=[point.encode() for point in batch.points],
         accepted_points=len(batch.points),
@@ -180,14 +202,25 @@ def convert_request(
 
 
 def convert_to_points(
-    request: ExportMetricsServiceRequest, *, tag_allowlist: frozenset[str] = TAG_ALLOWLIST
+    request: ExportMetricsServiceRequest,
+    *,
+    tag_allowlist: frozenset[str] = TAG_ALLOWLIST,
+    max_duration_s: float | None = MAX_DURATION_S,
+    time_bounds_unix_nano: tuple[int, int] | None = None,
+    resource_check: ResourceCheck | None = None,
 ) -> PointBatch:
-    """Like :func:`convert_request` but returns unencoded points (for filtering)."""
+    """Like :func:`convert_request` but returns unencoded points (for filtering).
+
+    ``resource_check`` (the bridge's duplicate-rank guard) may refuse a resource's
+    ``stepwatch.*`` points; it is called only for resources that carry any.
+    """
     batch = PointBatch(points=[], rejected=Counter(), dropped_attributes=0)
+    limits = _Limits(max_duration_s, time_bounds_unix_nano)
     for resource_metrics in request.resource_metrics:
         resource_attrs = resource_metrics.resource.attributes
         resource_tags, dropped = _tags(resource_attrs, tag_allowlist)
         resource_problem = _resource_problem(resource_attrs)
+        checked = resource_check is None or resource_problem is not None
         for scope_metrics in resource_metrics.scope_metrics:
             for metric in scope_metrics.metrics:
                 total = _point_count(metric)
@@ -200,11 +233,29 @@ def convert_to_points(
                 if metric.name.endswith("\\"):
                     batch.rejected[REASON_UNREPRESENTABLE] += total
                     continue
-                if resource_problem is not None and metric.name.startswith(_STEPWATCH_PREFIX):
-                    batch.rejected[resource_problem] += total
-                    continue
-                _convert_metric(metric, resource_tags, tag_allowlist, batch)
+                if metric.name.startswith(_STEPWATCH_PREFIX):
+                    if not checked and resource_check is not None:
+                        resource_problem = resource_check(_scalar_attributes(resource_attrs))
+                        checked = True
+                    if resource_problem is not None:
+                        batch.rejected[resource_problem] += total
+                        continue
+                _convert_metric(metric, resource_tags, tag_allowlist, batch, limits)
     return batch
+
+
+class _Limits(NamedTuple):
+    max_duration_s: float | None
+    time_bounds_unix_nano: tuple[int, int] | None
+
+
+def _scalar_attributes(attributes: Iterable[KeyValue]) -> dict[str, str]:
+    scalars: dict[str, str] = {}
+    for item in attributes:
+        text = _tag_value(item.value)
+        if text is not None:
+            scalars[item.key] = text
+    return scalars
 
 
 def _point_count(metric: Metric) -> int:
@@ -278,9 +329,11 @@ def _convert_metric(
     resource_tags: Mapping[str, str],
     allowlist: frozenset[str],
     batch: PointBatch,
+    limits: _Limits,
 ) -> None:
     kind = metric.WhichOneof("data")
     duration = _is_duration(metric)
+    bounds = limits.time_bounds_unix_nano
     points: Sequence[
         NumberDataPoint | HistogramDataPoint | ExponentialHistogramDataPoint | SummaryDataPoint
     ] = getattr(metric, str(kind)).data_points
@@ -290,6 +343,8 @@ def _convert_metric(
                 raise _Rejected(REASON_MISSING_TIME)
             if max(point.time_unix_nano, point.start_time_unix_nano) > MAX_TIME_UNIX_NANO:
                 raise _Rejected(REASON_TIME_RANGE)  # fixed64 on the wire; found by fuzzing
+            if bounds is not None and not bounds[0] <= point.time_unix_nano <= bounds[1]:
+                raise _Rejected(REASON_CLOCK_SKEW)
             if kind == "gauge":
                 fields = _number_fields(point, "gauge")  # type: ignore[arg-type]
             elif kind == "sum":
@@ -301,6 +356,8 @@ def _convert_metric(
                 fields = _exponential_fields(point, duration=duration)  # type: ignore[arg-type]
             else:
                 fields = _summary_fields(point, duration=duration)  # type: ignore[arg-type]
+            if duration and limits.max_duration_s is not None:
+                _plausible(fields, limits.max_duration_s)
         except _Rejected as exc:
             batch.rejected[exc.reason] += 1
             continue
@@ -311,6 +368,18 @@ def _convert_metric(
             batch.rejected[REASON_UNREPRESENTABLE] += 1
             continue
         batch.points.append(Point(metric.name, tags, fields, int(point.time_unix_nano)))
+
+
+def _plausible(fields: Mapping[str, FieldValue], max_duration_s: float) -> None:
+    """A duration histogram/summary's max and mean stay within ``max_duration_s``.
+
+    The sum alone is not checked: a cumulative histogram's sum grows with the run.
+    """
+    count, total = fields.get("count"), fields.get("sum")
+    mean = total / count if isinstance(total, float) and isinstance(count, float) and count else 0.0
+    maximum = fields.get("max")  # summaries carry neither max nor mean: the mean is computed
+    if mean > max_duration_s or (isinstance(maximum, float) and maximum > max_duration_s):
+        raise _Rejected(REASON_IMPLAUSIBLE_DURATION)
 
 
 def _finite(*values: float) -> None:

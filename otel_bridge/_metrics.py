@@ -29,7 +29,7 @@ class BridgeMetrics:
         )
         self.rejected = Counter(
             "stepwatch_bridge_datapoints_rejected",
-            "Data points refused at conversion (invalid, over the cardinality limit).",
+            "Data points refused at conversion (invalid, clock skew, duplicate rank, cardinality).",
             ["reason"],
             registry=self.registry,
         )
@@ -58,6 +58,13 @@ class BridgeMetrics:
         self.spool_bytes = Gauge(
             "stepwatch_bridge_spool_bytes",
             "Bytes of line protocol spooled while InfluxDB is unavailable.",
+            registry=self.registry,
+        )
+        self.rank_conflicts = Counter(
+            "stepwatch_bridge_rank_conflicts",
+            "Exports from a second producer of one (job, rank): rejected while the first is "
+            "live, or taken_over after it went silent.",
+            ["outcome"],
             registry=self.registry,
         )
         self.requests = Counter(

@@ -17,16 +17,25 @@ import os
 import socket
 import ssl
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from concurrent import futures
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from stepwatch import _schema
 from stepwatch._errors import ConfigError, ServerStartError
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
-from stepwatch.otel_bridge._convert import REASON_CARDINALITY, TAG_ALLOWLIST, convert_to_points
+from stepwatch.otel_bridge._convert import (
+    MAX_DURATION_S,
+    REASON_CARDINALITY,
+    REASON_DUPLICATE_RANK,
+    TAG_ALLOWLIST,
+    convert_to_points,
+)
 from stepwatch.otel_bridge._decode import JSON, RequestError, decode_body, media_type
 from stepwatch.otel_bridge._forwarder import Forwarder
+from stepwatch.otel_bridge._identity import RankIdentityGuard, Verdict
 from stepwatch.otel_bridge._metrics import BridgeMetrics
 from stepwatch.otel_bridge._spool import DiskSpool, MemorySpool, OverflowPolicy, Spool
 from stepwatch.otel_bridge._writers import LineWriter
@@ -93,6 +102,17 @@ class Bridge:
         max_concurrent_requests: OTLP/HTTP requests processed at once; beyond it 503 +
             ``Retry-After`` (with the queue bound this bounds the bridge's memory).
         retry_after_s: the ``Retry-After`` / RetryInfo delay under backpressure.
+        max_future_skew_s: points stamped further than this ahead of the receive time are
+            rejected (``clock_skew``); None accepts any future time.
+        max_past_skew_s: points stamped further than this behind the receive time are
+            rejected (``clock_skew``); None (the default: backfills and replays are
+            legitimate) accepts any past time. Production sites set e.g. 7 days.
+        max_duration_s: duration histograms whose max or mean exceed this are rejected
+            (``implausible_duration``); None disables the check.
+        duplicate_rank_takeover_s: a second producer of a live (job, rank) is rejected
+            (``duplicate_rank``) until the first has been silent this long; None disables the
+            duplicate-rank guard (see :class:`RankIdentityGuard`).
+        clock_unix_nano: the receive-time clock (injected in tests).
     """
 
     def __init__(
@@ -123,6 +143,11 @@ class Bridge:
         grpc_max_concurrent_rpcs: int = 256,
         max_concurrent_requests: int = 64,
         retry_after_s: int = 1,
+        max_future_skew_s: float | None = 600.0,
+        max_past_skew_s: float | None = None,
+        max_duration_s: float | None = MAX_DURATION_S,
+        duplicate_rank_takeover_s: float | None = 30.0,
+        clock_unix_nano: Callable[[], int] = time.time_ns,
     ) -> None:
         for name, port in (("grpc_port", grpc_port), ("http_port", http_port)):
             if port is not None and not 0 <= port <= 65535:
@@ -147,6 +172,23 @@ class Bridge:
             raise ConfigError("tls_cert_file, tls_key_file: give both or neither")
         if auth_token is not None and not auth_token.strip():
             raise ConfigError("auth_token: must not be empty")
+        for name, bound in (
+            ("max_future_skew_s", max_future_skew_s),
+            ("max_past_skew_s", max_past_skew_s),
+            ("max_duration_s", max_duration_s),
+        ):
+            if bound is not None and not bound > 0:
+                raise ConfigError(f"{name}: must be positive or None, got {bound}")
+        self.max_future_skew_s = max_future_skew_s
+        self.max_past_skew_s = max_past_skew_s
+        self.max_duration_s = max_duration_s
+        self.clock_unix_nano = clock_unix_nano
+        self.identity = (
+            None
+            if duplicate_rank_takeover_s is None
+            else RankIdentityGuard(takeover_after_s=duplicate_rank_takeover_s)
+        )
+        self._logged_conflicts: set[tuple[str, str]] = set()
         self.host = host
         self.metrics = BridgeMetrics(registry)
         self.tag_allowlist = frozenset(tag_allowlist)
@@ -336,7 +378,14 @@ class Bridge:
         """Convert, guard and queue one request (called by both receivers)."""
         if self.forwarder.full:  # refuse before spending CPU on a request we cannot queue
             return Outcome(False, 0, "bridge queue full, retry later")
-        batch = convert_to_points(request, tag_allowlist=self.tag_allowlist)
+        now_unix_nano = self.clock_unix_nano()
+        batch = convert_to_points(
+            request,
+            tag_allowlist=self.tag_allowlist,
+            max_duration_s=self.max_duration_s,
+            time_bounds_unix_nano=self._time_bounds(now_unix_nano),
+            resource_check=None if self.identity is None else self._identity_check(now_unix_nano),
+        )
         points = batch.points
         rejected = batch.rejected
         if self.guard is not None and points:
@@ -358,6 +407,49 @@ class Bridge:
                 f"{reason}={count}" for reason, count in sorted(rejected.items())
             )
         return Outcome(True, total_rejected, message)
+
+    def _time_bounds(self, now_unix_nano: int) -> tuple[int, int] | None:
+        """The accepted ``time_unix_nano`` range around the receive time (clock skew)."""
+        if self.max_future_skew_s is None and self.max_past_skew_s is None:
+            return None
+        earliest = (
+            0 if self.max_past_skew_s is None else now_unix_nano - int(self.max_past_skew_s * 1e9)
+        )
+        latest = (
+            2**64
+            if self.max_future_skew_s is None
+            else now_unix_nano + int(self.max_future_skew_s * 1e9)
+        )
+        return earliest, latest
+
+    def _identity_check(self, now_unix_nano: int) -> Callable[[Mapping[str, str]], str | None]:
+        guard = self.identity
+        if guard is None:  # pragma: no cover - only called with a guard
+            raise RuntimeError("no duplicate-rank guard")
+
+        def check(attributes: Mapping[str, str]) -> str | None:
+            verdict = guard.observe(attributes, now_unix_nano=now_unix_nano)
+            if verdict is Verdict.TAKEOVER:
+                self.metrics.rank_conflicts.labels(outcome="taken_over").inc()
+                return None
+            if verdict is not Verdict.CONFLICT:
+                return None
+            self.metrics.rank_conflicts.labels(outcome="rejected").inc()
+            key = (attributes.get(_schema.JOB_ID, ""), attributes.get(_schema.RANK, ""))
+            if key not in self._logged_conflicts:  # once per (job, rank): exporters repeat
+                if len(self._logged_conflicts) >= 4096:
+                    self._logged_conflicts.clear()
+                self._logged_conflicts.add(key)
+                _log.warning(
+                    "duplicate rank: job %s rank %s claimed by %s while %s is live; rejected",
+                    key[0],
+                    key[1],
+                    "/".join(attributes.get(name, "") for name in guard.identity_keys).rstrip("/"),
+                    "/".join(guard.owner(*key) or ()).rstrip("/"),
+                )
+            return REASON_DUPLICATE_RANK
+
+        return check
 
     def _grpc_export(self, body: bytes, context: Any) -> bytes:
         import grpc
