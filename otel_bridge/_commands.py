@@ -31,7 +31,7 @@ ENVIRONMENT: dict[str, tuple[str, str | None]] = {
     "auth_token_file": ("STEPWATCH_BRIDGE_TOKEN_FILE", None),
     "tls_cert": ("STEPWATCH_BRIDGE_TLS_CERT", None),
     "tls_key": ("STEPWATCH_BRIDGE_TLS_KEY", None),
-    "max_series": ("STEPWATCH_BRIDGE_MAX_SERIES", "100000"),
+    "max_series": ("STEPWATCH_BRIDGE_MAX_SERIES", "2000000"),
     "max_queue_lines": ("STEPWATCH_BRIDGE_MAX_QUEUE_LINES", "200000"),
     "max_future_skew_s": ("STEPWATCH_BRIDGE_MAX_FUTURE_SKEW_S", "600"),
     "max_past_skew_s": ("STEPWATCH_BRIDGE_MAX_PAST_SKEW_S", "0"),

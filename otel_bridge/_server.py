@@ -91,6 +91,8 @@ class Bridge:
         max_backoff_s: longest delay between spool replay attempts.
         max_request_bytes: largest request body (after decompression); larger is 413.
         max_series_per_measurement: cardinality guard per (job, measurement); None disables.
+        max_series_per_rank: cardinality guard per (job, measurement, rank): one producer
+            flooding new tag values is stopped here long before the per-measurement cap.
         auth_token: when set, both receivers require ``Authorization: Bearer <token>``.
         tls_cert_file: PEM certificate; with ``tls_key_file`` both receivers use TLS.
         tls_key_file: PEM private key.
@@ -134,7 +136,8 @@ class Bridge:
         retry_backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
         max_request_bytes: int = 16 * 1024 * 1024,
-        max_series_per_measurement: int | None = 100_000,
+        max_series_per_measurement: int | None = 2_000_000,
+        max_series_per_rank: int = 1024,
         auth_token: str | None = None,
         tls_cert_file: str | os.PathLike[str] | None = None,
         tls_key_file: str | os.PathLike[str] | None = None,
@@ -229,7 +232,9 @@ class Bridge:
         self.guard = (
             None
             if max_series_per_measurement is None
-            else CardinalityGuard(max_series=max_series_per_measurement)
+            else CardinalityGuard(
+                max_series=max_series_per_measurement, max_series_per_rank=max_series_per_rank
+            )
         )
         self.grpc_port: int | None = None
         self.http_port: int | None = None

@@ -266,6 +266,27 @@ def test_cardinality_guard_caps_series_per_measurement_per_job() -> None:
         )
 
 
+def test_cardinality_guard_budgets_each_rank() -> None:
+    # One rank flooding new tag values is stopped by its own budget; its peers, whose series
+    # legitimately grow the job's total, are not refused.
+    writer = RecordingWriter()
+    with Bridge(writer, max_series_per_rank=5, flush_interval_s=0.01) as bridge:
+        flood = [f"step-{index}" for index in range(12)]
+        body = window_request(job="ranks", rank=0, world_size=4, window=0, phases=flood)
+        answer = post(bridge.http_url, body.SerializeToString(), proto_headers())[2]
+        # The budget is per (job, measurement, rank): 5 of rank 0's 12 phase series pass (its
+        # step.duration and step.last series are in other measurements).
+        rejected = ExportMetricsServiceResponse.FromString(answer)
+        assert rejected.partial_success.rejected_data_points == 12 - 5
+        for rank in (1, 2, 3):
+            peer = window_request(job="ranks", rank=rank, world_size=4, window=0, phases=flood[:2])
+            reply = post(bridge.http_url, peer.SerializeToString(), proto_headers())[2]
+            assert (
+                ExportMetricsServiceResponse.FromString(reply).partial_success.rejected_data_points
+                == 0
+            )
+
+
 def test_bearer_token_on_both_receivers() -> None:
     writer = RecordingWriter()
     with Bridge(writer, auth_token="s3cret", flush_interval_s=0.01) as bridge:
