@@ -155,6 +155,10 @@ class _Episode:
     metrics: dict[str, int]
 
 
+#: Derived metric: step time minus time in the collective (see ``_metric_arrays``).
+ARRIVAL = "arrival"
+
+
 def _format_ranks(ranks: Sequence[int]) -> str:
     if not ranks:
         return ""
@@ -229,6 +233,14 @@ class _Analysis:
         for index, phase in enumerate(frame.phases):
             names.append(f"phase:{phase}")
             values.append(np.asarray(frame.phase_s[:, :, index]))
+            kinds.append("time")
+        if COMMUNICATION_CATEGORY in frame.phases:
+            # Time outside the collective: the rank that reaches the collective last spends
+            # the most time outside it and waits least in it (arrival order, ARGUS). Unlike
+            # step or communication time, waiting for a late peer does not inflate it.
+            index = frame.phases.index(COMMUNICATION_CATEGORY)
+            names.append(ARRIVAL)
+            values.append(np.asarray(frame.step_s - frame.phase_s[:, :, index]))
             kinds.append("time")
         if self.overlap_waiting:  # the waiters are the long ones there: no blame from them
             keep = [i for i, name in enumerate(names) if name not in self.overlap_waiting]
@@ -451,7 +463,12 @@ class _Analysis:
         host_side = {"idle", *(f"phase:{p}" for p in COMPUTE_PHASES)}
         if host_side & set(flagged):
             return "masked_straggler"
-        link = {"step", f"phase:{COMMUNICATION_CATEGORY}", f"category:{COMMUNICATION_CATEGORY}"}
+        link = {
+            "step",
+            ARRIVAL,
+            f"phase:{COMMUNICATION_CATEGORY}",
+            f"category:{COMMUNICATION_CATEGORY}",
+        }
         if link & set(flagged):
             return "link_degradation"
         if any(name.startswith("phase:") for name in flagged):
@@ -548,7 +565,10 @@ class _Analysis:
                 f"since {since}"
             )
         elif kind == "link_degradation":
-            ratio = math.exp(self._mean_effect(metrics, "step", indices, first, last))
+            late = ARRIVAL in metrics.names and "step" not in metrics.names
+            ratio = math.exp(
+                self._mean_effect(metrics, ARRIVAL if late else "step", indices, first, last)
+            )
             comm = [
                 name
                 for name, category in zip(
@@ -558,8 +578,13 @@ class _Analysis:
             ]
             kernel_class = comm[0] if len(comm) == 1 else None
             phase = COMMUNICATION_CATEGORY
+            what = (
+                "reaches the collective late: time outside it"
+                if late
+                else ("collective completion")
+            )
             summary = (
-                f"host {','.join(hosts)} ({rank_text}) collective completion {ratio:.2f}x peers "
+                f"host {','.join(hosts)} ({rank_text}) {what} {ratio:.2f}x peers "
                 f"with normal compute since {since}"
             )
         elif kind == "dataloader_stall":

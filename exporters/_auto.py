@@ -11,8 +11,10 @@ One line, no change to the training loop::
   ``loss.backward()`` has returned, DDP's allreduce wait included);
 - optimizer: ``Optimizer.register_step_pre_hook`` → ``register_step_post_hook``;
 - communication: a DDP comm hook that wraps the allreduce (the default one, or the hook you
-  pass as ``comm_hook``) and times each bucket from the hook call to its future's completion;
-  the phase is the union of those intervals in the step (buckets overlap);
+  pass as ``comm_hook``) and times each bucket from the moment its collective is issued to
+  its future's completion — the time in the collective: transfer plus waiting for the peers,
+  so the rank that arrives last waits least; the hook's own work before the collective is not
+  counted. The phase is the union of those intervals in the step (buckets overlap);
 - data: time from the previous step's end to the next forward (auto steps only);
 - step boundary: the end of ``optimizer.step()``, unless the loop uses ``monitor.step()``
   itself, in which case the hooks only add phases to those steps.
@@ -159,8 +161,11 @@ class _AutoState:
         def hook(state: Any, bucket: Any) -> Any:
             if not self.enabled:
                 return inner(state, bucket)
-            start_ns = self.clock.monotonic_ns()
             future = inner(state, bucket)
+            # From the moment the collective is issued: the hook's own work before it (e.g.
+            # compression) is not communication, and a rank that reaches the collective late
+            # is the one that waits least in it (arrival order, as in ARGUS).
+            start_ns = self.clock.monotonic_ns()
 
             def done(completed: Any) -> Any:
                 # Chained with then() (not add_done_callback) so DDP, which waits on the
@@ -190,11 +195,11 @@ class _AutoState:
         import torch.distributed as dist
 
         def hook(state: Any, bucket: Any) -> Any:
-            start_ns = self.clock.monotonic_ns()
             group: Any = state if state is not None else dist.group.WORLD
             tensor = bucket.buffer()
             tensor.div_(group.size())
             future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+            start_ns = self.clock.monotonic_ns()
             if not self.enabled:
                 return future.then(_first_value)
 

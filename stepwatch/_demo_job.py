@@ -217,7 +217,7 @@ def _slow_comm_hook(config: DemoJobConfig) -> Any:
     """A DDP comm hook that delays this rank's allreduce from the fault step on (a slow link)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    delay_s = 0.002 * config.fault_factor
+    delay_s = 0.004 * config.fault_factor  # 8 ms at the default factor: a badly degraded link
     calls = [0]
 
     def slow_allreduce(process_group: Any, bucket: Any) -> Any:
