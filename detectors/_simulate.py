@@ -150,7 +150,12 @@ def _parse_severity(text: str, context: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class TruthFault:
-    """A fault as the detectors should report it."""
+    """A fault as the detectors should report it.
+
+    ``start_unix_nano`` is when the injected effect begins: the fault's step, except for
+    ``jit_stall``, whose stalls strike random steps from then on, where it is the first stall
+    (nothing is observable before it, so detection latency counts from there).
+    """
 
     kind: str
     ranks: tuple[int, ...]
@@ -430,6 +435,7 @@ def simulate(
 
     for fault in faults:
         stop = fault.end_step if fault.end_step is not None else steps
+        onset_step = fault.start_step
         when = (step_index >= fault.start_step) & (step_index < stop)
         rank_mask = np.zeros(world_size, dtype=bool)
         rank_mask[list(fault.ranks)] = True
@@ -457,6 +463,9 @@ def simulate(
             stalls = hit & (rng.random(shape) < 0.1)
             host_gap = host_gap + np.where(stalls, 10.0 * (fault.severity - 1.0) * step_s, 0.0)
             phase = "forward"
+            stalled_steps = np.flatnonzero(stalls.any(axis=1))
+            if stalled_steps.size:  # random stalls: the slowdown begins with the first one
+                onset_step = int(stalled_steps[0])
         elif fault.kind == "pipeline_bubble":
             extra_bubble = extra_bubble + np.where(
                 hit, (fault.severity - 1.0) * fwdbwd_nominal, 0.0
@@ -482,8 +491,8 @@ def simulate(
                 kernel_class=kernel_class,
                 severity=fault.severity,
                 start_unix_nano=start_unix_nano
-                + (fault.start_step // steps_per_window) * window_ns
-                + (fault.start_step % steps_per_window) * round(step_s * 1e9),
+                + (onset_step // steps_per_window) * window_ns
+                + (onset_step % steps_per_window) * round(step_s * 1e9),
                 end_unix_nano=None
                 if fault.end_step is None
                 else start_unix_nano + fault.end_step * round(step_s * 1e9),

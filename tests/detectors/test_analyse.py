@@ -166,3 +166,17 @@ def test_config_errors_name_the_argument() -> None:
         Fault.parse("nonsense")
     with pytest.raises(ConfigError, match="topology"):
         simulate(8, steps=10, topology=Topology(2, 2, 3))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_jit_stall_truth_starts_at_its_first_stall(seed: int) -> None:
+    # Stalls strike random steps after the fault's step: the truth's onset is the first one
+    # (a step on rank 5 well above its own usual time), never earlier than the fault's step.
+    job = simulate(16, steps=300, faults=[Fault.parse("jit_stall@150:5:2")], seed=seed)
+    (fault,) = job.truth.faults
+    step_ns = round(1e9)
+    onset_step = (fault.start_unix_nano - job.truth.start_unix_nano) // step_ns
+    typical = float(np.median(job.step_s[:150, 5]))
+    stalled = np.flatnonzero(job.step_s[:, 5] > 3 * typical)
+    assert onset_step >= 150
+    assert stalled.size and int(stalled[0]) == onset_step
