@@ -138,6 +138,142 @@ def _without_descriptions(request):  # type: ignore[no-untyped-def]
     return copy
 
 
+def _copy(request):  # type: ignore[no-untyped-def]
+    copy = type(request)()
+    copy.CopyFrom(request)
+    return copy
+
+
+def _histogram_points(request, *, kernel_only: bool = False):  # type: ignore[no-untyped-def]
+    for resource_metrics in request.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                if kernel_only and metric.name != "stepwatch.kernel.duration":
+                    continue
+                if metric.HasField("exponential_histogram"):
+                    yield from metric.exponential_histogram.data_points
+
+
+def _drop_attribute(container, key: str) -> None:  # type: ignore[no-untyped-def]
+    kept = [_copy(item) for item in container.attributes if item.key != key]
+    del container.attributes[:]
+    container.attributes.extend(kept)
+
+
+def _no_category(request) -> None:  # type: ignore[no-untyped-def]
+    for point in _histogram_points(request, kernel_only=True):
+        _drop_attribute(point, "stepwatch.kernel.category")
+
+
+def _no_service_name(request) -> None:  # type: ignore[no-untyped-def]
+    for resource_metrics in request.resource_metrics:
+        _drop_attribute(resource_metrics.resource, "service.name")
+
+
+def _single_values_at_scale_0(request) -> None:  # type: ignore[no-untyped-def]
+    from stepwatch.exporters._histogram import map_to_index
+
+    for point in _histogram_points(request):
+        if point.count == 1 and point.positive.bucket_counts:
+            point.scale = 0
+            point.positive.offset = map_to_index(point.max, 0)
+
+
+def _clear(field: str, *, kernel_only: bool = True):  # type: ignore[no-untyped-def]
+    def apply(request) -> None:  # type: ignore[no-untyped-def]
+        for point in _histogram_points(request, kernel_only=kernel_only):
+            if field == "attributes":
+                del point.attributes[:]
+            elif field == "bucket_counts":
+                del point.positive.bucket_counts[:]
+            elif field == "timestamps":
+                point.ClearField("start_time_unix_nano")
+                point.ClearField("time_unix_nano")
+            else:
+                point.ClearField(field)
+
+    return apply
+
+
+def _no_resource(request) -> None:  # type: ignore[no-untyped-def]
+    for resource_metrics in request.resource_metrics:
+        del resource_metrics.resource.attributes[:]
+
+
+def _variants_table(traces) -> None:  # type: ignore[no-untyped-def]
+    """Savings not taken (they break a contract or cost too much) and what each field costs."""
+    import zlib
+
+    encode_metrics = _encoder()
+    requests, exact_requests = [], []
+    for trace in traces:
+        for bits, target in ((None, requests), (53, exact_requests)):
+            options = {} if bits is None else {"kernel_significant_bits": bits}
+            for window in trace_windows(
+                trace,
+                job_id="bench",
+                rank=trace.rank or 0,
+                world_size=trace.world_size or len(traces),
+                time_offset_ns=0,
+                host_name="node-0",
+                **options,
+            ):
+                target.append(encode_metrics(window.metrics))
+
+    def mean_gzip(items, *mutations) -> float:  # type: ignore[no-untyped-def]
+        sizes = []
+        for request in items:
+            copy = _copy(request)
+            for mutate in mutations:
+                mutate(copy)
+            sizes.append(len(gzip.compress(copy.SerializeToString(), 6)))
+        return statistics.mean(sizes)
+
+    base = mean_gzip(requests)
+    print(f"\ndefault window (scale 4, size 320, top_k 48): {base:.0f} gzip B; variants:")
+    rows = [
+        ("kernel sum/min/max exact (kernel_significant_bits=53)", mean_gzip(exact_requests)),
+        ("NOT TAKEN: no stepwatch.kernel.category on the wire", mean_gzip(requests, _no_category)),
+        ("NOT TAKEN: no service.name resource attribute", mean_gzip(requests, _no_service_name)),
+        (
+            "NOT TAKEN: one-observation histograms at scale 0",
+            mean_gzip(requests, _single_values_at_scale_0),
+        ),
+        (
+            "NOT TAKEN: all three above",
+            mean_gzip(requests, _no_category, _no_service_name, _single_values_at_scale_0),
+        ),
+        (
+            "NOT TAKEN: Content-Encoding deflate (zlib) instead of gzip",
+            statistics.mean(len(zlib.compress(r.SerializeToString(), 6)) for r in requests),
+        ),
+    ]
+    for label, size in rows:
+        print(f"  {label:<62} {size:>7.0f} B ({size - base:+.0f})")
+    print("cost of each field family (gzip B saved by removing it; kernel points unless 'all'):")
+    for label, mutation in (
+        ("point attributes", _clear("attributes")),
+        ("bucket_counts", _clear("bucket_counts")),
+        ("sum", _clear("sum")),
+        ("min", _clear("min")),
+        ("max", _clear("max")),
+        ("count", _clear("count")),
+        ("start/end timestamps", _clear("timestamps")),
+        ("all histograms: sum+min+max", _clear("sum", kernel_only=False)),
+        ("resource attributes", _no_resource),
+    ):
+        if label.startswith("all histograms"):
+            size = mean_gzip(
+                requests,
+                _clear("sum", kernel_only=False),
+                _clear("min", kernel_only=False),
+                _clear("max", kernel_only=False),
+            )
+        else:
+            size = mean_gzip(requests, mutation)
+        print(f"  {label:<62} {base - size:>7.0f} B")
+
+
 def main(argv: list[str]) -> int:
     source = Path(argv[1]) if len(argv) > 1 else DEFAULT_TAR
     encode_metrics = _encoder()
@@ -217,6 +353,7 @@ def main(argv: list[str]) -> int:
             f"{statistics.mean(kernel_only):>9.0f} {statistics.mean(no_desc):>9.0f} "
             f"{100 * _max_quantile_error(traces, all_windows):>8.2f}%"
         )
+    _variants_table(traces)
     multi = [trace for trace in traces if len(trace.steps) > 1]
     if multi:
         per_step = []

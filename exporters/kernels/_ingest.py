@@ -24,7 +24,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stepwatch._errors import ConfigError, TraceFormatError
-from stepwatch.exporters._window import WindowBuilder, build_resource
+from stepwatch.exporters._window import (
+    DEFAULT_KERNEL_SIGNIFICANT_BITS,
+    WindowBuilder,
+    build_resource,
+)
 from stepwatch.exporters.kernels._summary import DEFAULT_TOP_K, KernelSummariser
 from stepwatch.exporters.kernels._trace import KinetoTrace, rank_from_file_name, read_trace
 
@@ -120,6 +124,7 @@ def trace_windows(
     top_k: int = DEFAULT_TOP_K,
     max_scale: int = DEFAULT_KERNEL_MAX_SCALE,
     max_size: int = DEFAULT_KERNEL_MAX_SIZE,
+    kernel_significant_bits: int = DEFAULT_KERNEL_SIGNIFICANT_BITS,
 ) -> list[TraceWindow]:
     """The windows (one per step) of a parsed trace.
 
@@ -133,6 +138,8 @@ def trace_windows(
         top_k: Kernel classes kept by name; the whole trace's totals decide which.
         max_scale: Exponential-histogram scale.
         max_size: Most buckets per histogram.
+        kernel_significant_bits: Significant bits of kernel histograms' sum/min/max on the
+            wire (see :class:`~stepwatch.exporters.WindowBuilder`).
 
     Returns:
         The windows, in step order.
@@ -146,7 +153,12 @@ def trace_windows(
         world_size=world_size,
         host_name=host_name or trace.host_name or "unknown",
     )
-    builder = WindowBuilder(resource, max_scale=max_scale, max_size=max_size)
+    builder = WindowBuilder(
+        resource,
+        max_scale=max_scale,
+        max_size=max_size,
+        kernel_significant_bits=kernel_significant_bits,
+    )
     summariser = KernelSummariser(top_k=top_k, initial_totals_s=_class_totals(trace))
     offset = trace.base_time_unix_nano if trace.base_time_unix_nano is not None else time_offset_ns
     windows = []

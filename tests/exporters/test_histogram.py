@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from stepwatch import ConfigError
 from stepwatch.exporters import ExponentialHistogram
-from stepwatch.exporters._histogram import MAX_SCALE, MIN_SCALE, lower_boundary, map_to_index
+from stepwatch.exporters._histogram import (
+    FLOAT_BITS,
+    MAX_SCALE,
+    MIN_SCALE,
+    lower_boundary,
+    map_to_index,
+    round_significant,
+)
 
 # Durations from a nanosecond to an hour, plus exact zeros.
 durations = st.one_of(
@@ -156,3 +163,67 @@ def test_empty_snapshot_and_reset() -> None:
 def test_bad_options_raise_config_error_naming_them(options: dict[str, int], name: str) -> None:
     with pytest.raises(ConfigError, match=name):
         ExponentialHistogram(**options)
+
+
+def _significant_bits(value: float) -> int:
+    """Bits between the leading and the trailing one bit of ``value``'s mantissa, inclusive."""
+    mantissa = int(math.ldexp(math.frexp(value)[0], FLOAT_BITS))
+    return FLOAT_BITS - ((mantissa & -mantissa).bit_length() - 1)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    value=st.floats(min_value=1e-300, max_value=1e300, allow_nan=False),
+    bits=st.integers(1, FLOAT_BITS - 1),
+)
+def test_round_significant_bounds_and_directions(value: float, bits: int) -> None:
+    nearest = round_significant(value, bits)
+    down = round_significant(value, bits, direction="down")
+    up = round_significant(value, bits, direction="up")
+    assert down <= value <= up
+    assert down <= nearest <= up
+    # The stated bounds: 2**-bits to nearest, below 2**(1 - bits) down or up.
+    assert abs(nearest - value) <= math.ldexp(value, -bits)
+    assert value - down < math.ldexp(value, 1 - bits)
+    assert up - value < math.ldexp(value, 1 - bits)
+    for rounded in (nearest, down, up):
+        assert _significant_bits(rounded) <= bits
+        assert round_significant(rounded, bits) == rounded  # idempotent: already on the grid
+
+
+@pytest.mark.parametrize("value", [0.0, math.inf, -math.inf, 1.7976931348623157e308])
+def test_round_significant_leaves_zero_infinities_and_overflow_alone(value: float) -> None:
+    assert round_significant(value, 12, direction="up") == value
+    assert math.isnan(round_significant(math.nan, 12))
+    assert round_significant(0.1, FLOAT_BITS) == 0.1
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(durations, min_size=1, max_size=100), bits=st.integers(1, FLOAT_BITS))
+def test_rounded_snapshot_still_bounds_every_value(values: list[float], bits: int) -> None:
+    histogram = ExponentialHistogram(max_scale=4, max_size=320)
+    for value in values:
+        histogram.record(value)
+    exact = histogram.snapshot()
+    rounded = exact.with_significant_bits(bits)
+    assert rounded.min <= min(values) and rounded.max >= max(values)
+    assert abs(rounded.sum - exact.sum) <= math.ldexp(exact.sum, -bits)
+    assert (rounded.count, rounded.zero_count, rounded.scale, rounded.offset) == (
+        exact.count,
+        exact.zero_count,
+        exact.scale,
+        exact.offset,
+    )
+    assert rounded.bucket_counts == exact.bucket_counts
+    if len(set(values)) == 1 or bits == FLOAT_BITS:
+        assert rounded == exact  # equal values (one observation) are sent exactly
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    from stepwatch.exporters import _histogram
+
+    result = doctest.testmod(_histogram)
+    assert result.attempted > 0
+    assert result.failed == 0

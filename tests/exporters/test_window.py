@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from google.protobuf.json_format import MessageToDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
@@ -20,6 +22,8 @@ from opentelemetry.sdk.metrics.export import (
 
 from stepwatch import ConfigError, _schema
 from stepwatch.exporters import KernelWindow, WindowBuilder, build_resource
+from stepwatch.exporters._window import SCOPE_NAME
+from stepwatch.otel_bridge import exponential_buckets, nearest_rank_quantile
 
 GOLDEN = Path(__file__).with_name("test_window_golden.json")
 START = 1_795_000_000_000_000_000
@@ -230,8 +234,125 @@ def test_build_resource_names_the_bad_argument(options: dict[str, Any], name: st
         ({"max_size": 0}, "max_size"),
         ({"max_phase_series": 0}, "max_phase_series"),
         ({"max_kernel_series": 0}, "max_kernel_series"),
+        ({"kernel_significant_bits": 0}, "kernel_significant_bits"),
+        ({"kernel_significant_bits": 54}, "kernel_significant_bits"),
+        ({"kernel_significant_bits": True}, "kernel_significant_bits"),
     ],
 )
 def test_window_builder_options_are_checked(options: dict[str, int], name: str) -> None:
     with pytest.raises(ConfigError, match=name):
         WindowBuilder(_resource(), **options)
+
+
+def _kernel_points(metrics: MetricsData) -> list[Any]:
+    by_name = {m.name: m for m in metrics.resource_metrics[0].scope_metrics[0].metrics}
+    data = by_name[_schema.KERNEL_DURATION].data
+    assert isinstance(data, ExponentialHistogram)
+    return list(data.data_points)
+
+
+def test_wire_order_scope_and_kernel_point_order() -> None:
+    metrics = _window()
+    (scope_metrics,) = metrics.resource_metrics[0].scope_metrics
+    assert (scope_metrics.scope.name, scope_metrics.scope.version) == (SCOPE_NAME, None)
+    assert [m.name for m in scope_metrics.metrics] == [
+        _schema.STEP_DURATION,
+        _schema.STEP_LAST,
+        _schema.DEVICE_IDLE_DURATION,
+        _schema.PHASE_DURATION,
+        _schema.KERNEL_DURATION,
+    ]
+    builder = WindowBuilder(_resource())
+    builder.add_kernels(
+        KernelWindow(
+            durations_s={
+                ("b", "compute"): [0.003],
+                ("a", "memory"): [0.001, 0.001],
+                ("c", "compute"): [0.002],
+                ("a", "compute"): [0.002],
+            }
+        )
+    )
+    built = builder.build(start_unix_nano=START, end_unix_nano=END)
+    assert built is not None
+    order = [
+        (p.attributes[_schema.KERNEL_CLASS], p.attributes[_schema.KERNEL_CATEGORY])
+        for p in _kernel_points(built)
+    ]
+    # By total time, ties by class then category: deterministic, whatever the input order.
+    assert order == [("a", "compute"), ("a", "memory"), ("c", "compute"), ("b", "compute")]
+
+
+def test_kernel_sum_min_max_are_rounded_outwards_and_the_rest_is_exact() -> None:
+    values = [0.00019, 0.00021, 0.0002]
+    for bits, exact in ((12, False), (53, True)):
+        builder = WindowBuilder(_resource(), kernel_significant_bits=bits)
+        builder.add_step(step_index=0, duration_s=0.0123456789, phases_s={"data": 0.00123456789})
+        builder.add_kernels(
+            KernelWindow(
+                durations_s={("gemm", "compute"): values, ("one", "compute"): [0.0123456789]}
+            )
+        )
+        built = builder.build(start_unix_nano=START, end_unix_nano=END)
+        assert built is not None
+        gemm, one = sorted(_kernel_points(built), key=lambda p: p.count, reverse=True)
+        assert gemm.min <= min(values) and gemm.max >= max(values)
+        assert gemm.sum == pytest.approx(sum(values), rel=2**-12, abs=0)
+        assert (gemm.min, gemm.max, gemm.sum) == (
+            (min(values), max(values), sum(values))
+            if exact
+            else (0.00018996000289916992, 0.00021004676818847656, 0.0006000995635986328)
+        )
+        # One observation: sent exactly, so it reads back exactly.
+        assert one.min == one.max == one.sum == 0.0123456789
+        for metric in built.resource_metrics[0].scope_metrics[0].metrics:
+            if metric.name != _schema.KERNEL_DURATION and isinstance(
+                metric.data, ExponentialHistogram
+            ):
+                (point,) = metric.data.data_points
+                assert point.sum in (0.0123456789, 0.00123456789)
+
+
+def _bucket_half_width(scale: int) -> float:
+    """Worst relative error of a bucket midpoint: (base - 1) / 2, base = 2 ** 2 ** -scale."""
+    return (2.0 ** (2.0**-scale) - 1.0) / 2.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=st.lists(
+        st.integers(1, 5_000_000).map(lambda ns: round(ns * 2**30 / 1e9) / 2**30),
+        min_size=1,
+        max_size=60,
+    ),
+    bits=st.sampled_from([8, 12, 53]),
+)
+def test_every_quantile_the_bridge_estimates_is_within_the_bucket_bound(
+    values: list[float], bits: int
+) -> None:
+    """Rounded min/max still contain every value, so clamping never adds error: each
+    nearest-rank quantile the bridge computes is within the bucket half-width (2.2 % at the
+    ingest scale 4) of the exact one, also for one-observation points."""
+    builder = WindowBuilder(_resource(), max_scale=4, max_size=320, kernel_significant_bits=bits)
+    builder.add_kernels(KernelWindow(durations_s={("k", "compute"): values}))
+    built = builder.build(start_unix_nano=START, end_unix_nano=END)
+    assert built is not None
+    (point,) = _kernel_points(built)
+    buckets = exponential_buckets(
+        point.scale,
+        positive_offset=point.positive.offset,
+        positive_counts=list(point.positive.bucket_counts),
+        zero_count=point.zero_count,
+    )
+    ordered = sorted(values)
+    bound = _bucket_half_width(point.scale) * (1 + 1e-9)
+    for rank in range(1, len(ordered) + 1):
+        quantile = (rank - 0.5) / len(ordered)  # nearest rank: ceil(q * n) == rank
+        exact = ordered[rank - 1]
+        got = nearest_rank_quantile(buckets, quantile, minimum=point.min, maximum=point.max)
+        assert got is not None
+        assert abs(got - exact) <= bound * exact, (rank, got, exact)
+    if len(set(values)) == 1:
+        assert (
+            nearest_rank_quantile(buckets, 0.5, minimum=point.min, maximum=point.max) == (values[0])
+        )
