@@ -1,22 +1,35 @@
 """Overhead of stepwatch on a real CPU DDP job: A/B interleaved in one run.
 
-Four ranks (gloo over loopback) train two identical DDP replicas of a small MLP in alternating
-blocks of steps. Arm A is fully instrumented: ``monitor.step()``, a ``data`` phase, auto-mode
-hooks on forward/backward/optimizer and the timing DDP comm hook, exporting OTLP/HTTP every
-second to the real stepwatch bridge started in this process (with a counting writer; a plain
-local OTLP/HTTP receiver when the bridge is not installed). Arm B is plain DDP. The block order
-within each pair is random (seeded) so drift and neighbours on the machine hit both arms alike.
-Each step is timed outside stepwatch with ``perf_counter``. Every run first measures an A/A
-control (both replicas plain, same block design): the replicas are not exactly equally fast
-(memory placement), so the overhead is the A/B difference minus the A/A difference.
+Two ranks (gloo over loopback, one per core of the bench machine) train two identical DDP
+replicas of a small MLP in alternating blocks of steps. Arm A is fully instrumented:
+``monitor.step()``, a ``data`` phase, auto-mode hooks on forward/backward/optimizer, the
+timing DDP comm hook and op histograms from :class:`TorchProfilerSource` (adaptive duty cycle,
+default budget), exporting OTLP/HTTP every second to the real stepwatch bridge started in this
+process (with a counting writer; a plain local OTLP/HTTP receiver when the bridge is not
+installed). Arm B is plain DDP. The block order within each pair is random (seeded) so drift
+and neighbours on the machine hit both arms alike. Every run first measures an A/A control
+(both replicas plain, same block design): the replicas are not exactly equally fast (memory
+placement), so the overhead is the A/B difference minus the A/A difference.
 
-``--mode`` isolates parts of arm A: ``no-comm-hook`` (auto mode without the comm hook),
-``manual`` (only ``step()`` and one phase), ``plain-python-hook`` (no stepwatch at all, just
-DDP's own Python ``allreduce_hook``: the price of any Python comm hook)).
+Two estimators, both A/B - A/A with 95 % bootstrap CIs:
 
-Also measures the hot-path cost of one step with four phases in a tight loop.
+- wall clock: per block pair, the relative difference of the median step times (robust to
+  scheduling noise; by construction it does not see the rare profiled steps);
+- CPU time: per block pair, the relative difference of the process CPU time per step
+  (``time.process_time()``: every thread of the rank, the export thread and gloo's
+  included), averaged over pairs so the rare profiled steps are paid for; insensitive to
+  waiting for the CPU while other processes run.
 
-Usage: ``.venv/bin/python bench/overhead.py [--ranks 4] [--pairs 30] [--block 20] [--mode M]``
+``--mode`` isolates parts of arm A: ``no-ops`` (everything but op histograms),
+``no-comm-hook`` (everything but the comm hook), ``manual`` (only ``step()`` and one phase),
+``plain-python-hook`` (no stepwatch at all, just DDP's own Python ``allreduce_hook``: the price
+of any Python comm hook).
+
+Also measures the hot-path cost of one step with four phases in a tight loop, and the comm
+hook's cost per bucket against DDP's built-in C++ allreduce (a separate 2-rank job with a
+model of many small buckets, CPU time). Prints the 1-minute load average at start and end.
+
+Usage: ``.venv/bin/python bench/overhead.py [--ranks 2] [--pairs 150] [--block 20] [--mode M]``
 """
 
 from __future__ import annotations
@@ -112,7 +125,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from stepwatch.exporters import StepMonitor
+    from stepwatch.exporters import StepMonitor, TorchProfilerSource
 
     torch.set_num_threads(1)
     world_size = options["ranks"]
@@ -140,12 +153,14 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
         on_model, off_model = make_model(), make_model()
         on_opt = torch.optim.SGD(on_model.parameters(), lr=0.01, momentum=0.9)
         off_opt = torch.optim.SGD(off_model.parameters(), lr=0.01, momentum=0.9)
+        source = TorchProfilerSource() if options["mode"] in ("full", "no-comm-hook") else None
         monitor = StepMonitor(
             job_id="overhead-bench",
             rank=rank,
             world_size=world_size,
             endpoint=options["endpoint"],
             export_interval_s=1.0,
+            kernel_source=source,
         )
         loss_fn = torch.nn.CrossEntropyLoss()
         generator = torch.Generator().manual_seed(rank)
@@ -167,32 +182,37 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
 
         order_rng = random.Random(options["seed"])  # same on every rank: blocks stay aligned
 
-        def run_pairs(pairs: int) -> tuple[dict[str, list[float]], list[tuple[float, float]]]:
+        def run_pairs(pairs: int) -> dict[str, Any]:
             samples: dict[str, list[float]] = {"on": [], "off": []}
             pair_medians: list[tuple[float, float]] = []
+            pair_cpu: list[tuple[float, float]] = []
             for _ in range(pairs):
                 arms = ["on", "off"]
                 order_rng.shuffle(arms)
                 medians: dict[str, float] = {}
+                cpu: dict[str, float] = {}
                 for arm in arms:
                     model, optimizer = (on_model, on_opt) if arm == "on" else (off_model, off_opt)
                     times = []
+                    cpu_started = time.process_time()
                     for _ in range(options["block"]):
                         started = time.perf_counter()
                         step(model, optimizer, arm == "on")
                         times.append(time.perf_counter() - started)
+                    cpu[arm] = (time.process_time() - cpu_started) / options["block"]
                     samples[arm].extend(times)
                     medians[arm] = statistics.median(times)
                 pair_medians.append((medians["on"], medians["off"]))
-            return samples, pair_medians
+                pair_cpu.append((cpu["on"], cpu["off"]))
+            return {"samples": samples, "pair_medians": pair_medians, "pair_cpu": pair_cpu}
 
         for _ in range(options["warmup"]):
             step(on_model, on_opt, True)
             step(off_model, off_opt, False)
         # A/A first: both replicas plain. The two replicas are not exactly equally fast (memory
         # placement), so the A/B difference is read against this control.
-        _, control_pairs = run_pairs(options["pairs"])
-        if options["mode"] == "full":
+        control = run_pairs(options["pairs"])
+        if options["mode"] in ("full", "no-ops"):
             monitor.instrument(on_model, on_opt)
         elif options["mode"] == "plain-python-hook":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -203,17 +223,124 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
         instrumented = options["mode"] != "plain-python-hook"
         for _ in range(options["warmup"]):
             step(on_model, on_opt, True)
-        samples, pair_medians = run_pairs(options["pairs"])
+        measured = run_pairs(options["pairs"])
         monitor.close(timeout_s=5.0)
         result = {
-            "samples": samples,
-            "pair_medians": pair_medians,
-            "control_pair_medians": control_pairs,
+            "samples": measured["samples"],
+            "pair_medians": measured["pair_medians"],
+            "pair_cpu": measured["pair_cpu"],
+            "control_pair_medians": control["pair_medians"],
+            "control_pair_cpu": control["pair_cpu"],
             "stats": monitor.stats.__dict__,
+            "duty_cycle": source.duty_cycle._asdict() if source is not None else None,
+            "on_steps_s": sum(measured["samples"]["on"]),
         }
         Path(options["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def _comm_rank_main(rank: int, options: dict[str, Any]) -> None:
+    """One rank of the comm-hook job: same model three ways, only the comm path differs."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from stepwatch.exporters import InMemoryExporter, StepMonitor
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{options['out_dir']}/store", rank=rank, world_size=2
+    )
+    try:
+
+        def make_model() -> Any:
+            torch.manual_seed(0)
+            layers: list[Any] = []
+            for _ in range(options["layers"]):
+                layers += [torch.nn.Linear(64, 64), torch.nn.ReLU()]
+            # A tiny bucket cap: one bucket per weight, so per-bucket costs add up.
+            return DistributedDataParallel(torch.nn.Sequential(*layers), bucket_cap_mb=0.01)
+
+        arms: dict[str, tuple[Any, Any]] = {}
+        monitors = []
+        for arm in ("builtin", "ddp-python-hook", "stepwatch"):
+            model = make_model()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+            if arm == "ddp-python-hook":
+                model.register_comm_hook(None, allreduce_hook)
+            monitor = StepMonitor(
+                job_id="comm-hook",
+                rank=rank,
+                world_size=2,
+                exporter=InMemoryExporter(),
+                buffer_steps=1_000_000,
+                start=False,
+            )
+            # Every arm carries the auto-mode hooks; only the stepwatch arm times communication.
+            monitor.instrument(model, optimizer, time_communication=arm == "stepwatch")
+            monitors.append(monitor)
+            arms[arm] = (model, optimizer)
+        inputs = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+
+        def step(arm: str) -> None:
+            model, optimizer = arms[arm]
+            loss = model(inputs).pow(2).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+        for _ in range(20):
+            for arm in arms:
+                step(arm)
+        reducer = arms["stepwatch"][0].reducer
+        buckets = len(reducer._get_zeros_like_grad_buckets())
+        order_rng = random.Random(options["seed"])
+        cpu: dict[str, list[float]] = {arm: [] for arm in arms}
+        for _ in range(options["pairs"]):
+            order = list(arms)
+            order_rng.shuffle(order)
+            for arm in order:
+                started = time.process_time()
+                for _ in range(options["block"]):
+                    step(arm)
+                cpu[arm].append((time.process_time() - started) / options["block"])
+        for monitor in monitors:
+            monitor.close()
+        Path(options["out_dir"], f"comm{rank}.json").write_text(
+            json.dumps({"cpu": cpu, "buckets": buckets})
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def comm_hook_cost_us(*, pairs: int, block: int, seed: int) -> None:
+    """Per-bucket CPU cost of the timing comm hook and of DDP's own Python hook."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        options = {"out_dir": out_dir, "layers": 16, "pairs": pairs, "block": block, "seed": seed}
+        mp.start_processes(
+            _comm_rank_main, args=(options,), nprocs=2, join=True, start_method="spawn"
+        )
+        results = [json.loads(Path(out_dir, f"comm{rank}.json").read_text()) for rank in (0, 1)]
+    buckets = results[0]["buckets"]
+    base = statistics.median(x for r in results for x in r["cpu"]["builtin"])
+    print(
+        f"comm hook, 2 ranks gloo, {buckets} buckets/step, built-in C++ allreduce "
+        f"{base * 1e3:.2f} ms CPU/step; extra CPU per bucket (median of {2 * pairs} block "
+        "pairs, 95% bootstrap CI):"
+    )
+    for arm in ("ddp-python-hook", "stepwatch"):
+        diffs = [
+            (a - b) * 1e6 / buckets
+            for r in results
+            for a, b in zip(r["cpu"][arm], r["cpu"]["builtin"], strict=True)
+        ]
+        low, high = _bootstrap_ci(diffs, [0.0], statistic=statistics.median)
+        print(f"  {arm:<16} {statistics.median(diffs):7.1f} µs/bucket ({low:.1f} .. {high:.1f})")
 
 
 def hot_path_cost_us(steps: int = 200_000) -> tuple[float, float]:
@@ -264,22 +391,32 @@ def _relative(pairs: list[list[float]]) -> list[float]:
 
 
 def _bootstrap_ci(
-    values: list[float], control: list[float], *, seed: int = 0, rounds: int = 4000
+    values: list[float],
+    control: list[float],
+    *,
+    statistic: Any = statistics.median,
+    seed: int = 0,
+    rounds: int = 4000,
 ) -> tuple[float, float]:
-    """95% CI of median(values) - median(control), resampling both."""
+    """95% CI of statistic(values) - statistic(control), resampling both."""
     rng = random.Random(seed)
     estimates = sorted(
-        statistics.median(rng.choices(values, k=len(values)))
-        - statistics.median(rng.choices(control, k=len(control)))
+        statistic(rng.choices(values, k=len(values)))
+        - statistic(rng.choices(control, k=len(control)))
         for _ in range(rounds)
     )
     return estimates[int(0.025 * rounds)], estimates[int(0.975 * rounds)]
 
 
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--pairs", type=int, default=30, help="on/off block pairs")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=150, help="on/off block pairs")
     parser.add_argument("--block", type=int, default=20, help="steps per block")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=256)
@@ -287,20 +424,25 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
         "--mode",
-        choices=("full", "no-comm-hook", "manual", "plain-python-hook"),
+        choices=("full", "no-ops", "no-comm-hook", "manual", "plain-python-hook"),
         default="full",
-        help="arm A: everything (default), auto hooks without the comm hook, or only "
-        "monitor.step()/phase('data')",
+        help="arm A: everything (default), without op histograms, without the comm hook, "
+        "only monitor.step()/phase('data'), or DDP's own Python allreduce_hook alone",
     )
+    parser.add_argument("--comm-pairs", type=int, default=30, help="0 skips the comm-hook job")
     args = parser.parse_args()
 
     import torch.multiprocessing as mp
 
+    print(f"start: {_load()}", flush=True)
     with_phases, bare = hot_path_cost_us()
     print(
         f"hot path: {with_phases:.2f} µs/step with step()+4 phases, {bare:.2f} µs bare "
-        f"-> {with_phases - bare:.2f} µs added per step"
+        f"-> {with_phases - bare:.2f} µs added per step",
+        flush=True,
     )
+    if args.comm_pairs > 0:
+        comm_hook_cost_us(pairs=args.comm_pairs, block=10, seed=args.seed)
 
     receiver: BridgeSink | Receiver
     try:
@@ -336,25 +478,57 @@ def main() -> int:
     on = [t for r in results for t in r["samples"]["on"]]
     off = [t for r in results for t in r["samples"]["off"]]
     median_on, median_off = statistics.median(on), statistics.median(off)
+    print(
+        f"DDP job ({args.mode}): {args.ranks} ranks gloo, {args.pairs} pairs x {args.block} "
+        f"steps per arm, {wall_s:.0f} s wall"
+    )
+    print(f"median step time  on: {median_on * 1000:.3f} ms   off: {median_off * 1000:.3f} ms")
+    for rank, result in enumerate(results):
+        duty = result["duty_cycle"]
+        if duty is None:
+            continue
+        cost = duty["cycle_cost_s"]
+        spent_share = duty["spent_s"] / result["on_steps_s"] * 100.0
+        print(
+            f"profiler rank {rank}: {duty['cycles']} cycles of {duty['active_steps']} steps, "
+            f"period {duty['period_steps']} steps, cost/cycle "
+            + (f"{cost * 1e3:.2f} ms" if cost is not None else "n/a")
+            + f" (training thread {_ms(duty['training_cost_s'])}, export thread "
+            f"{_ms(duty['drain_cost_s'])}), baseline step {_ms(duty['baseline_step_s'])}, "
+            f"expected {_pct(duty['expected_overhead'])} of step time; charged so far "
+            f"{duty['spent_s'] * 1e3:.1f} ms = {spent_share:.2f} % of arm A's step time"
+        )
     ab = [x for r in results for x in _relative(r["pair_medians"])]
     aa = [x for r in results for x in _relative(r["control_pair_medians"])]
     overhead = statistics.median(ab) - statistics.median(aa)
     low, high = _bootstrap_ci(ab, aa)
+    print(
+        f"wall clock (block medians): A/B {statistics.median(ab):+.2f} %, A/A "
+        f"{statistics.median(aa):+.2f} % -> overhead {overhead:+.2f} % "
+        f"(95% CI {low:+.2f} .. {high:+.2f} %)"
+    )
+    ab_cpu = [x for r in results for x in _relative(r["pair_cpu"])]
+    aa_cpu = [x for r in results for x in _relative(r["control_pair_cpu"])]
+    cpu_overhead = statistics.fmean(ab_cpu) - statistics.fmean(aa_cpu)
+    low, high = _bootstrap_ci(ab_cpu, aa_cpu, statistic=statistics.fmean)
+    print(
+        f"CPU time (block means, all threads): A/B {statistics.fmean(ab_cpu):+.2f} %, A/A "
+        f"{statistics.fmean(aa_cpu):+.2f} % -> overhead {cpu_overhead:+.2f} % "
+        f"(95% CI {low:+.2f} .. {high:+.2f} %)"
+    )
     exported = sum(r["stats"]["steps_exported"] for r in results)
     recorded = sum(r["stats"]["steps_recorded"] for r in results)
-    print(
-        f"DDP job: {args.ranks} ranks gloo, {args.pairs} pairs x {args.block} steps per arm, "
-        f"{wall_s:.0f} s wall"
-    )
-    print(f"median step time  on: {median_on * 1000:.3f} ms   off: {median_off * 1000:.3f} ms")
-    print(f"increase (pooled medians): {(median_on - median_off) / median_off * 100:+.2f} %")
-    print(
-        f"paired block differences: A/B {statistics.median(ab):+.2f} %, "
-        f"A/A control (same replicas, both plain) {statistics.median(aa):+.2f} %"
-    )
-    print(f"overhead = A/B - A/A: {overhead:+.2f} % (95% bootstrap CI {low:+.2f} .. {high:+.2f} %)")
     print(f"exported {exported}/{recorded} instrumented steps; sink: {receiver.describe()}")
+    print(f"end: {_load()}")
     return 0
+
+
+def _ms(value_s: float | None) -> str:
+    return "n/a" if value_s is None else f"{value_s * 1e3:.2f} ms"
+
+
+def _pct(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{fraction * 100:.3f} %"
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ Run: ``.venv/bin/python bench/profiler_cost.py [--rounds N]``. Prints
    per event and its start cost;
 2. the overhead of :class:`TorchProfilerSource` on a small real training step (an MLP with
    SGD, one thread), A/B interleaved: blocks without and with the source alternate and the
-   median of per-round ratios is reported, for several duty cycles, both in process CPU time
-   (all threads, robust against other processes on a shared machine) and in wall time. A
-   background thread drains the source every 0.5 s, as the exporter's export thread would.
+   median of per-round ratios is reported, for several fixed duty cycles and the default
+   adaptive one (whose decision is printed: period, measured cost per cycle), both in process
+   CPU time (all threads, robust against other processes on a shared machine) and in wall
+   time. A background thread drains the source every 0.5 s, as the export thread would.
 """
 
 from __future__ import annotations
@@ -100,7 +101,15 @@ def overhead(rounds: int, block_steps: int) -> None:
             (time.process_time() - started_cpu) / block_steps,
         )
 
-    for active, period in ((50, 50), (5, 50), (5, 100), (5, 200), (5, 400)):
+    schedules: tuple[tuple[int, int | None], ...] = (
+        (50, 50),
+        (5, 50),
+        (5, 100),
+        (5, 200),
+        (5, 400),
+        (5, None),  # the default: adaptive, 0.2 % budget
+    )
+    for active, period in schedules:
         source = TorchProfilerSource(active_steps=active, period_steps=period)
         stop = threading.Event()
         drained = [0]
@@ -134,13 +143,26 @@ def overhead(rounds: int, block_steps: int) -> None:
         cpu_median = statistics.median(cpu_ratios)
         low, _, high = statistics.quantiles(cpu_ratios, n=4)
         step_ms = statistics.median(base_times) * 1e3
+        label = f"{period:>4}" if period is not None else "auto"
         print(
-            f"  active {active:>3} / period {period:>4}: step {step_ms:6.2f} ms, overhead "
+            f"  active {active:>3} / period {label}: step {step_ms:6.2f} ms, overhead "
             f"CPU {100 * (cpu_median - 1):+6.2f} % (IQR {100 * (low - 1):+.1f}.."
             f"{100 * (high - 1):+.1f} %), wall {100 * (median - 1):+6.2f} % "
             f"(medians of {rounds} A/B rounds), "
             f"{drained[0]} ops summarised"
         )
+        duty = source.duty_cycle
+        if duty.adaptive and duty.cycle_cost_s is not None and duty.baseline_step_s:
+            total_s = rounds * block_steps * duty.baseline_step_s
+            print(
+                f"    adaptive: {duty.cycles} cycles (the first a 1-step probe), period "
+                f"{duty.period_steps} steps, predicted cost/cycle {duty.cycle_cost_s * 1e3:.2f} ms "
+                f"(last: training thread {duty.training_cost_s or 0.0:.4f} s, export thread "
+                f"{duty.drain_cost_s or 0.0:.4f} s), expected "
+                f"{100 * (duty.expected_overhead or 0.0):.3f} % of step time; charged "
+                f"{duty.spent_s * 1e3:.1f} ms = {100 * duty.spent_s / total_s:.2f} % of the "
+                f"instrumented blocks (the probe's cost is repaid over the next period)"
+            )
 
 
 def main(argv: list[str]) -> int:

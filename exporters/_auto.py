@@ -25,7 +25,6 @@ comm hook returns the inner hook's own tensor.
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -65,8 +64,13 @@ class _AutoState:
         self.backward_start_ns = 0
         self.optimizer_start_ns: int | None = None
         self.data_start_ns: int | None = None
-        self.comm_lock = threading.Lock()
-        self.comm_intervals: list[tuple[int, int]] = []
+        # Issue and completion times of this step's collectives. Appends come from the training
+        # thread (issue) and the comm library's completion thread; a list append is atomic
+        # under the GIL, and DDP waits for every chained completion callback before backward
+        # returns, so by optimizer.step() (where they are read and cleared) nothing appends.
+        self.comm_starts_ns: list[int] = []
+        self.comm_ends_ns: list[int] = []
+        self.clock_ns = _fast_monotonic_ns(self.clock)
 
     def _auto_steps(self) -> bool:
         return not self.monitor._explicit_steps
@@ -146,10 +150,11 @@ class _AutoState:
             if self.optimizer_start_ns is not None:
                 monitor._add_phase_ns("optimizer", now - self.optimizer_start_ns)
                 self.optimizer_start_ns = None
-            with self.comm_lock:
-                intervals, self.comm_intervals = self.comm_intervals, []
-            if intervals:
-                monitor._add_phase_ns("communication", _union_ns(intervals))
+            starts, ends = self.comm_starts_ns, self.comm_ends_ns
+            if starts:
+                monitor._add_phase_ns("communication", _union_ns(starts, ends))
+                starts.clear()
+                ends.clear()
             if self._auto_steps() and monitor._step_depth > 0:
                 monitor._end_step(explicit=False)
                 monitor._begin_step(explicit=False)
@@ -158,26 +163,20 @@ class _AutoState:
             self.monitor._misuse("auto", "auto-mode optimizer hook failed", exc_info=True)
 
     def timed_comm_hook(self, inner: Any) -> Any:
+        """Your DDP comm hook ``inner``, with its collective timed from issue to completion."""
+        starts, done = self.comm_starts_ns, self._comm_done
+        clock_ns = self.clock_ns
+
         def hook(state: Any, bucket: Any) -> Any:
-            if not self.enabled:
-                return inner(state, bucket)
             future = inner(state, bucket)
+            if not self.enabled:
+                return future
             # From the moment the collective is issued: the hook's own work before it (e.g.
             # compression) is not communication, and a rank that reaches the collective late
             # is the one that waits least in it (arrival order, as in ARGUS).
-            start_ns = self.clock.monotonic_ns()
-
-            def done(completed: Any) -> Any:
-                # Chained with then() (not add_done_callback) so DDP, which waits on the
-                # returned future, cannot finish backward before the interval is recorded.
-                try:
-                    end_ns = self.clock.monotonic_ns()
-                    with self.comm_lock:
-                        self.comm_intervals.append((start_ns, end_ns))
-                except Exception:
-                    self.monitor._misuse("auto", "auto-mode comm callback failed")
-                return completed.value()  # the inner hook's tensor, unchanged
-
+            starts.append(clock_ns())
+            # Chained with then() (not add_done_callback) so DDP, which waits on the returned
+            # future, cannot finish backward before the completion time is recorded.
             return future.then(done)
 
         # DDP inspects the hook's annotations and accepts only none or the exact runtime types;
@@ -185,56 +184,100 @@ class _AutoState:
         hook.__annotations__ = {}
         return hook
 
-    def timed_allreduce_hook(self) -> Any:
-        """DDP's default allreduce with the timing folded into its one completion callback.
+    def _comm_done(self, completed: Any) -> Any:
+        """Completion of a wrapped hook's future: its value, unchanged."""
+        self.comm_ends_ns.append(self.clock_ns())
+        return completed.value()
 
-        Same arithmetic as ``default_hooks.allreduce_hook`` (divide by the group size, then
-        sum), so gradients are bit-identical to DDP's built-in path; one Python callback per
-        bucket instead of two.
+    def timed_allreduce_hook(self, group: Any, *, divide_in_place: bool) -> Any:
+        """DDP's built-in allreduce as a Python hook, timed, with as little per bucket as can be.
+
+        Per bucket: one scaling pass, the collective issued on the process group directly (not
+        through ``dist.all_reduce``'s Python checks), one clock read and list append, and one
+        chained completion callback that appends the completion time and unwraps the tensor.
+        No closure, lock or tuple per bucket.
+
+        Numerics: DDP's built-in reducer scales each gradient by ``1 / world_size`` while
+        copying it into the bucket (``mul``), or divides the bucket view in place when
+        ``gradient_as_bucket_view`` made the gradient alias it; a registered comm hook gets the
+        unscaled copy. Scaling the bucket the same way, before the sum, keeps gradients
+        bit-identical to DDP without a hook for any world size (``div_``, as DDP's own Python
+        ``allreduce_hook`` does, differs in the last bit for world sizes that are not powers
+        of two). The price is one pass over the bucket that DDP fuses into its copy.
         """
-        import torch.distributed as dist
+        world_size = group.size()
+        scale = 1.0 / world_size
+        allreduce = group.allreduce
+        starts, done = self.comm_starts_ns, _allreduce_done_factory(self)
+        clock_ns = self.clock_ns
 
         def hook(state: Any, bucket: Any) -> Any:
-            group: Any = state if state is not None else dist.group.WORLD
             tensor = bucket.buffer()
-            tensor.div_(group.size())
-            future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-            start_ns = self.clock.monotonic_ns()
-            if not self.enabled:
-                return future.then(_first_value)
-
-            def done(completed: Any) -> Any:
-                try:
-                    end_ns = self.clock.monotonic_ns()
-                    with self.comm_lock:
-                        self.comm_intervals.append((start_ns, end_ns))
-                except Exception:
-                    self.monitor._misuse("auto", "auto-mode comm callback failed")
-                return completed.value()[0]
-
-            return future.then(done)
+            if world_size > 1:
+                if divide_in_place:
+                    tensor.div_(world_size)
+                else:
+                    tensor.mul_(scale)
+            future = allreduce([tensor]).get_future()
+            if self.enabled:
+                starts.append(clock_ns())
+                return future.then(done)
+            return future.then(_first_value)
 
         hook.__annotations__ = {}
         return hook
+
+
+def _allreduce_done_factory(state: _AutoState) -> Any:
+    """The one completion callback of the timed allreduce (shared by every bucket)."""
+    ends, clock_ns = state.comm_ends_ns, state.clock_ns
+    append = ends.append
+
+    def done(completed: Any) -> Any:
+        append(clock_ns())
+        return completed.value()[0]
+
+    return done
 
 
 def _first_value(completed: Any) -> Any:
     return completed.value()[0]
 
 
-def _union_ns(intervals: list[tuple[int, int]]) -> int:
-    """Total length of the union of ``[start, end]`` intervals."""
-    total = 0
-    current_start, current_end = None, None
-    for start, end in sorted(intervals):
-        if current_end is None or start > current_end:
-            if current_end is not None and current_start is not None:
-                total += current_end - current_start
-            current_start, current_end = start, end
+def _fast_monotonic_ns(clock: Any) -> Any:
+    """``clock.monotonic_ns``, or the C function itself when it is the system clock."""
+    import time
+
+    from stepwatch.exporters._monitor import SystemClock
+
+    if type(clock) is SystemClock:
+        return time.perf_counter_ns
+    return clock.monotonic_ns
+
+
+def _union_ns(starts_ns: list[int], ends_ns: list[int]) -> int:
+    """Length of the union of intervals known only by their start and end times.
+
+    The pairing is not needed: a time is covered when more intervals have started than ended
+    by then. Starts without an end yet (still in flight) add nothing.
+    """
+    starts, ends = sorted(starts_ns), sorted(ends_ns)
+    total = active = opened_at = 0
+    next_start = next_end = 0
+    while next_start < len(starts) or next_end < len(ends):
+        if next_end >= len(ends) or (
+            next_start < len(starts) and starts[next_start] <= ends[next_end]
+        ):
+            if active == 0:
+                opened_at = starts[next_start]
+            active += 1
+            next_start += 1
         else:
-            current_end = max(current_end, end)
-    if current_end is not None and current_start is not None:
-        total += current_end - current_start
+            if active > 0:
+                active -= 1
+                if active == 0:
+                    total += ends[next_end] - opened_at
+            next_end += 1
     return total
 
 
@@ -276,11 +319,15 @@ def instrument(
             wrapped by the timing hook (DDP accepts one comm hook, so pass it here instead of
             calling ``register_comm_hook`` yourself). Default: the standard allreduce hook.
         comm_state: State passed to ``comm_hook`` (default: the DDP process group).
-        time_communication: Install the timing comm hook on a DDP model. A Python comm hook
-            costs more than DDP's built-in C++ allreduce (a Python call per bucket and one
-            extra pass over the bucket to divide by the world size, which the built-in path
-            fuses into the gradient copy): tens of microseconds per bucket on CPU, noise on
-            a GPU step. ``False`` keeps DDP's built-in path and reports no communication.
+        time_communication: Install the timing comm hook on a DDP model. Any Python comm
+            hook costs more than DDP's built-in C++ allreduce: DDP calls into Python per
+            bucket, the completion callback takes the GIL on the comm library's thread, and
+            scaling the bucket is one pass that the built-in path fuses into the gradient copy
+            (``bench/overhead.py`` measures it per bucket; DDP's own Python
+            ``allreduce_hook`` costs as much or more). Noise on a GPU step of many
+            milliseconds; on small CPU steps with many buckets it can be the largest part of
+            stepwatch's cost. ``False`` keeps DDP's built-in path and reports no
+            communication.
 
     Returns:
         A handle whose ``remove()`` detaches the hooks.
@@ -320,13 +367,22 @@ def instrument(
                 "is not timed; pass your hook as instrument(..., comm_hook=...) instead"
             )
         else:
-            hook = (
-                state.timed_allreduce_hook()
-                if comm_hook is None
-                else state.timed_comm_hook(comm_hook)
-            )
             if comm_state is None:
                 comm_state = model.process_group
+            elif comm_hook is None and not (
+                hasattr(comm_state, "allreduce") and hasattr(comm_state, "size")
+            ):
+                raise ConfigError(
+                    "comm_state must be a process group when no comm_hook is given, "
+                    f"got {type(comm_state).__name__}"
+                )
+            if comm_hook is None:
+                hook = state.timed_allreduce_hook(
+                    comm_state,
+                    divide_in_place=bool(getattr(model, "gradient_as_bucket_view", False)),
+                )
+            else:
+                hook = state.timed_comm_hook(comm_hook)
             model.register_comm_hook(comm_state, hook)
             communication_timed = True
     return Instrumentation(state, handles, communication_timed=communication_timed)

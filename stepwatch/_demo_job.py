@@ -237,4 +237,6 @@ def _kernel_source(config: DemoJobConfig) -> Any:
     except ImportError:
         logger.warning("kernel collection requested but stepwatch.exporters.kernels is missing")
         return None
-    return TorchProfilerSource()
+    # A fixed duty cycle: the demo is a few hundred steps, shorter than the period the default
+    # 0.2% overhead budget would choose, and it is there to show the op histograms.
+    return TorchProfilerSource(period_steps=100)

@@ -58,6 +58,7 @@ from stepwatch.exporters.kernels._summary import (
 from stepwatch.exporters.kernels._torch_source import (
     OpRecord,
     ProfilerBackend,
+    ProfilerDutyCycle,
     TorchProfilerBackend,
     TorchProfilerSource,
     read_kineto_ops,
@@ -95,6 +96,7 @@ __all__ = [
     "NvmlBackend",
     "OpRecord",
     "ProfilerBackend",
+    "ProfilerDutyCycle",
     "PynvmlBackend",
     "TorchProfilerBackend",
     "TorchProfilerSource",

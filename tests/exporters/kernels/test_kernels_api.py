@@ -31,6 +31,7 @@ PUBLIC = [
     "NvmlBackend",
     "OpRecord",
     "ProfilerBackend",
+    "ProfilerDutyCycle",
     "PynvmlBackend",
     "TorchProfilerBackend",
     "TorchProfilerSource",

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
+import random
+import statistics
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 from stepwatch._errors import ConfigError
 from stepwatch.exporters.kernels import OpRecord, TorchProfilerSource
+from stepwatch.exporters.kernels._torch_source import DEFAULT_MIN_PERIOD_STEPS
+
+NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)  # a failure prints its example
 
 
 class ScriptedBackend:
@@ -113,9 +122,13 @@ def test_slow_export_thread_drops_old_cycles() -> None:
         ({"active_steps": 0}, "active_steps"),
         ({"active_steps": 5, "period_steps": 4}, "period_steps"),
         ({"max_pending_cycles": 0}, "max_pending_cycles"),
+        ({"overhead_budget": 0.0}, "overhead_budget"),
+        ({"overhead_budget": 1.5}, "overhead_budget"),
+        ({"active_steps": 5, "min_period_steps": 5}, "min_period_steps"),
+        ({"min_period_steps": 100, "max_period_steps": 99}, "max_period_steps"),
     ],
 )
-def test_config_errors(kwargs: dict[str, int], name: str) -> None:
+def test_config_errors(kwargs: dict[str, Any], name: str) -> None:
     with pytest.raises(ConfigError, match=name):
         TorchProfilerSource(backend=ScriptedBackend([]), **kwargs)
 
@@ -199,4 +212,249 @@ def test_step_monitor_exports_cpu_kernels() -> None:
         point.attributes[_schema.KERNEL_CLASS]
         for point in names[_schema.KERNEL_DURATION].data.data_points
     }
+    assert "gemm" in classes
+
+
+# ---------------------------------------------------------------- the overhead budget
+class SimulatedTraining:
+    """A fake clock, CPU clock and :class:`ProfilerBackend` in one: a seeded training loop.
+
+    Steps take ``step_ns`` (±``jitter`` uniform, seeded); a profiled step takes
+    ``1 + inflation`` times as long; starting and stopping the profiler take ``start_ns`` /
+    ``stop_ns`` on the training thread; reading one profiled step's ops takes ``read_ns`` of
+    export-thread CPU. Tracks the true cost so tests can hold the source to its budget.
+    """
+
+    def __init__(
+        self,
+        *,
+        step_ns: int = 4_000_000,
+        inflation: float = 0.45,
+        start_ns: int = 800_000,
+        stop_ns: int = 500_000,
+        read_ns: int = 600_000,
+        jitter: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        self.step_ns, self.inflation, self.jitter = step_ns, inflation, jitter
+        self.start_ns, self.stop_ns, self.read_ns = start_ns, stop_ns, read_ns
+        self.random = random.Random(seed)
+        self.now_ns = 1_700_000_000 * 10**9
+        self.cpu_ns = 0
+        self.running = False
+        self.cycle_steps: list[int] = []  # profiled steps per finished cycle
+        self.started_after: list[int] = []  # steps finished when each cycle started
+        self.steps = 0
+        self.base_ns = 0.0  # what the steps would have taken without the profiler
+        self.cost_ns = 0.0  # what the profiler added (both threads)
+        self._profiled = 0
+
+    # Clocks.
+    def clock_ns(self) -> int:
+        return self.now_ns
+
+    def cpu_clock_ns(self) -> int:
+        return self.cpu_ns
+
+    # ProfilerBackend.
+    def start(self) -> None:
+        assert not self.running
+        self.running = True
+        self.started_after.append(self.steps)
+        self._profiled = 0
+        self.now_ns += self.start_ns
+        self.cost_ns += self.start_ns
+
+    def stop(self) -> Callable[[], Sequence[OpRecord]]:
+        assert self.running
+        self.running = False
+        self.cycle_steps.append(self._profiled)
+        self.now_ns += self.stop_ns
+        self.cost_ns += self.stop_ns
+        profiled = self._profiled
+
+        def read() -> Sequence[OpRecord]:
+            self.cpu_ns += self.read_ns * profiled
+            self.cost_ns += self.read_ns * profiled
+            return []
+
+        return read
+
+    def run(self, source: TorchProfilerSource, steps: int, *, drain_every: int = 250) -> None:
+        for _ in range(steps):
+            base = self.step_ns * (1.0 + self.random.uniform(-self.jitter, self.jitter))
+            extra = base * self.inflation if self.running else 0.0
+            self._profiled += self.running
+            self.now_ns += round(base + extra)
+            self.base_ns += base
+            self.cost_ns += extra
+            self.steps += 1
+            source.on_step_end(self.steps - 1)
+            if self.steps % drain_every == 0:
+                source.drain()
+        source.drain()
+
+    def cycle_cost_ns(self, active_steps: int) -> float:
+        """True cost of one full cycle."""
+        return (
+            self.start_ns
+            + self.stop_ns
+            + active_steps * (self.step_ns * self.inflation + self.read_ns)
+        )
+
+
+def _adaptive(sim: SimulatedTraining, **options: Any) -> TorchProfilerSource:
+    return TorchProfilerSource(
+        backend=sim, clock_ns=sim.clock_ns, cpu_clock_ns=sim.cpu_clock_ns, **options
+    )
+
+
+def test_first_cycle_is_a_one_step_probe_after_the_floor() -> None:
+    sim = SimulatedTraining()
+    source = _adaptive(sim, active_steps=5, min_period_steps=20)
+    assert source.duty_cycle.cycles == 0 and source.duty_cycle.cycle_cost_s is None
+    sim.run(source, 25)
+    assert sim.started_after[0] == 20  # after the 20th step: no earlier
+    assert sim.cycle_steps[0] == 1
+    duty = source.duty_cycle
+    assert duty.cycles == 1 and duty.adaptive
+    # The probe's measured cost is the first prediction: the start once, the rest (stop,
+    # inflation, reading) scaled to five steps: an over-estimate, as the stop counts five times.
+    per_step = sim.stop_ns + sim.step_ns * sim.inflation + sim.read_ns
+    assert duty.cycle_cost_s == pytest.approx((sim.start_ns + 5 * per_step) / 1e9, rel=0.1)
+    assert duty.cycle_cost_s > sim.cycle_cost_ns(5) / 1e9
+
+
+@pytest.mark.parametrize("inflation", [0.05, 0.45, 2.0])
+def test_period_follows_the_measured_cost(inflation: float) -> None:
+    sim = SimulatedTraining(inflation=inflation, seed=1)
+    source = _adaptive(sim, active_steps=5, overhead_budget=0.002)
+    sim.run(source, 60_000)
+    duty = source.duty_cycle
+    expected = sim.cycle_cost_ns(5) / (0.002 * sim.step_ns) + 5
+    assert duty.period_steps == pytest.approx(expected, rel=0.1)
+    assert duty.cycle_cost_s == pytest.approx(sim.cycle_cost_ns(5) / 1e9, rel=0.1)
+    assert duty.baseline_step_s == pytest.approx(sim.step_ns / 1e9, rel=0.03)
+    assert duty.expected_overhead == pytest.approx(0.002, rel=0.1)
+    assert duty.within_budget
+    assert sim.cycle_steps[0] == 1 and set(sim.cycle_steps[1:]) == {5}
+    # The cycles really are that far apart (after the probe has been paid off).
+    gaps = [b - a for a, b in itertools.pairwise(sim.started_after[2:])]
+    assert statistics.median(gaps) == pytest.approx(expected, rel=0.1)
+
+
+def test_export_thread_cost_counts_against_the_budget() -> None:
+    cheap_reads, dear_reads = SimulatedTraining(read_ns=0), SimulatedTraining(read_ns=4_000_000)
+    periods = []
+    for sim in (cheap_reads, dear_reads):
+        source = _adaptive(sim)
+        sim.run(source, 30_000)
+        periods.append(source.duty_cycle.period_steps)
+        assert source.duty_cycle.drain_cost_s == pytest.approx(sim.read_ns * 5 / 1e9)
+    assert periods[1] > periods[0] + 5 * 4_000_000 / (0.002 * 4_000_000) * 0.9
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, phases=NO_SHRINK)
+@given(
+    step_ms=st.floats(0.5, 2000.0),
+    inflation=st.floats(0.0, 3.0),
+    start_ms=st.floats(0.0, 5.0),
+    stop_ms=st.floats(0.0, 5.0),
+    read_ms=st.floats(0.0, 5.0),
+    budget=st.floats(0.001, 0.05),
+    active=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_cost_stays_within_the_budget(
+    step_ms: float,
+    inflation: float,
+    start_ms: float,
+    stop_ms: float,
+    read_ms: float,
+    budget: float,
+    active: int,
+    seed: int,
+) -> None:
+    sim = SimulatedTraining(
+        step_ns=round(step_ms * 1e6),
+        inflation=inflation,
+        start_ns=round(start_ms * 1e6),
+        stop_ns=round(stop_ms * 1e6),
+        read_ns=round(read_ms * 1e6),
+        jitter=0.1,
+        seed=seed,
+    )
+    source = _adaptive(sim, active_steps=active, overhead_budget=budget, max_period_steps=10**9)
+    sim.run(source, 20_000)
+    cycle = sim.cycle_cost_ns(active)
+    # The source charges each cycle its measured cost: the true cost plus the jitter of the
+    # profiled steps against the baseline median (uniform +-10 %: sd 0.058 step per step),
+    # never below zero (which biases a free cycle's cost up by ~0.025 step per step).
+    profiled = sum(sim.cycle_steps)
+    noise_ns = 0.3 * sim.step_ns * math.sqrt(profiled)
+    duty = source.duty_cycle
+    assert duty.spent_s * 1e9 >= 0.99 * sim.cost_ns - noise_ns
+    assert duty.spent_s * 1e9 <= 1.01 * sim.cost_ns + noise_ns + 0.05 * sim.step_ns * profiled
+    # A token bucket: what was spent never exceeds what was earned by more than one cycle's
+    # misprediction (noise included) ...
+    assert sim.cost_ns <= budget * sim.base_ns + cycle + noise_ns
+    # ... and the budget is used, not hoarded: cycles keep coming at the rate it pays for (or
+    # at the floor's rate when cycles are that cheap).
+    at_floor = sim.steps / DEFAULT_MIN_PERIOD_STEPS * cycle
+    assert sim.cost_ns >= 0.6 * min(budget * sim.base_ns, at_floor) - 2 * cycle - noise_ns
+    assert duty.within_budget
+
+
+def test_ceiling_forces_cycles_and_says_so() -> None:
+    sim = SimulatedTraining(inflation=3.0, start_ns=50_000_000)
+    source = _adaptive(sim, active_steps=2, min_period_steps=10, max_period_steps=100)
+    sim.run(source, 1000)
+    duty = source.duty_cycle
+    assert duty.period_steps == 100
+    assert not duty.within_budget
+    gaps = [b - a for a, b in itertools.pairwise(sim.started_after[1:])]
+    assert gaps and max(gaps) == 100
+
+
+def test_fixed_period_ignores_the_adaptive_floor() -> None:
+    source = TorchProfilerSource(active_steps=50, period_steps=50, backend=ScriptedBackend([]))
+    assert source.duty_cycle.period_steps == 50
+
+
+def test_fixed_period_still_measures_its_cost() -> None:
+    sim = SimulatedTraining(jitter=0.0)
+    source = _adaptive(sim, active_steps=2, period_steps=10)
+    sim.run(source, 100)
+    duty = source.duty_cycle
+    assert not duty.adaptive and duty.period_steps == 10 and duty.cycles == 10
+    assert sim.started_after[:3] == [1, 11, 21]
+    assert duty.training_cost_s == pytest.approx(
+        (sim.start_ns + sim.stop_ns + 2 * sim.step_ns * sim.inflation) / 1e9, rel=0.01
+    )
+
+
+def test_real_torch_profiler_adapts_its_period() -> None:
+    """Adaptive mode on a real training loop: a probe, then full cycles, costs measured."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 32), torch.randint(0, 2, (16,))
+    # A generous budget so that a short loop sees several cycles.
+    source = TorchProfilerSource(active_steps=2, overhead_budget=0.5, min_period_steps=10)
+    classes: set[str] = set()
+    for step in range(120):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        source.on_step_end(step)
+        if step % 20 == 19:
+            classes |= {name for name, _ in source.drain().durations_s}
+    source.close()
+    duty = source.duty_cycle
+    assert duty.adaptive and duty.cycles >= 3
+    assert duty.training_cost_s is not None and duty.training_cost_s > 0
+    assert duty.drain_cost_s is not None and duty.drain_cost_s > 0
+    assert duty.cycle_cost_s is not None and duty.baseline_step_s is not None
+    assert duty.period_steps >= 10
+    assert duty.expected_overhead is not None and duty.expected_overhead <= 0.5
     assert "gemm" in classes
