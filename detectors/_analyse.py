@@ -20,6 +20,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import numpy as np
 
@@ -41,6 +42,8 @@ from stepwatch.detectors._stats import (
     safe_log,
     sustained_outliers,
 )
+
+_ArrayT = TypeVar("_ArrayT", FloatArray, BoolArray)
 
 #: Metric name of the pooled small compute kernel classes.
 MINOR_CLASSES = "(minor classes)"
@@ -379,6 +382,12 @@ class _Analysis:
         A single window suffices (a stall is one event): the rank's longest occurrence of
         the phase must exceed the peers' median longest occurrence by ``stall_min_steps``
         job median steps and by a factor ``stall_min_ratio``.
+
+        The peers' baseline comes from the same window when at least ``min_ranks`` ranks
+        report in it, which keeps a stall every rank shares (a job-wide pause) from flagging
+        anyone. Otherwise it pools the windows on either side: a long stall holds every
+        rank in the next collective, so no rank finishes a step for a while and the
+        stalled step can land in a window that few peers report in.
         """
         frame = self.frame
         config = self.config
@@ -393,14 +402,21 @@ class _Analysis:
             longest = np.where(
                 self.present, frame.phase_max_s[:, :, frame.phases.index(phase)], np.nan
             )
-            reporting = np.isfinite(longest).sum(axis=1, keepdims=True)
-            peer = nanmedian(self._peers(longest), axis=1)
+            reported = np.isfinite(longest)
+            peers = self._peers(longest)
+            before, after = _shifted(peers, 1), _shifted(peers, -1)
+            pooled = nanmedian(np.concatenate([before, peers, after], axis=1), axis=1)
+            around = (reported | _shifted(reported, 1) | _shifted(reported, -1)).sum(axis=1)
+            same = nanmedian(peers, axis=1)
+            enough_same = reported.sum(axis=1, keepdims=True) >= config.min_ranks
+            peer = np.where(enough_same, same, pooled)
+            enough = enough_same | (around[:, None] >= config.min_ranks)
             with np.errstate(invalid="ignore", divide="ignore"):
                 ratio = longest / peer
                 hit = (
                     (longest - peer >= config.stall_min_steps * step)
                     & (ratio >= config.stall_min_ratio)
-                    & (reporting >= config.min_ranks)
+                    & enough
                 )
                 effect[:, :, column] = np.where(
                     np.isfinite(ratio) & (ratio > 0), np.log(ratio), np.nan
@@ -949,3 +965,18 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
 def diagnose(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Diagnosis]:
     """The diagnoses of :func:`analyse`."""
     return [finding.diagnosis for finding in analyse(frame, config=config)]
+
+
+def _shifted(values: _ArrayT, by: int) -> _ArrayT:
+    """``values`` moved ``by`` windows later along axis 0 (``-by``: earlier), padded.
+
+    NaN padding for floats, ``False`` for booleans.
+    """
+    out = np.full_like(values, False if values.dtype == bool else np.nan)
+    if by > 0:
+        out[by:] = values[:-by]
+    elif by < 0:
+        out[:by] = values[-by:]
+    else:
+        out[:] = values
+    return out

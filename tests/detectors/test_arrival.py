@@ -67,3 +67,46 @@ def test_a_late_straggler_stays_a_straggler_and_clean_runs_stay_quiet() -> None:
         straggler = [f.diagnosis for f in analyse(demo_like_frame(seed=seed, slow_forward_s=0.008))]
         assert [(d.kind, d.ranks) for d in straggler] == [("masked_straggler", (2,))]
         assert analyse(demo_like_frame(seed=seed)) == []
+
+
+def _with_stall(frame: JobFrame, ranks: list[int], *, absent: list[int]) -> JobFrame:
+    """A 1.5 s forward stall on ``ranks`` in window ONSET. Every rank waits it out in the next
+    collective, so nobody finishes a step in window ONSET - 1 and the ranks in ``absent``
+    finish theirs (a long wait) only in window ONSET + 1, as in a demo run on a busy machine.
+    """
+    import dataclasses
+
+    count = frame.step_count.copy()
+    step, step_max = frame.step_s.copy(), frame.step_max_s.copy()
+    phase, phase_max = frame.phase_s.copy(), frame.phase_max_s.copy()
+    count[ONSET - 1] = 0
+    forward = PHASES.index("forward")
+    for rank in ranks:
+        phase_max[ONSET, rank, forward] = 1.5
+        step_max[ONSET, rank] = 1.52
+    for rank in absent:
+        count[ONSET, rank] = 0
+        step_max[ONSET + 1, rank] = 1.52
+    for values in (step, step_max, phase, phase_max):
+        values[count == 0] = np.nan
+    return dataclasses.replace(
+        frame,
+        step_count=count,
+        step_s=step,
+        step_max_s=step_max,
+        phase_s=phase,
+        phase_max_s=phase_max,
+    )
+
+
+def test_a_one_off_stall_is_found_when_few_peers_report_in_its_window() -> None:
+    for seed in range(3):
+        frame = _with_stall(demo_like_frame(seed=seed), [2], absent=[0, 3])
+        found = [(f.diagnosis.kind, f.diagnosis.ranks) for f in analyse(frame)]
+        assert ("jit_stall", (2,)) in found
+
+
+def test_a_stall_every_rank_shares_blames_no_rank() -> None:
+    for seed in range(3):
+        frame = _with_stall(demo_like_frame(seed=seed), [0, 1, 2, 3], absent=[])
+        assert not any(f.diagnosis.kind == "jit_stall" for f in analyse(frame))
