@@ -15,8 +15,11 @@ export thread's CPU time spent reading and summarising the cycle. It earns
 covers the predicted cost of one (a token bucket), so over a run the profiler's cost stays
 within the budget whatever the step looks like: op-dense CPU steps get long periods, steps of
 a few large ops short ones, bounded by ``min_period_steps`` and ``max_period_steps``. The
-first cycle is a one-step probe after ``min_period_steps`` steps; its cost (the profiler's
-start once, the rest scaled to ``active_steps``) is the first prediction.
+first cycle is a one-step warm-up after ``min_period_steps`` steps: the first profiler run in
+a process pays Kineto's one-time set-up (hundreds of milliseconds on a large model), which is
+no guide to what later cycles cost, so it is reported (``warmup_cost_s``) and not charged to
+the budget. The second is a one-step probe ``min_period_steps`` later; its cost (the
+profiler's start once, the rest scaled to ``active_steps``) is the first prediction.
 :attr:`TorchProfilerSource.duty_cycle` reports the decision. A fixed ``period_steps`` turns
 the adaptation off (costs are still measured).
 
@@ -154,14 +157,16 @@ class ProfilerDutyCycle(NamedTuple):
             floor and ceiling).
         adaptive: Whether the period follows the measured cost.
         overhead_budget: Fraction of step time the profiler may cost (adaptive mode).
-        cycles: Cycles finished so far (the probe included).
+        cycles: Cycles finished so far (the warm-up and the probe included).
         baseline_step_s: Median of the recent unprofiled steps, or ``None`` before enough.
         cycle_cost_s: Predicted cost of one cycle (training thread + export thread), or
             ``None`` before the first cycle.
         training_cost_s: Last cycle's measured cost on the training thread (start, stop and
             the inflation of its profiled steps over the baseline).
         drain_cost_s: Last cycle's export-thread CPU time (reading and summarising its ops).
-        spent_s: Total cost charged so far (both threads).
+        spent_s: Total cost charged so far (both threads), the warm-up excluded.
+        warmup_cost_s: What the adaptive mode's first, one-step cycle cost (training thread
+            and export thread), or ``None`` before it ran: the profiler's one-time set-up.
         expected_overhead: ``cycle_cost_s / (period_steps * baseline_step_s)``, the amortised
             share of step time the current decision costs, or ``None`` before it is known.
         within_budget: ``False`` when ``max_period_steps`` forced a cycle the credit did not
@@ -180,6 +185,7 @@ class ProfilerDutyCycle(NamedTuple):
     spent_s: float
     expected_overhead: float | None
     within_budget: bool
+    warmup_cost_s: float | None = None
 
 
 class _Cycle(NamedTuple):
@@ -188,6 +194,7 @@ class _Cycle(NamedTuple):
     boundaries: list[tuple[int, int]]  # (step index, step end ns), in order
     active_steps: int
     charged_from_ns: int  # just before the profiler started: its start cost is charged too
+    warmup: bool = False  # the process's first profiler run: measured, not charged
 
 
 class TorchProfilerSource:
@@ -273,6 +280,7 @@ class TorchProfilerSource:
         self._cycle_training_ns: float | None = None  # smoothed, per full cycle
         self._last_training_ns: float | None = None
         self._cycles = 0
+        self._warmup_ns: float | None = None
         self._forced = False
         # Export-thread state (written only by drain(), read by the training thread).
         self._drain_spent_ns = 0
@@ -333,13 +341,14 @@ class TorchProfilerSource:
 
     def _start_cycle(self, now: int) -> None:
         active = self._active_steps
+        warmup = self._fixed_period is None and self._cycles == 0
         if self._fixed_period is None and self._cycle_training_ns is None:
-            active = 1  # the probe: the cheapest cycle there is
+            active = 1  # the warm-up and the probe: the cheapest cycle there is
         self._baseline_ns = statistics.median(self._recent_ns) if self._recent_ns else None
         self._steps_since_start = 0
         self._backend.start()
         started = self._clock_ns()
-        self._running = _Cycle(list, started, [], active, now)
+        self._running = _Cycle(list, started, [], active, now, warmup)
 
     def _finish_cycle(self, running: _Cycle) -> int:
         """Stop the profiler, queue the cycle, charge its cost; returns the time after stop."""
@@ -354,6 +363,11 @@ class TorchProfilerSource:
         steps = len(running.boundaries)
         baseline = self._baseline_ns if self._baseline_ns is not None else 0.0
         cost = max(0.0, (stopped - running.charged_from_ns) - steps * baseline)
+        self._cycles += 1
+        if running.warmup:  # one-time set-up: reported, neither charged nor a prediction
+            self._warmup_ns = cost
+            self._last_training_ns = cost
+            return stopped
         self._credit_ns += self._budget * steps * baseline - cost
         self._training_spent_ns += cost
         self._last_training_ns = cost
@@ -363,7 +377,6 @@ class TorchProfilerSource:
         start_cost = min(cost, max(0, running.start_ns - running.charged_from_ns))
         full_cycle = start_cost + (cost - start_cost) * self._active_steps / steps
         self._cycle_training_ns = _smooth(self._cycle_training_ns, full_cycle)
-        self._cycles += 1
         return stopped
 
     def _predicted_cycle_ns(self) -> float | None:
@@ -386,8 +399,11 @@ class TorchProfilerSource:
                 except Exception:
                     _log.exception("reading torch.profiler results failed; cycle dropped")
                 cost = max(0, self._cpu_clock_ns() - started)
-                self._drain_spent_ns += cost
                 self._last_drain_ns = float(cost)
+                if cycle.warmup:
+                    self._warmup_ns = (self._warmup_ns or 0.0) + cost
+                    continue
+                self._drain_spent_ns += cost
                 per_cycle = cost * self._active_steps / max(1, len(cycle.boundaries))
                 self._cycle_drain_ns = _smooth(self._cycle_drain_ns, per_cycle)
             return self._summariser.drain()
@@ -431,6 +447,7 @@ class TorchProfilerSource:
             spent_s=(self._training_spent_ns + self._drain_spent_ns) / 1e9,
             expected_overhead=expected,
             within_budget=not self._forced,
+            warmup_cost_s=_seconds(self._warmup_ns),
         )
 
     def close(self) -> None:
