@@ -2,14 +2,15 @@
 
 Two ranks (gloo over loopback, one per core of the bench machine) train two identical DDP
 replicas of a small MLP in alternating blocks of steps. Arm A is fully instrumented:
-``monitor.step()``, a ``data`` phase, auto-mode hooks on forward/backward/optimizer, the
-timing DDP comm hook and op histograms from :class:`TorchProfilerSource` (adaptive duty cycle,
-default budget), exporting OTLP/HTTP every second to the real stepwatch bridge started in this
-process (with a counting writer; a plain local OTLP/HTTP receiver when the bridge is not
-installed). Arm B is plain DDP. The block order within each pair is random (seeded) so drift
-and neighbours on the machine hit both arms alike. Every run first measures an A/A control
-(both replicas plain, same block design): the replicas are not exactly equally fast (memory
-placement), so the overhead is the A/B difference minus the A/A difference.
+``monitor.step()``, a ``data`` phase, auto-mode hooks on forward/backward/optimizer and
+communication (the exposed wait, DDP's built-in allreduce untouched), and op histograms from
+:class:`TorchProfilerSource` (adaptive duty cycle, default budget), exporting OTLP/HTTP every
+second to the real stepwatch bridge started in this process (with a counting writer; a plain
+local OTLP/HTTP receiver when the bridge is not installed). Arm B is plain DDP. The block
+order within each pair is random (seeded) so drift and neighbours on the machine hit both
+arms alike. Every run first measures an A/A control (both replicas plain, same block design):
+the replicas are not exactly equally fast (memory placement), so the overhead is the A/B
+difference minus the A/A difference.
 
 Two estimators, both A/B - A/A with 95 % bootstrap CIs:
 
@@ -21,7 +22,8 @@ Two estimators, both A/B - A/A with 95 % bootstrap CIs:
   waiting for the CPU while other processes run.
 
 ``--mode`` isolates parts of arm A: ``no-ops`` (everything but op histograms),
-``no-comm-hook`` (everything but the comm hook), ``manual`` (only ``step()`` and one phase),
+``collective`` (communication timed per collective by a Python comm hook instead),
+``no-comm-hook`` (no communication timing), ``manual`` (only ``step()`` and one phase),
 ``plain-python-hook`` (no stepwatch at all, just DDP's own Python ``allreduce_hook``: the price
 of any Python comm hook).
 
@@ -153,7 +155,11 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
         on_model, off_model = make_model(), make_model()
         on_opt = torch.optim.SGD(on_model.parameters(), lr=0.01, momentum=0.9)
         off_opt = torch.optim.SGD(off_model.parameters(), lr=0.01, momentum=0.9)
-        source = TorchProfilerSource() if options["mode"] in ("full", "no-comm-hook") else None
+        source = (
+            TorchProfilerSource()
+            if options["mode"] in ("full", "collective", "no-comm-hook")
+            else None
+        )
         monitor = StepMonitor(
             job_id="overhead-bench",
             rank=rank,
@@ -214,6 +220,8 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
         control = run_pairs(options["pairs"])
         if options["mode"] in ("full", "no-ops"):
             monitor.instrument(on_model, on_opt)
+        elif options["mode"] == "collective":
+            monitor.instrument(on_model, on_opt, collective_timing=True)
         elif options["mode"] == "plain-python-hook":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -281,8 +289,14 @@ def _comm_rank_main(rank: int, options: dict[str, Any]) -> None:
                 buffer_steps=1_000_000,
                 start=False,
             )
-            # Every arm carries the auto-mode hooks; only the stepwatch arm times communication.
-            monitor.instrument(model, optimizer, time_communication=arm == "stepwatch")
+            # Every arm carries the auto-mode hooks; only the stepwatch arm times communication,
+            # per collective (the Python comm hook whose per-bucket cost this job measures).
+            monitor.instrument(
+                model,
+                optimizer,
+                time_communication=arm == "stepwatch",
+                collective_timing=arm == "stepwatch",
+            )
             monitors.append(monitor)
             arms[arm] = (model, optimizer)
         inputs = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
@@ -432,7 +446,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
         "--mode",
-        choices=("full", "no-ops", "no-comm-hook", "manual", "plain-python-hook"),
+        choices=("full", "no-ops", "collective", "no-comm-hook", "manual", "plain-python-hook"),
         default="full",
         help="arm A: everything (default), without op histograms, without the comm hook, "
         "only monitor.step()/phase('data'), or DDP's own Python allreduce_hook alone",

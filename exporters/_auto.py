@@ -10,11 +10,18 @@ One line, no change to the training loop::
   output) to the next ``optimizer.step()`` or forward on the training thread (by then
   ``loss.backward()`` has returned, DDP's allreduce wait included);
 - optimizer: ``Optimizer.register_step_pre_hook`` → ``register_step_post_hook``;
-- communication: a DDP comm hook that wraps the allreduce (the default one, or the hook you
-  pass as ``comm_hook``) and times each bucket from the moment its collective is issued to
-  its future's completion — the time in the collective: transfer plus waiting for the peers,
-  so the rank that arrives last waits least; the hook's own work before the collective is not
-  counted. The phase is the union of those intervals in the step (buckets overlap);
+- communication, by default: the *exposed* wait, from the moment the model's last gradient
+  is ready (a hook on its first parameter, whose gradient autograd produces last, which is
+  when DDP issues its last bucket) to the end of ``loss.backward()`` (DDP waits there for its
+  allreduces). DDP keeps its built-in C++ allreduce, so nothing is added per bucket: any
+  Python comm hook costs a Python call per bucket and, on CPU, one more pass over the
+  gradients to average them (DDP's reducer fuses that into its copy; ~1.6 ms per 1.2 M
+  parameters on this project's CPU bench). The rank that arrives last waits least;
+- communication with ``comm_hook`` (or ``collective_timing=True``): a DDP comm hook that
+  wraps the allreduce (the hook you pass, or a timed copy of the default one) and times each
+  bucket from the moment its collective is issued to its future's completion — transfer plus
+  waiting for the peers, also the part hidden under backward; the hook's own work before the
+  collective is not counted. The phase is the union of those intervals in the step;
 - data: time from the previous step's end to the next forward (auto steps only);
 - step boundary: the end of ``optimizer.step()``, unless the loop uses ``monitor.step()``
   itself, in which case the hooks only add phases to those steps.
@@ -71,6 +78,7 @@ class _AutoState:
         self.comm_starts_ns: list[int] = []
         self.comm_ends_ns: list[int] = []
         self.clock_ns = _fast_monotonic_ns(self.clock)
+        self.last_gradient_ns: int | None = None  # exposed-wait timing (no comm hook)
 
     def _auto_steps(self) -> bool:
         return not self.monitor._explicit_steps
@@ -131,6 +139,16 @@ class _AutoState:
         if self.in_backward:
             self.in_backward = False
             self.monitor._add_phase_ns("backward", now_ns - self.backward_start_ns)
+        last_gradient = self.last_gradient_ns
+        if last_gradient is not None:
+            self.last_gradient_ns = None
+            if now_ns > last_gradient:
+                self.monitor._add_phase_ns("communication", now_ns - last_gradient)
+
+    def last_gradient(self, parameter: Any) -> None:
+        # A post-accumulate-grad hook on the parameter whose gradient comes last.
+        if self.enabled:
+            self.last_gradient_ns = self.clock_ns()
 
     def optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.enabled:
@@ -308,6 +326,7 @@ def instrument(
     comm_hook: Any = None,
     comm_state: Any = None,
     time_communication: bool = True,
+    collective_timing: bool = False,
 ) -> Instrumentation:
     """Install auto-mode hooks on ``model`` and ``optimizer`` (see the module docstring).
 
@@ -319,15 +338,15 @@ def instrument(
             wrapped by the timing hook (DDP accepts one comm hook, so pass it here instead of
             calling ``register_comm_hook`` yourself). Default: the standard allreduce hook.
         comm_state: State passed to ``comm_hook`` (default: the DDP process group).
-        time_communication: Install the timing comm hook on a DDP model. Any Python comm
-            hook costs more than DDP's built-in C++ allreduce: DDP calls into Python per
-            bucket, the completion callback takes the GIL on the comm library's thread, and
-            scaling the bucket is one pass that the built-in path fuses into the gradient copy
-            (``bench/overhead.py`` measures it per bucket; DDP's own Python
-            ``allreduce_hook`` costs as much or more). Noise on a GPU step of many
-            milliseconds; on small CPU steps with many buckets it can be the largest part of
-            stepwatch's cost. ``False`` keeps DDP's built-in path and reports no
-            communication.
+        time_communication: Time a DDP model's communication (see the module docstring).
+            ``False`` reports no communication phase.
+        collective_timing: Without ``comm_hook``, time every bucket's collective from issue
+            to completion with a timed copy of DDP's allreduce as a Python comm hook, instead
+            of the exposed wait with no comm hook. Any Python comm hook costs more than DDP's
+            built-in C++ allreduce: DDP calls into Python per bucket, the completion callback
+            takes the GIL on the comm library's thread, and averaging the bucket is one more
+            pass over the gradients (``bench/overhead.py --mode collective`` measures it):
+            noise on a GPU, several percent of a CPU step.
 
     Returns:
         A handle whose ``remove()`` detaches the hooks.
@@ -361,28 +380,36 @@ def instrument(
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel) and time_communication:
-        if getattr(model, "_comm_hooks", None) and comm_hook is None:
+        if comm_hook is None and collective_timing and getattr(model, "_comm_hooks", None):
             logger.warning(
-                "the DDP model already has a comm hook and DDP accepts only one: communication "
-                "is not timed; pass your hook as instrument(..., comm_hook=...) instead"
+                "the DDP model already has a comm hook and DDP accepts only one: collectives "
+                "are not timed one by one, the exposed wait is; pass your hook as "
+                "instrument(..., comm_hook=...) instead"
             )
-        else:
-            if comm_state is None:
-                comm_state = model.process_group
-            elif comm_hook is None and not (
-                hasattr(comm_state, "allreduce") and hasattr(comm_state, "size")
-            ):
-                raise ConfigError(
-                    "comm_state must be a process group when no comm_hook is given, "
-                    f"got {type(comm_state).__name__}"
-                )
-            if comm_hook is None:
-                hook = state.timed_allreduce_hook(
-                    comm_state,
-                    divide_in_place=bool(getattr(model, "gradient_as_bucket_view", False)),
-                )
-            else:
-                hook = state.timed_comm_hook(comm_hook)
+            collective_timing = False
+        if comm_state is None:
+            comm_state = model.process_group
+        elif comm_hook is None and not (
+            hasattr(comm_state, "allreduce") and hasattr(comm_state, "size")
+        ):
+            raise ConfigError(
+                "comm_state must be a process group when no comm_hook is given, "
+                f"got {type(comm_state).__name__}"
+            )
+        if comm_hook is not None:
+            model.register_comm_hook(comm_state, state.timed_comm_hook(comm_hook))
+            communication_timed = True
+        elif collective_timing:
+            hook = state.timed_allreduce_hook(
+                comm_state,
+                divide_in_place=bool(getattr(model, "gradient_as_bucket_view", False)),
+            )
             model.register_comm_hook(comm_state, hook)
             communication_timed = True
+        else:
+            last = next((p for p in model.parameters() if p.requires_grad), None)
+            if last is not None:
+                register: Any = last.register_post_accumulate_grad_hook
+                handles.append(register(state.last_gradient))
+                communication_timed = True
     return Instrumentation(state, handles, communication_timed=communication_timed)

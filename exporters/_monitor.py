@@ -477,6 +477,7 @@ class StepMonitor:
         comm_hook: Any = None,
         comm_state: Any = None,
         time_communication: bool = True,
+        collective_timing: bool = False,
     ) -> Instrumentation:
         """Time forward, backward, optimizer and DDP communication with hooks (no code changes).
 
@@ -491,6 +492,7 @@ class StepMonitor:
             comm_hook=comm_hook,
             comm_state=comm_state,
             time_communication=time_communication,
+            collective_timing=collective_timing,
         )
         self._instrumentations.append(instrumentation)
         return instrumentation

@@ -139,12 +139,15 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
             export_interval_s=config.export_interval_s,
             kernel_source=_kernel_source(config),
         )
-        # One line instruments forward, backward, optimizer and the DDP comm hook; the link
-        # fault's slow hook is passed in because DDP accepts a single comm hook.
+        # One line instruments forward, backward, optimizer and communication. The link
+        # fault is a delay inside one rank's comm hook (passed in: DDP accepts a single one),
+        # which times that rank's collectives one by one; the others then do the same
+        # (collective_timing) so every rank measures communication alike.
         monitor.instrument(
             ddp,
             optimizer,
             comm_hook=_slow_comm_hook(config) if config.fault == "link" and faulty else None,
+            collective_timing=config.fault == "link",
         )
         for step in range(config.steps):
             active = step >= config.fault_step

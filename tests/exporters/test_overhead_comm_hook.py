@@ -71,7 +71,7 @@ def _rank(rank: int, world_size: int, out_dir: str) -> None:
         models = [DistributedDataParallel(_model(0), bucket_cap_mb=0.001) for _ in range(4)]
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
         builtin, timed, user_plain, user_timed = models
-        monitors[0].instrument(timed, optimizers[1])
+        monitors[0].instrument(timed, optimizers[1], collective_timing=True)
         user_plain.register_comm_hook(None, allreduce_hook)
         monitors[1].instrument(user_timed, optimizers[3], comm_hook=allreduce_hook)
         generator = torch.Generator().manual_seed(100 + rank)
