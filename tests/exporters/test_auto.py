@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,35 +158,45 @@ def _ddp_rank(rank: int, world_size: int, out_dir: str) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         exporter, user_hook_exporter = InMemoryExporter(), InMemoryExporter()
+        registered_exporter = InMemoryExporter()
         monitor = _monitor(exporter, rank=rank, world_size=world_size)
         user_hook_monitor = _monitor(user_hook_exporter, rank=rank, world_size=world_size)
-        models = [DistributedDataParallel(_model(0)) for _ in range(3)]
+        registered_monitor = _monitor(registered_exporter, rank=rank, world_size=world_size)
+        models = [DistributedDataParallel(_model(0)) for _ in range(4)]
         optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
         instrumentation = monitor.instrument(models[0], optimizers[0])
         # A user's own comm hook, passed to instrument() so it gets wrapped by the timing hook.
         user_hook_instrumentation = user_hook_monitor.instrument(
             models[1], optimizers[1], comm_hook=allreduce_hook
         )
+        # A comm hook registered before instrument(): the exposed wait is still timed.
+        models[3].register_comm_hook(None, allreduce_hook)
+        registered_instrumentation = registered_monitor.instrument(models[3], optimizers[3])
         generator = torch.Generator().manual_seed(100 + rank)
         for _ in range(20):
             inputs = torch.randn(32, 16, generator=generator)
             for model, opt in zip(models, optimizers, strict=True):
                 loss = model(inputs).pow(2).mean()
                 opt.zero_grad(set_to_none=True)
+                if model is models[0] and rank == 1:
+                    time.sleep(0.005)  # rank 1 reaches the allreduce late: rank 0 waits
                 loss.backward()
                 opt.step()
         monitor.close()
         user_hook_monitor.close()
+        registered_monitor.close()
         identical = all(
             torch.equal(a, b) and torch.equal(a, c)
-            for a, b, c in zip(*(m.parameters() for m in models), strict=True)
+            for a, b, c, _ in zip(*(m.parameters() for m in models), strict=True)
         )
         result = {
             "summary": _summary(exporter),
             "user_hook_summary": _summary(user_hook_exporter),
             "identical": identical,
+            "registered_hook_summary": _summary(registered_exporter),
             "communication_timed": instrumentation.communication_timed
-            and user_hook_instrumentation.communication_timed,
+            and user_hook_instrumentation.communication_timed
+            and registered_instrumentation.communication_timed,
             "stats": monitor.stats.__dict__,
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -205,8 +216,13 @@ def test_two_rank_gloo_ddp_auto_mode(tmp_path: Path) -> None:
         join=True,
         start_method="spawn",
     )
-    for rank in range(world_size):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    results = [
+        json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world_size)
+    ]
+    # The exposed wait: the rank that arrives last at the collective waits least in it.
+    waits = [r["summary"]["phases"]["communication"]["sum"] for r in results]
+    assert waits[0] >= waits[1] + 20 * 0.002, waits
+    for result in results:
         assert result["identical"], "auto mode changed the numerics"
         assert result["communication_timed"]
         summary = result["summary"]
@@ -220,6 +236,7 @@ def test_two_rank_gloo_ddp_auto_mode(tmp_path: Path) -> None:
         # The allreduce runs inside backward (DDP waits for it before backward returns).
         assert phases["communication"]["sum"] <= phases["backward"]["sum"]
         assert result["user_hook_summary"]["phases"]["communication"]["count"] == 20
+        assert result["registered_hook_summary"]["phases"]["communication"]["count"] == 20
         assert result["stats"]["misuse"] == 0
         assert result["stats"]["steps_dropped"] == 0
 
