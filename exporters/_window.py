@@ -13,11 +13,12 @@ one ``stepwatch.step.duration`` series, one ``stepwatch.step.last`` series, one
 ``max_kernel_series`` kernel series (defaults 32 and 256). Phases or kernel classes past the cap
 are folded into ``other`` and counted in :attr:`WindowBuilder.overflow_observations`.
 
-Bytes on the wire (bench/kernel_bytes.py: ~1.1 KB gzipped per rank per step on the DLRM trace,
-every kernel class and every SCHEMA.md attribute kept): kernel histograms' ``sum``/``min``/``max``
-carry 12 significant bits (``min`` rounded down, ``max`` up, so they still bound every value),
-metrics and kernel points are ordered so deflate finds repeats close by, and the scope has no
-version. Nothing else is approximated; buckets and counts are exact.
+Bytes on the wire (bench/kernel_bytes.py: under 1 KB gzipped per rank per step on the DLRM
+trace, every kernel class and every SCHEMA.md attribute kept): kernel histograms carry no
+``min``/``max`` (OTLP makes both optional; see :data:`DEFAULT_KERNEL_MIN_MAX`), their ``sum``
+carries 12 significant bits, metrics and kernel points are ordered so deflate finds repeats
+close by, and the scope has no version. Nothing else is approximated; buckets and counts are
+exact, and step, phase and idle histograms are sent exactly, ``min`` and ``max`` included.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from stepwatch import _schema
 from stepwatch._errors import ConfigError
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 # The instrumentation scope is "stepwatch" without a version: OTLP makes the version optional,
 # no reader stores either (the bridge ignores the scope), and on the one-step DLRM window the
-# longer name and the version cost 17 of ~1,100 gzipped bytes (bench/kernel_bytes.py).
+# longer name and the version cost 17 of ~1,000 gzipped bytes (bench/kernel_bytes.py).
 SCOPE_NAME = "stepwatch"
 OTHER = "other"
 DEFAULT_KERNEL_SIGNIFICANT_BITS = 12
@@ -45,6 +46,15 @@ DEFAULT_KERNEL_SIGNIFICANT_BITS = 12
 2**-12 (0.024 %) for ``sum`` and below 2**-11 (0.049 %) for ``min`` (rounded down) and ``max``
 (rounded up), both under the detectors' 0.05 % noise floor and 100x under the 5 % fidelity
 budget; saves ~22 gzipped bytes per window on the DLRM trace (bench/kernel_bytes.py)."""
+
+DEFAULT_KERNEL_MIN_MAX = False
+"""Whether kernel histograms carry ``min``/``max``. Off by default: the populated buckets already
+bound every kernel duration within one bucket (4.4 % at the kernel scale 4), the bridge's
+p50/p90/p99 come from the buckets, a one-execution histogram's value is its ``sum`` (the bridge
+stores it as ``min`` and ``max``), and no detector reads kernel extremes; on the one-step DLRM
+window the two fields cost ~100 of ~1,080 gzipped bytes (bench/kernel_bytes.py). Step, phase and
+idle histograms always carry exact ``min``/``max``: the stall detectors read the longest step
+and phase."""
 
 # Metric descriptions are not sent: OTLP makes them optional, the bridge does not store them,
 # and on a one-step window they cost ~130 of ~1,250 gzipped bytes (bench/kernel_bytes.py).
@@ -165,6 +175,8 @@ class WindowBuilder:
         kernel_significant_bits: Significant bits kept in the ``sum``, ``min`` (rounded down)
             and ``max`` (rounded up) of kernel histograms on the wire; 53 sends them exactly.
             Step, phase and idle histograms are always sent exactly.
+        kernel_min_max: Send ``min``/``max`` on kernel histograms (see
+            :data:`DEFAULT_KERNEL_MIN_MAX`).
 
     Raises:
         ConfigError: An option is out of range.
@@ -179,6 +191,7 @@ class WindowBuilder:
         max_phase_series: int = 32,
         max_kernel_series: int = 256,
         kernel_significant_bits: int = DEFAULT_KERNEL_SIGNIFICANT_BITS,
+        kernel_min_max: bool = DEFAULT_KERNEL_MIN_MAX,
     ) -> None:
         ExponentialHistogram(max_scale=max_scale, max_size=max_size)  # validates both
         if max_phase_series < 1:
@@ -194,7 +207,10 @@ class WindowBuilder:
                 f"kernel_significant_bits must be an integer in [1, {FLOAT_BITS}], "
                 f"got {kernel_significant_bits!r}"
             )
+        if not isinstance(kernel_min_max, bool):
+            raise ConfigError(f"kernel_min_max must be a bool, got {kernel_min_max!r}")
         self._kernel_significant_bits = kernel_significant_bits
+        self._kernel_min_max = kernel_min_max
         self._resource = resource
         self._max_scale = max_scale
         self._max_size = max_size
@@ -346,7 +362,11 @@ class WindowBuilder:
         ]
         kernels.sort(key=lambda series: series[1].sum)  # stable: ties stay in (class, category)
         if kernels:
-            metrics.append(_histogram_metric(_schema.KERNEL_DURATION, kernels, bounds))
+            metrics.append(
+                _histogram_metric(
+                    _schema.KERNEL_DURATION, kernels, bounds, min_max=self._kernel_min_max
+                )
+            )
         self._reset()
         return MetricsData(
             resource_metrics=[
@@ -363,6 +383,8 @@ def _histogram_metric(
     name: str,
     series: Sequence[tuple[dict[str, str], HistogramSnapshot]],
     bounds: tuple[int, int],
+    *,
+    min_max: bool = True,
 ) -> Metric:
     from opentelemetry.sdk.metrics.export import (
         AggregationTemporality,
@@ -372,6 +394,9 @@ def _histogram_metric(
     )
     from opentelemetry.sdk.metrics.export import ExponentialHistogram as OtelHistogram
 
+    # OTLP's min and max are optional fields; the SDK's encoder leaves them unset when None
+    # (its dataclass annotates them as float, hence the cast).
+    unset = cast(float, None)
     points = []
     for attributes, snap in series:
         points.append(
@@ -386,8 +411,8 @@ def _histogram_metric(
                 positive=Buckets(offset=snap.offset, bucket_counts=list(snap.bucket_counts)),
                 negative=Buckets(offset=0, bucket_counts=[]),
                 flags=0,
-                min=snap.min,
-                max=snap.max,
+                min=snap.min if min_max else unset,
+                max=snap.max if min_max else unset,
             )
         )
     return Metric(

@@ -470,6 +470,11 @@ def _histogram_common(
         fields["sum"] = point.sum
         if count > 0:
             fields["mean"] = point.sum / count
+        if count == 1:
+            # One observation is its own sum: min and max are optional in OTLP and stepwatch's
+            # kernel histograms leave them out, but they are known exactly here.
+            minimum = point.sum if minimum is None else minimum
+            maximum = point.sum if maximum is None else maximum
     for name, value in (("min", minimum), ("max", maximum)):
         if value is not None:
             _finite(value)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from stepwatch._errors import ConfigError, TraceFormatError
 from stepwatch.exporters._window import (
+    DEFAULT_KERNEL_MIN_MAX,
     DEFAULT_KERNEL_SIGNIFICANT_BITS,
     WindowBuilder,
     build_resource,
@@ -125,6 +126,7 @@ def trace_windows(
     max_scale: int = DEFAULT_KERNEL_MAX_SCALE,
     max_size: int = DEFAULT_KERNEL_MAX_SIZE,
     kernel_significant_bits: int = DEFAULT_KERNEL_SIGNIFICANT_BITS,
+    kernel_min_max: bool = DEFAULT_KERNEL_MIN_MAX,
 ) -> list[TraceWindow]:
     """The windows (one per step) of a parsed trace.
 
@@ -140,6 +142,8 @@ def trace_windows(
         max_size: Most buckets per histogram.
         kernel_significant_bits: Significant bits of kernel histograms' sum/min/max on the
             wire (see :class:`~stepwatch.exporters.WindowBuilder`).
+        kernel_min_max: Send ``min``/``max`` on kernel histograms (see
+            :class:`~stepwatch.exporters.WindowBuilder`).
 
     Returns:
         The windows, in step order.
@@ -158,6 +162,7 @@ def trace_windows(
         max_scale=max_scale,
         max_size=max_size,
         kernel_significant_bits=kernel_significant_bits,
+        kernel_min_max=kernel_min_max,
     )
     summariser = KernelSummariser(top_k=top_k, initial_totals_s=_class_totals(trace))
     offset = trace.base_time_unix_nano if trace.base_time_unix_nano is not None else time_offset_ns

@@ -237,6 +237,7 @@ def test_build_resource_names_the_bad_argument(options: dict[str, Any], name: st
         ({"kernel_significant_bits": 0}, "kernel_significant_bits"),
         ({"kernel_significant_bits": 54}, "kernel_significant_bits"),
         ({"kernel_significant_bits": True}, "kernel_significant_bits"),
+        ({"kernel_min_max": 1}, "kernel_min_max"),
     ],
 )
 def test_window_builder_options_are_checked(options: dict[str, int], name: str) -> None:
@@ -283,34 +284,59 @@ def test_wire_order_scope_and_kernel_point_order() -> None:
     assert order == [("a", "compute"), ("a", "memory"), ("c", "compute"), ("b", "compute")]
 
 
-def test_kernel_sum_min_max_are_rounded_outwards_and_the_rest_is_exact() -> None:
+@pytest.mark.parametrize("bits", [12, 53])
+def test_kernel_sum_min_max_are_rounded_outwards_and_the_rest_is_exact(bits: int) -> None:
     values = [0.00019, 0.00021, 0.0002]
-    for bits, exact in ((12, False), (53, True)):
-        builder = WindowBuilder(_resource(), kernel_significant_bits=bits)
-        builder.add_step(step_index=0, duration_s=0.0123456789, phases_s={"data": 0.00123456789})
-        builder.add_kernels(
-            KernelWindow(
-                durations_s={("gemm", "compute"): values, ("one", "compute"): [0.0123456789]}
-            )
+    exact = bits == 53
+    builder = WindowBuilder(_resource(), kernel_significant_bits=bits, kernel_min_max=True)
+    builder.add_step(step_index=0, duration_s=0.0123456789, phases_s={"data": 0.00123456789})
+    builder.add_kernels(
+        KernelWindow(durations_s={("gemm", "compute"): values, ("one", "compute"): [0.0123456789]})
+    )
+    built = builder.build(start_unix_nano=START, end_unix_nano=END)
+    assert built is not None
+    gemm, one = sorted(_kernel_points(built), key=lambda p: p.count, reverse=True)
+    assert gemm.min <= min(values) and gemm.max >= max(values)
+    assert gemm.sum == pytest.approx(sum(values), rel=2**-12, abs=0)
+    assert (gemm.min, gemm.max, gemm.sum) == (
+        (min(values), max(values), sum(values))
+        if exact
+        else (0.00018996000289916992, 0.00021004676818847656, 0.0006000995635986328)
+    )
+    # One observation: sent exactly, so it reads back exactly.
+    assert one.min == one.max == one.sum == 0.0123456789
+    for metric in built.resource_metrics[0].scope_metrics[0].metrics:
+        if metric.name != _schema.KERNEL_DURATION and isinstance(metric.data, ExponentialHistogram):
+            (point,) = metric.data.data_points
+            assert point.sum in (0.0123456789, 0.00123456789)
+
+
+def test_kernel_histograms_carry_no_min_max_by_default_and_the_others_do() -> None:
+    builder = WindowBuilder(_resource())
+    builder.add_step(step_index=0, duration_s=0.02, phases_s={"data": 0.001})
+    builder.add_kernels(
+        KernelWindow(
+            durations_s={("gemm", "compute"): [0.0002, 0.0003]},
+            idle_durations_s=[0.001],
         )
-        built = builder.build(start_unix_nano=START, end_unix_nano=END)
-        assert built is not None
-        gemm, one = sorted(_kernel_points(built), key=lambda p: p.count, reverse=True)
-        assert gemm.min <= min(values) and gemm.max >= max(values)
-        assert gemm.sum == pytest.approx(sum(values), rel=2**-12, abs=0)
-        assert (gemm.min, gemm.max, gemm.sum) == (
-            (min(values), max(values), sum(values))
-            if exact
-            else (0.00018996000289916992, 0.00021004676818847656, 0.0006000995635986328)
-        )
-        # One observation: sent exactly, so it reads back exactly.
-        assert one.min == one.max == one.sum == 0.0123456789
-        for metric in built.resource_metrics[0].scope_metrics[0].metrics:
-            if metric.name != _schema.KERNEL_DURATION and isinstance(
-                metric.data, ExponentialHistogram
-            ):
-                (point,) = metric.data.data_points
-                assert point.sum in (0.0123456789, 0.00123456789)
+    )
+    built = builder.build(start_unix_nano=START, end_unix_nano=END)
+    assert built is not None
+    request = encode_metrics(built)
+    seen = set()
+    for metric in request.resource_metrics[0].scope_metrics[0].metrics:
+        if not metric.HasField("exponential_histogram"):
+            continue
+        seen.add(metric.name)
+        for point in metric.exponential_histogram.data_points:
+            carried = point.HasField("min") and point.HasField("max")
+            assert carried == (metric.name != _schema.KERNEL_DURATION), metric.name
+    assert seen == {
+        _schema.STEP_DURATION,
+        _schema.PHASE_DURATION,
+        _schema.KERNEL_DURATION,
+        _schema.DEVICE_IDLE_DURATION,
+    }
 
 
 def _bucket_half_width(scale: int) -> float:
@@ -326,14 +352,21 @@ def _bucket_half_width(scale: int) -> float:
         max_size=60,
     ),
     bits=st.sampled_from([8, 12, 53]),
+    min_max=st.booleans(),
 )
 def test_every_quantile_the_bridge_estimates_is_within_the_bucket_bound(
-    values: list[float], bits: int
+    values: list[float], bits: int, min_max: bool
 ) -> None:
-    """Rounded min/max still contain every value, so clamping never adds error: each
-    nearest-rank quantile the bridge computes is within the bucket half-width (2.2 % at the
-    ingest scale 4) of the exact one, also for one-observation points."""
-    builder = WindowBuilder(_resource(), max_scale=4, max_size=320, kernel_significant_bits=bits)
+    """Rounded min/max still contain every value, so clamping never adds error (and without
+    them the buckets alone bound it): each nearest-rank quantile the bridge computes is within
+    the bucket half-width (2.2 % at the ingest scale 4) of the exact one."""
+    builder = WindowBuilder(
+        _resource(),
+        max_scale=4,
+        max_size=320,
+        kernel_significant_bits=bits,
+        kernel_min_max=min_max,
+    )
     builder.add_kernels(KernelWindow(durations_s={("k", "compute"): values}))
     built = builder.build(start_unix_nano=START, end_unix_nano=END)
     assert built is not None
@@ -352,7 +385,7 @@ def test_every_quantile_the_bridge_estimates_is_within_the_bucket_bound(
         got = nearest_rank_quantile(buckets, quantile, minimum=point.min, maximum=point.max)
         assert got is not None
         assert abs(got - exact) <= bound * exact, (rank, got, exact)
-    if len(set(values)) == 1:
+    if min_max and len(set(values)) == 1:
         assert (
             nearest_rank_quantile(buckets, 0.5, minimum=point.min, maximum=point.max) == (values[0])
         )

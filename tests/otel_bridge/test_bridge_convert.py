@@ -450,3 +450,29 @@ def test_exponential_fields_keep_only_edges_of_populated_buckets() -> None:
     # The first bucket's lower edge is the data's own `min` (as in the dense layout).
     assert [count for _, count in cumulative] == [3.0, 3.0, 4.0, 4.0, 6.0]
     assert fields["+Inf"] == "6.0"
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_one_observation_without_min_max_reads_back_as_its_sum(explicit: bool) -> None:
+    """OTLP min/max are optional (stepwatch's kernel histograms leave them out); with one
+    observation its value is the sum, so min, max and every quantile are that value, not a
+    bucket midpoint. With two observations nothing is invented."""
+    value = 0.0123456789
+    for count in (1, 2):
+        total = value * count
+        if explicit:
+            metric = explicit_histogram(
+                "stepwatch.kernel.duration", bounds=[0.01, 0.02], counts=[0, count, 0], total=total
+            )
+        else:  # scale 4: bucket -102 is (2**(-102/16), 2**(-101/16)] = (0.01205, 0.01258]
+            metric = exponential_histogram(
+                "stepwatch.kernel.duration", scale=4, offset=-102, counts=[count], total=total
+            )
+        (line,) = convert_request(request([metric])).lines
+        fields = fields_of(line)
+        if count == 1:
+            for name in ("min", "max", "p50", "p90", "p99"):
+                assert float(fields[name]) == value, name
+        else:
+            assert "min" not in fields and "max" not in fields
+            assert float(fields["p50"]) != value
