@@ -1,25 +1,34 @@
 """Overhead of stepwatch on a real CPU DDP job: A/B interleaved in one run.
 
-Two ranks (gloo over loopback, one per core of the bench machine) train two identical DDP
-replicas of a small MLP in alternating blocks of steps. Arm A is fully instrumented:
-``monitor.step()``, a ``data`` phase, auto-mode hooks on forward/backward/optimizer and
-communication (the exposed wait, DDP's built-in allreduce untouched), and op histograms from
-:class:`TorchProfilerSource` (adaptive duty cycle, default budget), exporting OTLP/HTTP every
-second to the real stepwatch bridge started in this process (with a counting writer; a plain
-local OTLP/HTTP receiver when the bridge is not installed). Arm B is plain DDP. The block
-order within each pair is random (seeded) so drift and neighbours on the machine hit both
-arms alike. Every run first measures an A/A control (both replicas plain, same block design):
-the replicas are not exactly equally fast (memory placement), so the overhead is the A/B
-difference minus the A/A difference.
+Two ranks (gloo over loopback, one per core of the bench machine) train a small MLP with DDP in
+alternating blocks of steps. Arm A is fully instrumented: ``monitor.step()``, a ``data`` phase,
+auto-mode hooks on forward/backward/optimizer and communication (the exposed wait, DDP's
+built-in allreduce untouched), and op histograms from :class:`TorchProfilerSource` (adaptive
+duty cycle, default budget), exporting OTLP/HTTP every second to the real stepwatch bridge
+started in this process (with a counting writer; a plain local OTLP/HTTP receiver when the
+bridge is not installed). Arm B is plain DDP. The block order within each pair is random
+(seeded, the same on every rank) so drift and neighbours on the machine hit both arms alike.
 
-Two estimators, both A/B - A/A with 95 % bootstrap CIs:
+Designs (``--design``):
+
+- ``toggle`` (default): one DDP replica; arm A's hooks are installed at the start of each A
+  block and removed at its end, so nothing but stepwatch differs between the arms. An A/A
+  control (the same block design with both arms plain) is measured first and printed: it shows
+  what the estimators read when nothing differs.
+- ``replicas``: two identical replicas, A's permanently instrumented (forced for the modes that
+  register a DDP comm hook, which DDP cannot remove). The replicas are not exactly equally fast
+  (memory placement), so the overhead is the A/B difference minus the A/A difference.
+
+Two estimators, with 95 % bootstrap CIs:
 
 - wall clock: per block pair, the relative difference of the median step times (robust to
   scheduling noise; by construction it does not see the rare profiled steps);
 - CPU time: per block pair, the relative difference of the process CPU time per step
   (``time.process_time()``: every thread of the rank, the export thread and gloo's
-  included), averaged over pairs so the rare profiled steps are paid for; insensitive to
-  waiting for the CPU while other processes run.
+  included), averaged over pairs so the rare profiled steps and the exports are paid for;
+  insensitive to waiting for the CPU while other processes run. The export thread sends arm
+  A's windows when its 1 s timer fires, often during the following B block: its CPU time
+  (read from its own thread clock) is moved from the B block to arm A.
 
 ``--mode`` isolates parts of arm A: ``no-ops`` (everything but op histograms),
 ``collective`` (communication timed per collective by a Python comm hook instead),
@@ -152,9 +161,13 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
         )
 
     try:
-        on_model, off_model = make_model(), make_model()
+        toggle = options["design"] == "toggle"
+        on_model = make_model()
+        off_model = on_model if toggle else make_model()
         on_opt = torch.optim.SGD(on_model.parameters(), lr=0.01, momentum=0.9)
-        off_opt = torch.optim.SGD(off_model.parameters(), lr=0.01, momentum=0.9)
+        off_opt = (
+            on_opt if toggle else torch.optim.SGD(off_model.parameters(), lr=0.01, momentum=0.9)
+        )
         source = (
             TorchProfilerSource()
             if options["mode"] in ("full", "collective", "no-comm-hook")
@@ -168,13 +181,47 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
             export_interval_s=1.0,
             kernel_source=source,
         )
+        export_thread = monitor._thread
+        export_clock = (
+            time.pthread_getcpuclockid(export_thread.ident)
+            if export_thread is not None and export_thread.ident is not None
+            else None
+        )
+
+        def export_cpu_s() -> float:
+            return time.clock_gettime(export_clock) if export_clock is not None else 0.0
+
         loss_fn = torch.nn.CrossEntropyLoss()
         generator = torch.Generator().manual_seed(rank)
         batch = options["batch"]
         instrumented = False
+        handle: Any = None
+
+        def install() -> None:
+            """Arm A's hooks (toggle design: installed for each A block, removed after)."""
+            nonlocal handle
+            mode = options["mode"]
+            if mode in ("full", "no-ops"):
+                handle = monitor.instrument(on_model, on_opt)
+            elif mode == "no-comm-hook":
+                handle = monitor.instrument(on_model, on_opt, time_communication=False)
+            elif mode == "collective":
+                handle = monitor.instrument(on_model, on_opt, collective_timing=True)
+            elif mode == "plain-python-hook":
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+                    allreduce_hook,
+                )
+
+                on_model.register_comm_hook(None, allreduce_hook)
+
+        def uninstall() -> None:
+            nonlocal handle
+            if handle is not None:
+                handle.remove()
+                handle = None
 
         def step(model: Any, optimizer: Any, arm_on: bool) -> None:
-            active = instrumented and arm_on
+            active = instrumented and arm_on and options["mode"] != "plain-python-hook"
             step_context = monitor.step() if active else contextlib.nullcontext()
             data_context = monitor.phase("data") if active else contextlib.nullcontext()
             with step_context:
@@ -197,43 +244,54 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
                 order_rng.shuffle(arms)
                 medians: dict[str, float] = {}
                 cpu: dict[str, float] = {}
+                exported_in: dict[str, float] = {}
                 for arm in arms:
                     model, optimizer = (on_model, on_opt) if arm == "on" else (off_model, off_opt)
+                    if toggle and instrumented and arm == "on":
+                        install()
                     times = []
-                    cpu_started = time.process_time()
+                    cpu_started, export_started = time.process_time(), export_cpu_s()
                     for _ in range(options["block"]):
                         started = time.perf_counter()
                         step(model, optimizer, arm == "on")
                         times.append(time.perf_counter() - started)
-                    cpu[arm] = (time.process_time() - cpu_started) / options["block"]
+                    cpu[arm] = time.process_time() - cpu_started
+                    exported_in[arm] = export_cpu_s() - export_started
+                    if toggle and arm == "on":
+                        uninstall()
                     samples[arm].extend(times)
                     medians[arm] = statistics.median(times)
                 pair_medians.append((medians["on"], medians["off"]))
-                pair_cpu.append((cpu["on"], cpu["off"]))
+                # The export thread sends arm A's windows whenever its timer fires, often
+                # during the next B block: its CPU time is moved to arm A, wherever it ran.
+                block = options["block"]
+                pair_cpu.append(
+                    (
+                        (cpu["on"] + exported_in["off"]) / block,
+                        (cpu["off"] - exported_in["off"]) / block,
+                    )
+                )
             return {"samples": samples, "pair_medians": pair_medians, "pair_cpu": pair_cpu}
 
         for _ in range(options["warmup"]):
             step(on_model, on_opt, True)
-            step(off_model, off_opt, False)
-        # A/A first: both replicas plain. The two replicas are not exactly equally fast (memory
-        # placement), so the A/B difference is read against this control.
+            if not toggle:
+                step(off_model, off_opt, False)
+        # A/A first: arm A uninstrumented. Replicas design: the two replicas are not exactly
+        # equally fast (memory placement), so the A/B difference is read against this
+        # control; toggle design (one replica): the control shows the estimator's noise.
         control = run_pairs(options["pairs"])
-        if options["mode"] in ("full", "no-ops"):
-            monitor.instrument(on_model, on_opt)
-        elif options["mode"] == "collective":
-            monitor.instrument(on_model, on_opt, collective_timing=True)
-        elif options["mode"] == "plain-python-hook":
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-            on_model.register_comm_hook(None, allreduce_hook)
-        elif options["mode"] == "no-comm-hook":
-            monitor.instrument(on_model, on_opt, time_communication=False)
-        instrumented = options["mode"] != "plain-python-hook"
+        instrumented = True
+        install()
         # Past the one-time costs before measuring: the profiler's warm-up (Kineto's set-up)
         # and its one-step probe come after 50 and 100 steps; the steady state is measured.
         for _ in range(options["on_warmup"]):
             step(on_model, on_opt, True)
+        if toggle:
+            uninstall()
+        export_before = export_cpu_s()
         measured = run_pairs(options["pairs"])
+        export_total_s = export_cpu_s() - export_before
         monitor.close(timeout_s=5.0)
         result = {
             "samples": measured["samples"],
@@ -244,6 +302,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
             "stats": monitor.stats.__dict__,
             "duty_cycle": source.duty_cycle._asdict() if source is not None else None,
             "on_steps_s": sum(measured["samples"]["on"]),
+            "export_cpu_s": export_total_s,
         }
         Path(options["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -451,8 +510,18 @@ def main() -> int:
         help="arm A: everything (default), without op histograms, without the comm hook, "
         "only monitor.step()/phase('data'), or DDP's own Python allreduce_hook alone",
     )
+    parser.add_argument(
+        "--design",
+        choices=("toggle", "replicas"),
+        default="toggle",
+        help="toggle (default): one DDP replica, arm A's hooks installed for each A block and "
+        "removed after; replicas: two replicas, arm A's permanently instrumented (forced for "
+        "the modes that register a DDP comm hook, which DDP cannot remove)",
+    )
     parser.add_argument("--comm-pairs", type=int, default=30, help="0 skips the comm-hook job")
     args = parser.parse_args()
+    if args.mode in ("collective", "plain-python-hook"):
+        args.design = "replicas"
 
     import torch.multiprocessing as mp
 
@@ -483,6 +552,7 @@ def main() -> int:
                 "batch": args.batch,
                 "seed": args.seed,
                 "mode": args.mode,
+                "design": args.design,
                 "endpoint": receiver.url,
                 "out_dir": out_dir,
             }
@@ -524,21 +594,34 @@ def main() -> int:
         )
     ab = [x for r in results for x in _relative(r["pair_medians"])]
     aa = [x for r in results for x in _relative(r["control_pair_medians"])]
-    overhead = statistics.median(ab) - statistics.median(aa)
-    low, high = _bootstrap_ci(ab, aa)
-    print(
-        f"wall clock (block medians): A/B {statistics.median(ab):+.2f} %, A/A "
-        f"{statistics.median(aa):+.2f} % -> overhead {overhead:+.2f} % "
-        f"(95% CI {low:+.2f} .. {high:+.2f} %)"
-    )
     ab_cpu = [x for r in results for x in _relative(r["pair_cpu"])]
     aa_cpu = [x for r in results for x in _relative(r["control_pair_cpu"])]
-    cpu_overhead = statistics.fmean(ab_cpu) - statistics.fmean(aa_cpu)
-    low, high = _bootstrap_ci(ab_cpu, aa_cpu, statistic=statistics.fmean)
+    for label, values, control, statistic in (
+        ("wall clock (median step time per block)", ab, aa, statistics.median),
+        ("CPU time (mean per step, all threads)", ab_cpu, aa_cpu, statistics.fmean),
+    ):
+        if args.design == "toggle":
+            # One replica: nothing differs between the arms but stepwatch, so the overhead is
+            # A/B itself; A/A (both arms plain) shows what the estimator reads for nothing.
+            overhead = statistic(values)
+            low, high = _bootstrap_ci(values, [0.0], statistic=statistic)
+            c_low, c_high = _bootstrap_ci(control, [0.0], statistic=statistic)
+            print(
+                f"{label}: overhead {overhead:+.2f} % (95% CI {low:+.2f} .. {high:+.2f} %); "
+                f"A/A control {statistic(control):+.2f} % (CI {c_low:+.2f} .. {c_high:+.2f} %)"
+            )
+        else:
+            overhead = statistic(values) - statistic(control)
+            low, high = _bootstrap_ci(values, control, statistic=statistic)
+            print(
+                f"{label}: A/B {statistic(values):+.2f} %, A/A {statistic(control):+.2f} % "
+                f"-> overhead {overhead:+.2f} % (95% CI {low:+.2f} .. {high:+.2f} %)"
+            )
+    export_s = sum(r["export_cpu_s"] for r in results)
+    on_s = sum(r["on_steps_s"] for r in results)
     print(
-        f"CPU time (block means, all threads): A/B {statistics.fmean(ab_cpu):+.2f} %, A/A "
-        f"{statistics.fmean(aa_cpu):+.2f} % -> overhead {cpu_overhead:+.2f} % "
-        f"(95% CI {low:+.2f} .. {high:+.2f} %)"
+        f"export thread CPU: {export_s * 1e3:.0f} ms over {on_s:.0f} s of arm-A steps "
+        f"= {export_s / on_s * 100:.3f} % of arm A's step time (charged to arm A above)"
     )
     exported = sum(r["stats"]["steps_exported"] for r in results)
     recorded = sum(r["stats"]["steps_recorded"] for r in results)
