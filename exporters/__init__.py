@@ -24,6 +24,7 @@ from stepwatch.exporters._monitor import (
     StepMonitor,
     SystemClock,
 )
+from stepwatch.exporters._otlp_http import OtlpHttpExporter, OtlpHttpStats
 from stepwatch.exporters._window import KernelSource, KernelWindow, WindowBuilder, build_resource
 from stepwatch.exporters.kernels import *  # noqa: F403  (its __all__, pinned by its own test)
 
@@ -41,6 +42,8 @@ __all__ = [
     "KernelSource",
     "KernelWindow",
     "MonitorStats",
+    "OtlpHttpExporter",
+    "OtlpHttpStats",
     "StepMonitor",
     "SystemClock",
     "WindowBuilder",

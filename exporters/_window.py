@@ -275,10 +275,8 @@ class WindowBuilder:
                     histogram = self._kernels.get(key)
                 if histogram is None:
                     histogram = self._kernels[key] = self._new_histogram()
-            for seconds in durations:
-                self._record(histogram, seconds)
-        for seconds in window.idle_durations_s:
-            self._record(self._idle, seconds)
+            self.rejected_observations += histogram.record_many(durations)
+        self.rejected_observations += self._idle.record_many(window.idle_durations_s)
 
     @property
     def empty(self) -> bool:

@@ -1,4 +1,4 @@
-"""Decoding OTLP/HTTP request bodies: binary protobuf or OTLP/JSON, optionally gzip.
+"""Decoding OTLP/HTTP request bodies: binary protobuf or OTLP/JSON, optionally gzip or deflate.
 
 OTLP/HTTP: https://opentelemetry.io/docs/specs/otlp/#otlphttp. OTLP/JSON is the proto3 JSON
 mapping with two exceptions the receiver must honour: ``traceId``/``spanId`` are hex (not
@@ -37,18 +37,34 @@ def media_type(content_type: str | None) -> str:
 
 def gunzip(body: bytes, *, max_bytes: int) -> bytes:
     """Decompress a gzip body, refusing one that inflates beyond ``max_bytes`` (413)."""
-    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    return _inflate(body, wbits=16 + zlib.MAX_WBITS, name="gzip", max_bytes=max_bytes)
+
+
+def inflate(body: bytes, *, max_bytes: int) -> bytes:
+    """Decompress a ``Content-Encoding: deflate`` body (413 beyond ``max_bytes``).
+
+    HTTP's ``deflate`` is a zlib stream (RFC 9110 8.4.1.2; what the OpenTelemetry SDKs and
+    stepwatch send); some clients send raw deflate instead, so a body without a zlib header
+    is read as raw deflate.
+    """
+    looks_zlib = len(body) >= 2 and body[0] & 0x0F == 8 and (body[0] << 8 | body[1]) % 31 == 0
+    wbits = zlib.MAX_WBITS if looks_zlib else -zlib.MAX_WBITS
+    return _inflate(body, wbits=wbits, name="deflate", max_bytes=max_bytes)
+
+
+def _inflate(body: bytes, *, wbits: int, name: str, max_bytes: int) -> bytes:
+    inflater = zlib.decompressobj(wbits=wbits)
     try:
         data = inflater.decompress(body, max_bytes + 1)
         if len(data) > max_bytes or inflater.unconsumed_tail:
             raise RequestError(413, f"decompressed body exceeds {max_bytes} bytes")
         data += inflater.flush()
     except zlib.error as exc:
-        raise RequestError(400, f"invalid gzip body: {exc}") from exc
+        raise RequestError(400, f"invalid {name} body: {exc}") from exc
     if len(data) > max_bytes:
         raise RequestError(413, f"decompressed body exceeds {max_bytes} bytes")
     if not inflater.eof:
-        raise RequestError(400, "truncated gzip body")
+        raise RequestError(400, f"truncated {name} body")
     return data
 
 
@@ -89,6 +105,8 @@ def decode_body(
     encoding = (content_encoding or "identity").strip().lower()
     if encoding == "gzip":
         body = gunzip(body, max_bytes=max_bytes)
+    elif encoding == "deflate":
+        body = inflate(body, max_bytes=max_bytes)
     elif encoding not in ("identity", ""):
         raise RequestError(415, f"unsupported content encoding {content_encoding!r}")
     request = ExportMetricsServiceRequest()

@@ -22,6 +22,8 @@ EXPECTED_CORE = {
     "KernelSource",
     "KernelWindow",
     "MonitorStats",
+    "OtlpHttpExporter",
+    "OtlpHttpStats",
     "StepMonitor",
     "SystemClock",
     "WindowBuilder",

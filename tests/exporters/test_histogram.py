@@ -227,3 +227,52 @@ def test_docstring_examples() -> None:
     result = doctest.testmod(_histogram)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+# Values with bad ones mixed in, and values sitting exactly on (or one ulp off) bucket
+# boundaries, where the inlined fast path of record() must defer to map_to_index().
+_boundary_values = st.builds(
+    lambda index, scale, ulps: (
+        math.nextafter(lower_boundary(index, scale), math.inf if ulps > 0 else -math.inf)
+        if ulps
+        else lower_boundary(index, scale)
+    ),
+    st.integers(-400, 200),
+    st.integers(1, 8),
+    st.integers(-1, 1),
+)
+_mixed_values = st.one_of(
+    durations, _boundary_values, st.sampled_from([-1.0, math.nan, math.inf, -math.inf])
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    batches=st.lists(st.lists(_mixed_values, max_size=60), min_size=1, max_size=5),
+    max_size=st.integers(2, 160),
+    max_scale=st.integers(-2, 20),
+)
+def test_record_many_equals_record_one_by_one(
+    batches: list[list[float]], max_size: int, max_scale: int
+) -> None:
+    one_by_one = ExponentialHistogram(max_scale=max_scale, max_size=max_size)
+    batched = ExponentialHistogram(max_scale=max_scale, max_size=max_size)
+    for batch in batches:
+        refused = sum(1 for value in batch if not one_by_one.record(value))
+        assert batched.record_many(batch) == refused
+        assert batched.snapshot() == one_by_one.snapshot()
+        assert batched.count == one_by_one.count
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(_boundary_values, min_size=1, max_size=50), max_scale=st.integers(1, 8))
+def test_boundary_values_land_where_map_to_index_puts_them(
+    values: list[float], max_scale: int
+) -> None:
+    histogram = ExponentialHistogram(max_scale=max_scale, max_size=100_000)
+    for value in values:
+        histogram.record(value)
+    snap = histogram.snapshot()
+    expected = collections.Counter(map_to_index(v, snap.scale) for v in values if v > 0.0)
+    got = {snap.offset + i: c for i, c in enumerate(snap.bucket_counts) if c}
+    assert got == dict(expected)

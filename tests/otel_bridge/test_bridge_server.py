@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 
 import grpc
@@ -182,6 +183,16 @@ def test_bad_input_is_answered_and_the_bridge_keeps_serving(influx: InfluxClient
         assert post(url, b"x" * 5000, proto_headers())[0] == 413
         bomb = gzip.compress(b"\x00" * 1_000_000)
         assert post(url, bomb, {**proto_headers(), "Content-Encoding": "gzip"})[0] == 413
+        deflate_bomb = zlib.compress(b"\x00" * 1_000_000)
+        assert post(url, deflate_bomb, {**proto_headers(), "Content-Encoding": "deflate"})[0] == 413
+        assert (
+            post(url, b"x\x9cnot deflate", {**proto_headers(), "Content-Encoding": "deflate"})[0]
+            == 400
+        )
+        # HTTP's deflate is a zlib stream; raw deflate (no header) is accepted as well.
+        raw = zlib.compressobj(6, zlib.DEFLATED, -zlib.MAX_WBITS)
+        for body in (zlib.compress(good), raw.compress(good) + raw.flush()):
+            assert post(url, body, {**proto_headers(), "Content-Encoding": "deflate"})[0] == 200
         assert (
             post(url, b"\x1f\x8bnot gzip", {**proto_headers(), "Content-Encoding": "gzip"})[0]
             == 400
@@ -203,8 +214,8 @@ def test_bad_input_is_answered_and_the_bridge_keeps_serving(influx: InfluxClient
         with urllib.request.urlopen(url.replace("/v1/metrics", "/healthz"), timeout=5) as r:
             assert r.status == 200
         values = metrics_values(bridge)
-        assert values["stepwatch_bridge_requests_total{code=400,protocol=http}"] == 5
-        assert values["stepwatch_bridge_requests_total{code=413,protocol=http}"] == 2
+        assert values["stepwatch_bridge_requests_total{code=400,protocol=http}"] == 6
+        assert values["stepwatch_bridge_requests_total{code=413,protocol=http}"] == 3
         assert values["stepwatch_bridge_requests_total{code=415,protocol=http}"] == 2
         assert values["stepwatch_bridge_requests_total{code=INVALID_ARGUMENT,protocol=grpc}"] == 1
 
