@@ -407,7 +407,8 @@ class StepMonitor:
         phases = self._phases_ns
         phases[name] = phases.get(name, 0) + elapsed_ns
 
-    def _begin_step(self, *, explicit: bool) -> None:
+    def _begin_step(self, *, explicit: bool, now_ns: int | None = None) -> None:
+        """Open a step (``now_ns``: its start, already read from the monitor's clock)."""
         try:
             if explicit:
                 self._explicit_steps = True
@@ -422,13 +423,14 @@ class StepMonitor:
             if self._step_depth > 1:
                 self._misuse("nested-step", "step() entered inside a step; inner step ignored")
                 return
-            self._step_start_ns = self._clock.monotonic_ns()
+            self._step_start_ns = self._clock.monotonic_ns() if now_ns is None else now_ns
             if self._device_timer is not None:
                 self._step_start_mark = self._device_timer.mark()
         except Exception:
             self._misuse("clock", "the clock raised in step(); step ignored")
 
-    def _end_step(self, *, explicit: bool) -> None:
+    def _end_step(self, *, explicit: bool, now_ns: int | None = None) -> None:
+        """Close a step and record it (``now_ns``: its end, already read from the clock)."""
         try:
             if self._step_depth <= 0:
                 self._misuse("unbalanced-step", "step end without a step start; ignored")
@@ -437,7 +439,7 @@ class StepMonitor:
             if self._step_depth > 0:
                 return
             self._auto_step_open = False
-            end_ns = self._clock.monotonic_ns()
+            end_ns = self._clock.monotonic_ns() if now_ns is None else now_ns
             phases = self._phases_ns
             self._phases_ns = {}
             device: _DeviceMarks | None = None
@@ -450,8 +452,9 @@ class StepMonitor:
             index = self._step_index
             self._step_index = index + 1
             self._steps_recorded += 1
-            if len(self._buffer) < self._buffer_steps:
-                self._buffer.append((index, self._step_start_ns, end_ns, phases, device))
+            buffer = self._buffer
+            if len(buffer) < self._buffer_steps:
+                buffer.append((index, self._step_start_ns, end_ns, phases, device))
             else:
                 self._buffer_dropped += 1
                 self._log.warning(

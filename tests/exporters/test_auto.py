@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -10,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stepwatch import ConfigError, _schema
 from stepwatch.exporters import InMemoryExporter, StepMonitor
@@ -266,3 +269,306 @@ def test_real_torch_profiler_kernel_source_feeds_the_window() -> None:
     assert categories <= set(_schema.KERNEL_CATEGORIES)
     assert "compute" in categories
     assert all(p.count > 0 and p.sum >= 0 for p in kernel_points)
+
+
+# ---------------------------------------------------------------- phase semantics, exactly
+class ManualClock:
+    """A Clock that moves only when the test (or the model it runs) advances it."""
+
+    def __init__(self) -> None:
+        self.now_ns = 1_000_000_000
+
+    def monotonic_ns(self) -> int:
+        return self.now_ns
+
+    def time_ns(self) -> int:
+        return 1_795_000_000_000_000_000 + self.now_ns
+
+    def advance_ns(self, elapsed_ns: int) -> None:
+        self.now_ns += elapsed_ns
+
+
+def _histogram_points(exporter: InMemoryExporter, name: str) -> list[Any]:
+    return [
+        point
+        for window in exporter.exported
+        for metric in window.resource_metrics[0].scope_metrics[0].metrics
+        if metric.name == name
+        for point in metric.data.data_points
+    ]
+
+
+class _ScriptedModel(torch.nn.Module):
+    """A small MLP whose forwards take the next duration of a script, on the manual clock."""
+
+    def __init__(self, clock: ManualClock) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.layers = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.clock = clock
+        self.forward_ns: list[int] = []
+
+    def forward(self, inputs: torch.Tensor) -> Any:
+        self.clock.advance_ns(self.forward_ns.pop(0))
+        return self.layers(inputs)
+
+
+_NS = st.integers(0, 10**7)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    st.lists(
+        st.tuples(_NS, st.lists(st.tuples(_NS, _NS), min_size=1, max_size=3), _NS),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_phase_boundaries_are_exact(script: list[tuple[int, list[tuple[int, int]], int]]) -> None:
+    """Every phase and the step boundary land where the module docstring says, to the ns.
+
+    Each step of the script is (data, [(forward, backward) per micro-batch], optimizer)
+    nanoseconds, spent on a manual clock by the loop, the model, a gradient hook and an
+    optimizer hook. A micro-batch's backward ends at the next forward, the last one at
+    ``optimizer.step()``; a step ends at the end of ``optimizer.step()``, where the next one
+    starts, so steps tile time.
+    """
+    clock = ManualClock()
+    exporter = InMemoryExporter()
+    monitor = StepMonitor(
+        job_id="exact", rank=0, world_size=1, exporter=exporter, clock=clock, start=False
+    )
+    model = _ScriptedModel(clock)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    backward_ns: list[int] = []
+    optimizer_ns: list[int] = []
+    # Registered before instrument(), so these run before stepwatch's post-hook: they are
+    # inside the optimizer and backward phases.
+    optimizer.register_step_post_hook(lambda *_: clock.advance_ns(optimizer_ns.pop(0)))
+    first_weight = model.layers[0].weight
+    first_weight.register_post_accumulate_grad_hook(lambda _: clock.advance_ns(backward_ns.pop(0)))
+    monitor.instrument(model, optimizer)
+    generator = torch.Generator().manual_seed(11)
+    for data, micro_batches, optimizer_step in script:
+        clock.advance_ns(data)
+        optimizer.zero_grad(set_to_none=True)
+        for forward, backward in micro_batches:
+            model.forward_ns.append(forward)
+            backward_ns.append(backward)
+            model(torch.randn(4, 8, generator=generator)).pow(2).mean().backward()
+        optimizer_ns.append(optimizer_step)
+        optimizer.step()
+    monitor.close()
+    assert monitor.stats.misuse == 0
+
+    steps = len(script)
+    expected_ns = {
+        "forward": sum(f for _, batches, _ in script for f, _ in batches),
+        "backward": sum(b for _, batches, _ in script for _, b in batches),
+        "optimizer": sum(o for _, _, o in script),
+        "data": sum(d for d, _, _ in script[1:]),  # the first step starts at its first forward
+    }
+    summary = _summary(exporter)
+    phases = summary["phases"]
+    counts = {name: entry["count"] for name, entry in phases.items()}
+    assert counts == {
+        "forward": steps,
+        "backward": steps,
+        "optimizer": steps,
+        **({"data": steps - 1} if steps > 1 else {}),
+    }
+    for name, total_ns in expected_ns.items():
+        if name in phases:
+            assert phases[name]["sum"] == pytest.approx(total_ns * 1e-9, rel=1e-9, abs=1e-15)
+    step_ns = [
+        (data if index else 0) + sum(f + b for f, b in batches) + optimizer_step
+        for index, (data, batches, optimizer_step) in enumerate(script)
+    ]
+    assert summary["steps"]["count"] == steps
+    assert summary["steps"]["sum"] == pytest.approx(sum(step_ns) * 1e-9, rel=1e-9, abs=1e-15)
+    (step_point,) = _histogram_points(exporter, _schema.STEP_DURATION)
+    assert step_point.min == pytest.approx(min(step_ns) * 1e-9, rel=1e-9, abs=1e-15)
+    assert step_point.max == pytest.approx(max(step_ns) * 1e-9, rel=1e-9, abs=1e-15)
+
+
+class _LeafOutput(torch.nn.Module):
+    """Returns its parameter itself: a leaf tensor with no autograd node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, inputs: torch.Tensor) -> Any:
+        return {"ignored": inputs, "out": [self.weight]}
+
+
+def test_backward_start_is_marked_on_an_output_without_autograd_node() -> None:
+    clock = ManualClock()
+    exporter = InMemoryExporter()
+    monitor = StepMonitor(
+        job_id="leaf", rank=0, world_size=1, exporter=exporter, clock=clock, start=False
+    )
+    model = _LeafOutput()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.instrument(model, optimizer)
+    model.weight.register_post_accumulate_grad_hook(lambda _: clock.advance_ns(700))
+    for _ in range(4):
+        output = model(torch.zeros(3))
+        assert output["out"][0].grad_fn is None
+        optimizer.zero_grad()
+        output["out"][0].sum().backward()
+        optimizer.step()
+    # The leaf outlives the steps; its hook is not added again every step.
+    assert len(model.weight._backward_hooks) == 1
+    monitor.close()
+    assert not model.weight._backward_hooks
+    phases = _summary(exporter)["phases"]
+    assert phases["backward"]["count"] == 4
+    assert phases["backward"]["sum"] == pytest.approx(4 * 700e-9, rel=1e-9)
+    assert monitor.stats.misuse == 0
+
+
+def test_remove_detaches_the_pending_backward_start_hook() -> None:
+    exporter = InMemoryExporter()
+    monitor = _monitor(exporter)
+    model = _model(6)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instrumentation = monitor.instrument(model, optimizer)
+    _train(model, optimizer, 2)
+    output = model(torch.ones(2, 16))  # forward done, backward pending
+    assert output._backward_hooks  # the backward-start hook sits on the output
+    instrumentation.remove()
+    assert not output._backward_hooks
+    output.sum().backward()
+    optimizer.step()
+    monitor.close()
+    summary = _summary(exporter)
+    assert summary["steps"]["count"] == 2  # the step left open at remove() is not recorded
+    assert summary["phases"]["backward"]["count"] == 2
+    assert monitor.stats.misuse == 0
+
+
+class _SelfHookingModel(torch.nn.Module):
+    """Registers its own hook on its output, as some models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.linear = torch.nn.Linear(4, 4)
+        self.gradients_seen = 0
+
+    def forward(self, inputs: torch.Tensor) -> Any:
+        output = self.linear(inputs)
+        output.register_hook(self._count)
+        return output
+
+    def _count(self, grad: torch.Tensor) -> None:
+        self.gradients_seen += 1
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-hook-dict", "register_hook"])
+def test_backward_start_alongside_the_models_own_output_hooks(direct: bool) -> None:
+    """Both registration paths; the model's hooks keep running once per backward."""
+    exporter = InMemoryExporter()
+    monitor = _monitor(exporter)
+    model = _SelfHookingModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instrumentation = monitor.instrument(model, optimizer)
+    assert instrumentation._state._direct_tensor_hooks  # the probe passes on this torch
+    instrumentation._state._direct_tensor_hooks = direct
+    generator = torch.Generator().manual_seed(9)
+    late_hook_calls: list[int] = []
+    for _ in range(5):
+        output = model(torch.randn(3, 4, generator=generator))
+        # A hook the loop adds after the forward, on top of stepwatch's.
+        handle = output.register_hook(lambda grad: late_hook_calls.append(1))
+        loss = output.pow(2).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        handle.remove()
+        optimizer.step()
+    assert len(late_hook_calls) == 5
+    # A forward with no hooks of the model's own: the direct path puts a plain dict there.
+    plain = torch.nn.Linear(4, 4)
+    plain_instrumentation = monitor.instrument(plain, torch.optim.SGD(plain.parameters(), lr=0.1))
+    plain_instrumentation._state._direct_tensor_hooks = direct
+    assert len(plain(torch.ones(1, 4))._backward_hooks) == 1
+    plain_instrumentation.remove()
+    monitor.close()
+    assert model.gradients_seen == 5
+    summary = _summary(exporter)
+    assert summary["phases"]["backward"]["count"] == 5
+    assert monitor.stats.misuse == 0
+
+
+def test_forward_that_raises_keeps_later_forwards_timed() -> None:
+    exporter = InMemoryExporter()
+    monitor = _monitor(exporter)
+    model = _model(7)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.instrument(model, optimizer)
+    with pytest.raises(RuntimeError):
+        model(torch.zeros(2, 5))  # wrong width: the forward raises
+    _train(model, optimizer, 3)
+    monitor.close()
+    summary = _summary(exporter)
+    assert summary["steps"]["count"] == 3
+    assert summary["phases"]["forward"]["count"] == 3
+
+
+def test_deep_copy_of_an_instrumented_model_is_not_instrumented() -> None:
+    import copy
+
+    exporter = InMemoryExporter()
+    monitor = _monitor(exporter)
+    model = _model(10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.instrument(model, optimizer)
+    _train(model, optimizer, 2)
+    average = copy.deepcopy(model)  # e.g. an EMA copy, made after instrument()
+    copied_hooks = [*average._forward_pre_hooks.values(), *average._forward_hooks.values()]
+    assert len(copied_hooks) == 2
+    assert not any(hook.__self__.enabled for hook in copied_hooks)
+    with torch.no_grad():
+        for _ in range(3):
+            average(torch.ones(2, 16))
+    _train(model, optimizer, 2)
+    monitor.close()
+    summary = _summary(exporter)
+    assert summary["steps"]["count"] == 4
+    assert summary["phases"]["forward"]["count"] == 4
+    assert monitor.stats.misuse == 0
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass (it inherits ``__torch_function__``): register_hook is its business."""
+
+
+class _SubclassOutput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(12)
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, inputs: torch.Tensor) -> Any:
+        return self.linear(inputs).as_subclass(_Subclass)
+
+
+def test_backward_start_on_a_tensor_subclass_output_goes_through_register_hook() -> None:
+    exporter = InMemoryExporter()
+    monitor = _monitor(exporter)
+    model = _SubclassOutput()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.instrument(model, optimizer)
+    generator = torch.Generator().manual_seed(13)
+    for _ in range(3):
+        output = model(torch.randn(2, 4, generator=generator))
+        assert type(output) is _Subclass
+        # torch's register_hook made the hook dict (an OrderedDict), not stepwatch's shortcut.
+        assert type(output._backward_hooks) is collections.OrderedDict
+        optimizer.zero_grad()
+        output.sum().backward()
+        optimizer.step()
+    monitor.close()
+    assert _summary(exporter)["phases"]["backward"]["count"] == 3
+    assert monitor.stats.misuse == 0

@@ -1,0 +1,374 @@
+"""Training-thread cost of the auto-mode hooks, per step, by elimination (single process, CPU).
+
+A small MLP (so that the hooks' cost is visible against the step) trains with SGD, first as a
+plain ``nn.Module`` and then wrapped in ``DistributedDataParallel`` over a 1-rank gloo group
+(rendezvous on a free loopback port). One model per kind; every arm installs its hooks on it
+for one block of steps and removes them afterwards, and in each round every arm runs one block,
+in a seeded random order, so drift and neighbours on the machine hit all arms alike.
+
+Arms (``plain`` is the reference; the others are reported as the difference to it):
+
+- ``all``: what ``monitor.instrument(model, optimizer)`` installs by default, with the monitor
+  recording the steps (its buffer is drained between blocks, outside the timing);
+- ``all@REV`` (``--baseline-rev REV``): the same with ``exporters/_auto.py`` as of git ``REV``
+  (the state before an optimisation), so that before and after are measured in one run;
+- ``all-X``: ``all`` without component ``X`` (the cost of ``X`` in context is ``all - all-X``);
+- ``X``: component ``X`` alone (``fwd_pre``, ``fwd_post``: forward hook including the mark of
+  the backward start, ``opt_pre``, ``opt_post``, ``last_grad``: DDP only);
+- mechanism probes with no stepwatch code: ``noop_fwd_pre`` / ``noop_fwd_post`` (an empty
+  module hook: the price of leaving ``nn.Module._call_impl``'s fast path),
+  ``noop_global_fwd_pre`` (an empty global module pre-hook: every submodule leaves it),
+  ``noop_forward_wrap`` (``forward`` replaced on the instance by a wrapper reading the clock
+  twice: no hook, fast path kept),
+  ``noop_opt_pre`` / ``noop_opt_post`` (an empty optimizer hook), ``noop_tensor_hook`` (an
+  empty forward hook that puts an empty ``Tensor.register_hook`` on the output),
+  ``noop_node_prehook`` (the same with ``output.grad_fn.register_prehook``) and
+  ``noop_hook_dict`` (the same registered as ``instrument`` does: a plain hook dict put on the
+  output and its node, without ``register_hook``'s OrderedDict and RemovableHandle).
+
+Figures per arm: process CPU time per step (``time.process_time_ns`` over the block: every
+thread, gloo's included) and the median wall time per step of the block; each is the median
+over rounds of the per-round difference to ``plain``, with a 95 % bootstrap CI (resampling
+rounds), in µs and as a share of a 26 ms step (the 2-rank CPU DDP job of bench/overhead.py).
+
+Usage: ``.venv/bin/python bench/hook_cost.py [--rounds 60] [--block 40] [--kind both]
+[--arms all,plain,...] [--baseline-rev HEAD]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+REFERENCE_STEP_US = 26_000.0
+COMPONENTS = ("fwd_pre", "fwd_post", "opt_pre", "opt_post", "last_grad")
+
+
+class NullExporter:
+    """Accepts every window and keeps nothing."""
+
+    def export(self, metrics_data: Any, timeout_millis: float = 10_000) -> Any:
+        from opentelemetry.sdk.metrics.export import MetricExportResult
+
+        return MetricExportResult.SUCCESS
+
+    def shutdown(self, timeout_millis: float = 30_000) -> None:
+        return None
+
+
+def _noop_pre(module: Any, args: Any) -> None:
+    return None
+
+
+def _noop_post(module: Any, args: Any, output: Any) -> None:
+    return None
+
+
+def _noop_opt(optimizer: Any, args: Any, kwargs: Any) -> None:
+    return None
+
+
+def _noop_grad(grad: Any) -> None:
+    return None
+
+
+def _noop_node(grad_outputs: Any) -> None:
+    return None
+
+
+def _tensor_hook_post(module: Any, args: Any, output: Any) -> None:
+    output.register_hook(_noop_grad)
+
+
+def _node_prehook_post(module: Any, args: Any, output: Any) -> None:
+    output.grad_fn.register_prehook(_noop_node)
+
+
+def _hook_dict_post(module: Any, args: Any, output: Any) -> None:
+    from stepwatch.exporters._auto import _HookDict
+
+    hooks = _HookDict()
+    hooks[-1] = _noop_grad
+    output._backward_hooks = hooks
+    output.grad_fn._register_hook_dict(output)
+
+
+def _load_auto_at(rev: str) -> ModuleType:
+    """``exporters/_auto.py`` as of git ``rev``, imported as a separate module."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "show", f"{rev}:exporters/_auto.py"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    module = ModuleType("stepwatch_baseline_auto")
+    sys.modules[module.__name__] = module
+    exec(compile(source, f"{rev}:exporters/_auto.py", "exec"), module.__dict__)
+    return module
+
+
+class Bench:
+    """One model and optimizer; installs an arm's hooks, times blocks of steps."""
+
+    def __init__(self, kind: str, baseline: ModuleType | None) -> None:
+        import torch
+
+        from stepwatch.exporters import StepMonitor
+
+        torch.manual_seed(0)
+        model: Any = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
+        )
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(model)
+        self.kind = kind
+        self.model = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        self.monitor = StepMonitor(
+            job_id="hook-cost",
+            rank=0,
+            world_size=1,
+            exporter=NullExporter(),
+            health=False,
+            device_timer="cpu",
+            start=False,
+        )
+        self.baseline = baseline
+        generator = torch.Generator().manual_seed(1)
+        self.inputs = [torch.randn(16, 64, generator=generator) for _ in range(8)]
+
+    def arms(self) -> list[str]:
+        components = [c for c in COMPONENTS if c != "last_grad" or self.kind == "ddp"]
+        names = ["plain", "all"]
+        if self.baseline is not None:
+            names.append("all@base")
+        names += [f"all-{c}" for c in components]
+        names += components
+        names += ["noop_fwd_pre", "noop_fwd_post", "noop_opt_pre", "noop_opt_post"]
+        names += ["noop_tensor_hook", "noop_node_prehook", "noop_hook_dict"]
+        names += ["noop_global_fwd_pre"]
+        names += ["noop_forward_wrap"]
+        return names
+
+    @contextlib.contextmanager
+    def installed(self, arm: str) -> Iterator[None]:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        from stepwatch.exporters import _auto
+
+        model, optimizer, monitor = self.model, self.optimizer, self.monitor
+        handles: list[Any] = []
+        instrumentation: Any = None
+        if arm == "all":
+            instrumentation = _auto.instrument(monitor, model, optimizer)
+        elif arm == "all@base":
+            if self.baseline is None:
+                raise RuntimeError("no baseline")
+            instrumentation = self.baseline.instrument(monitor, model, optimizer)
+        elif arm.startswith("all-") or arm in COMPONENTS:
+            state = _auto._AutoState(monitor)
+            wanted = set(COMPONENTS) - {arm[4:]} if arm.startswith("all-") else {arm}
+            handles = _install_components(state, model, optimizer, wanted)
+        elif arm != "plain":
+            noop: dict[str, Callable[[], Any]] = {
+                "noop_fwd_pre": lambda: model.register_forward_pre_hook(_noop_pre),
+                "noop_fwd_post": lambda: model.register_forward_hook(_noop_post),
+                "noop_opt_pre": lambda: optimizer.register_step_pre_hook(_noop_opt),
+                "noop_opt_post": lambda: optimizer.register_step_post_hook(_noop_opt),
+                "noop_tensor_hook": lambda: model.register_forward_hook(_tensor_hook_post),
+                "noop_node_prehook": lambda: model.register_forward_hook(_node_prehook_post),
+                "noop_hook_dict": lambda: model.register_forward_hook(_hook_dict_post),
+            }
+            if arm == "noop_global_fwd_pre":
+                handles = [register_module_forward_pre_hook(_noop_pre)]
+            elif arm == "noop_forward_wrap":
+                handles = [_ForwardWrap(model)]
+            else:
+                handles = [noop[arm]()]
+        try:
+            yield
+        finally:
+            if instrumentation is not None:
+                instrumentation.remove()
+            for handle in handles:
+                handle.remove()
+            # Close any auto step left open so that arms start alike.
+            monitor._step_depth = 0
+            monitor._auto_step_open = False
+            monitor._explicit_steps = False
+            monitor.export_now()
+
+    def run_block(self, steps: int) -> tuple[float, float]:
+        """(CPU µs per step, median wall µs per step) of ``steps`` steps."""
+        model, optimizer, inputs = self.model, self.optimizer, self.inputs
+        clock = time.perf_counter_ns
+        walls = []
+        cpu_start = time.process_time_ns()
+        for index in range(steps):
+            start = clock()
+            loss = model(inputs[index % len(inputs)]).pow(2).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            walls.append(clock() - start)
+        cpu_ns = time.process_time_ns() - cpu_start
+        return cpu_ns / steps / 1e3, statistics.median(walls) / 1e3
+
+
+class _ForwardWrap:
+    """Probe: the model's ``forward`` replaced on the instance by a timing wrapper.
+
+    No module hook, so ``nn.Module._call_impl`` keeps its fast path; what a wrapper would cost.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        original = model.forward
+        clock = time.perf_counter_ns
+        self.elapsed_ns = 0
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            output = original(*args, **kwargs)
+            self.elapsed_ns += clock() - start
+            return output
+
+        model.forward = forward
+
+    def remove(self) -> None:
+        del self.model.forward
+
+
+def _install_components(state: Any, model: Any, optimizer: Any, wanted: set[str]) -> list[Any]:
+    handles = []
+    if "fwd_pre" in wanted:
+        handles.append(model.register_forward_pre_hook(state.forward_pre))
+    if "fwd_post" in wanted:
+        handles.append(model.register_forward_hook(state.forward_post))
+    if "opt_pre" in wanted:
+        handles.append(optimizer.register_step_pre_hook(state.optimizer_pre))
+    if "opt_post" in wanted:
+        handles.append(optimizer.register_step_post_hook(state.optimizer_post))
+    if "last_grad" in wanted and hasattr(model, "process_group"):
+        first = next(p for p in model.parameters() if p.requires_grad)
+        handles.append(first.register_post_accumulate_grad_hook(state.last_gradient))
+    return handles
+
+
+def _bootstrap_median_ci(values: list[float], rng: random.Random) -> tuple[float, float]:
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(2000))
+    return medians[50], medians[1949]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def measure(kind: str, arms_filter: list[str] | None, args: argparse.Namespace) -> None:
+    baseline = _load_auto_at(args.baseline_rev) if args.baseline_rev else None
+    bench = Bench(kind, baseline)
+    arms = bench.arms()
+    if arms_filter:
+        arms = [a for a in arms if a in arms_filter or a == "plain"]
+    rng = random.Random(args.seed)
+    for arm in arms:  # warm-up: first calls, allocator, caches
+        with bench.installed(arm):
+            bench.run_block(args.block)
+    cpu: dict[str, list[float]] = {a: [] for a in arms}
+    wall: dict[str, list[float]] = {a: [] for a in arms}
+    for _ in range(args.rounds):
+        order = arms[:]
+        rng.shuffle(order)
+        for arm in order:
+            with bench.installed(arm):
+                bench.run_block(3)  # re-warm after (un)installing
+                cpu_us, wall_us = bench.run_block(args.block)
+            cpu[arm].append(cpu_us)
+            wall[arm].append(wall_us)
+    plain_cpu = statistics.median(cpu["plain"])
+    plain_wall = statistics.median(wall["plain"])
+    print(
+        f"\n== {kind}: {args.rounds} rounds x {args.block} steps per arm; plain step "
+        f"CPU {plain_cpu:.1f} µs, wall {plain_wall:.1f} µs (median)"
+    )
+    print(
+        f"{'arm':<20}{'CPU µs/step [95% CI]':>28}{'wall µs/step [95% CI]':>28}"
+        f"{'CPU % of 26 ms':>16}"
+    )
+    ci_rng = random.Random(args.seed + 1)
+    for arm in arms:
+        if arm == "plain":
+            continue
+        d_cpu = [a - b for a, b in zip(cpu[arm], cpu["plain"], strict=True)]
+        d_wall = [a - b for a, b in zip(wall[arm], wall["plain"], strict=True)]
+        c_lo, c_hi = _bootstrap_median_ci(d_cpu, ci_rng)
+        w_lo, w_hi = _bootstrap_median_ci(d_wall, ci_rng)
+        c_med, w_med = statistics.median(d_cpu), statistics.median(d_wall)
+        print(
+            f"{arm:<20}{c_med:>9.1f} [{c_lo:>7.1f}, {c_hi:>7.1f}]"
+            f"{w_med:>9.1f} [{w_lo:>7.1f}, {w_hi:>7.1f}]"
+            f"{100 * c_med / REFERENCE_STEP_US:>15.3f}%"
+        )
+    if "all@base" in arms and "all" in arms:
+        d_cpu = [a - b for a, b in zip(cpu["all"], cpu["all@base"], strict=True)]
+        d_wall = [a - b for a, b in zip(wall["all"], wall["all@base"], strict=True)]
+        c_lo, c_hi = _bootstrap_median_ci(d_cpu, ci_rng)
+        w_lo, w_hi = _bootstrap_median_ci(d_wall, ci_rng)
+        print(
+            f"{'all - all@base':<20}{statistics.median(d_cpu):>9.1f} [{c_lo:>7.1f}, {c_hi:>7.1f}]"
+            f"{statistics.median(d_wall):>9.1f} [{w_lo:>7.1f}, {w_hi:>7.1f}]  (paired per round)"
+        )
+    sys.stdout.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--block", type=int, default=40)
+    parser.add_argument("--kind", choices=("plain", "ddp", "both"), default="both")
+    parser.add_argument("--arms", default="", help="comma-separated arm names (default: all)")
+    parser.add_argument("--baseline-rev", default="", help="git rev of _auto.py for all@base")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    arms_filter = [a for a in args.arms.split(",") if a] or None
+    print(f"torch {torch.__version__}, load average {os.getloadavg()[0]:.2f} (1 min)")
+    kinds = ("plain", "ddp") if args.kind == "both" else (args.kind,)
+    for kind in kinds:
+        if kind != "ddp":
+            measure(kind, arms_filter, args)
+            continue
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
+        try:
+            measure(kind, arms_filter, args)
+        finally:
+            dist.destroy_process_group()
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min) at the end")
+
+
+if __name__ == "__main__":
+    main()
