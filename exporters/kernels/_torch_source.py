@@ -23,6 +23,13 @@ profiler's start once, the rest scaled to ``active_steps``) is the first predict
 :attr:`TorchProfilerSource.duty_cycle` reports the decision. A fixed ``period_steps`` turns
 the adaptation off (costs are still measured).
 
+Pauses of the training loop (evaluation, checkpoints, stalls: a step longer than 8 baseline
+steps) are not training time. One that falls between cycles earns no more budget than 8
+steps; one that falls inside a cycle would otherwise be charged to the profiler as hundreds of
+milliseconds of "overhead" and push the period to its ceiling, so that cycle is charged the
+predicted cost of its steps instead (the probe is simply run again) and counted in
+``duty_cycle.interrupted_cycles``.
+
 Start/stop happen on the training thread at step boundaries (the profiler's state belongs to
 the thread that started it); events are read on the export thread in
 :meth:`TorchProfilerSource.drain`.
@@ -59,6 +66,10 @@ DEFAULT_MAX_PERIOD_STEPS = 10_000
 _BASELINE_STEPS = 64  # unprofiled step durations kept for the baseline median
 _BASELINE_MIN_STEPS = 8  # fewer known steps: no cycle starts (nothing to compare against)
 _COST_SMOOTHING = 0.5  # weight of the newest cycle in the cost estimate
+_PAUSE_FACTOR = 8.0
+"""A step longer than this many baseline steps is a pause of the training loop (evaluation,
+a checkpoint, a stall, a loop that stopped calling ``step()``), not training: no profiler makes
+a step 8x slower, and a pause must neither pay for cycles nor be charged to one."""
 
 
 class OpRecord(NamedTuple):
@@ -171,6 +182,9 @@ class ProfilerDutyCycle(NamedTuple):
             share of step time the current decision costs, or ``None`` before it is known.
         within_budget: ``False`` when ``max_period_steps`` forced a cycle the credit did not
             cover (the ceiling wins over the budget).
+        interrupted_cycles: Cycles during which the loop paused (a profiled step longer
+            than 8 baseline steps): charged the predicted cost of their steps instead of the
+            measured one, which is mostly the pause, and not used to predict.
     """
 
     active_steps: int
@@ -186,6 +200,7 @@ class ProfilerDutyCycle(NamedTuple):
     expected_overhead: float | None
     within_budget: bool
     warmup_cost_s: float | None = None
+    interrupted_cycles: int = 0
 
 
 class _Cycle(NamedTuple):
@@ -282,6 +297,7 @@ class TorchProfilerSource:
         self._cycles = 0
         self._warmup_ns: float | None = None
         self._forced = False
+        self._interrupted = 0
         # Export-thread state (written only by drain(), read by the training thread).
         self._drain_spent_ns = 0
         self._cycle_drain_ns: float | None = None  # smoothed, per full cycle
@@ -309,8 +325,12 @@ class TorchProfilerSource:
             self._last_boundary_ns = now
             self._steps_since_start += 1
             if last is not None and now > last:
-                self._recent_ns.append(now - last)
-                self._credit_ns += self._budget * (now - last)
+                elapsed = now - last
+                self._recent_ns.append(elapsed)
+                baseline = self._baseline_ns
+                if baseline:  # a pause earns no budget: only training time does
+                    elapsed = min(elapsed, round(_PAUSE_FACTOR * baseline))
+                self._credit_ns += self._budget * elapsed
             if self._closed or not self._due():
                 return
             self._start_cycle(now)
@@ -366,6 +386,17 @@ class TorchProfilerSource:
         self._cycles += 1
         if running.warmup:  # one-time set-up: reported, neither charged nor a prediction
             self._warmup_ns = cost
+            self._last_training_ns = cost
+            return stopped
+        if baseline and _longest_step_ns(running) > _PAUSE_FACTOR * baseline:
+            # The loop paused inside the cycle: the measured time is mostly the pause's. Charge
+            # what its steps are predicted to cost (nothing for the probe, which runs again at
+            # the next boundary) and keep the prediction as it was.
+            self._interrupted += 1
+            predicted = self._cycle_training_ns
+            cost = 0.0 if predicted is None else predicted * min(1.0, steps / self._active_steps)
+            self._credit_ns += self._budget * steps * baseline - cost
+            self._training_spent_ns += cost
             self._last_training_ns = cost
             return stopped
         self._credit_ns += self._budget * steps * baseline - cost
@@ -448,6 +479,7 @@ class TorchProfilerSource:
             expected_overhead=expected,
             within_budget=not self._forced,
             warmup_cost_s=_seconds(self._warmup_ns),
+            interrupted_cycles=self._interrupted,
         )
 
     def close(self) -> None:
@@ -459,6 +491,15 @@ class TorchProfilerSource:
                 self._backend.stop()
             except Exception:
                 _log.exception("stopping torch.profiler failed")
+
+
+def _longest_step_ns(cycle: _Cycle) -> int:
+    """The longest profiled step of a cycle (the first one runs from the profiler's start)."""
+    longest, previous = 0, cycle.start_ns
+    for _, end_ns in cycle.boundaries:
+        longest = max(longest, end_ns - previous)
+        previous = end_ns
+    return longest
 
 
 def _smooth(previous: float | None, latest: float) -> float:

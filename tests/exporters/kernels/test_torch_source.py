@@ -468,3 +468,70 @@ def test_real_torch_profiler_adapts_its_period() -> None:
     assert duty.period_steps >= 10
     assert duty.expected_overhead is not None and duty.expected_overhead <= 0.5
     assert "gemm" in classes
+
+
+def _pause_inside_next_cycle(sim: SimulatedTraining, source: TorchProfilerSource, ns: int) -> None:
+    """Train until a profiling cycle is running, then stop the loop for ``ns`` (e.g. an
+    evaluation pass that does not call ``step()``) and train one more step."""
+    while not sim.running:
+        sim.run(source, 1)
+    sim.now_ns += ns
+    sim.run(source, 1)
+
+
+def test_a_pause_inside_the_probe_is_not_charged_and_the_probe_runs_again() -> None:
+    steady, paused = SimulatedTraining(seed=3), SimulatedTraining(seed=3)
+    references = []
+    for sim in (steady, paused):
+        source = _adaptive(sim, active_steps=5)
+        sim.run(source, 60)  # past the warm-up (after 50 steps)
+        if sim is paused:
+            _pause_inside_next_cycle(sim, source, 2_000_000_000)  # 500 steps of 4 ms
+            assert source.duty_cycle.interrupted_cycles == 1
+            duty = source.duty_cycle
+            assert duty.training_cost_s == 0  # the pause is not the profiler's
+            assert duty.spent_s == pytest.approx(sim.read_ns / 1e9)  # reading its one step is
+            assert duty.cycle_cost_s is None  # no prediction from it
+        sim.run(source, 20_000)
+        references.append(source.duty_cycle)
+    calm, interrupted = references
+    assert interrupted.interrupted_cycles == 1 and calm.interrupted_cycles == 0
+    # Without the rule the 2 s pause would be the prediction: the period would hit 10,000.
+    assert interrupted.period_steps == pytest.approx(calm.period_steps, rel=0.1)
+    assert interrupted.cycles == pytest.approx(calm.cycles, abs=2)
+
+
+def test_a_pause_inside_a_cycle_is_charged_the_prediction_only() -> None:
+    sim = SimulatedTraining(seed=4)
+    source = _adaptive(sim, active_steps=5)
+    sim.run(source, 5_000)
+    before = source.duty_cycle
+    assert before.cycle_cost_s is not None and before.interrupted_cycles == 0
+    _pause_inside_next_cycle(sim, source, 3_000_000_000)
+    while sim.running:
+        sim.run(source, 1)
+    after = source.duty_cycle
+    assert after.interrupted_cycles == 1
+    assert after.cycle_cost_s == pytest.approx(before.cycle_cost_s, rel=0.05)
+    # Charged about one cycle's predicted cost, not the 3 s pause.
+    assert after.spent_s - before.spent_s < 2 * before.cycle_cost_s
+    assert after.period_steps == pytest.approx(before.period_steps, rel=0.1)
+
+
+def test_a_pause_between_cycles_earns_at_most_eight_steps_of_budget() -> None:
+    sim = SimulatedTraining(seed=5, jitter=0.0)
+    source = _adaptive(sim, active_steps=5)
+    sim.run(source, 5_000)
+    while sim.running:
+        sim.run(source, 1)
+    credit = source._credit_ns
+    sim.now_ns += 10 * 60 * 10**9  # a 10-minute evaluation between two steps
+    sim.run(source, 1)
+    if not sim.running:  # no cycle started at that boundary: nothing else moved the credit
+        earned = source._credit_ns - credit
+        assert earned == pytest.approx(0.002 * 8 * sim.step_ns, rel=0.01)
+    # A 10-minute pause at 0.2 % would have paid for 1.2 s of profiling: dozens of cycles in a
+    # row. Capped, the next cycles keep their usual spacing.
+    sim.run(source, 5_000)
+    gaps = [b - a for a, b in itertools.pairwise(sim.started_after[-6:])]
+    assert min(gaps) >= 0.5 * source.duty_cycle.period_steps
