@@ -239,11 +239,13 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
             samples: dict[str, list[float]] = {"on": [], "off": []}
             pair_medians: list[tuple[float, float]] = []
             pair_cpu: list[tuple[float, float]] = []
+            pair_thread: list[tuple[float, float]] = []
             for _ in range(pairs):
                 arms = ["on", "off"]
                 order_rng.shuffle(arms)
                 medians: dict[str, float] = {}
                 cpu: dict[str, float] = {}
+                thread_cpu: dict[str, float] = {}
                 exported_in: dict[str, float] = {}
                 for arm in arms:
                     model, optimizer = (on_model, on_opt) if arm == "on" else (off_model, off_opt)
@@ -251,11 +253,13 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
                         install()
                     times = []
                     cpu_started, export_started = time.process_time(), export_cpu_s()
+                    thread_started = time.thread_time()
                     for _ in range(options["block"]):
                         started = time.perf_counter()
                         step(model, optimizer, arm == "on")
                         times.append(time.perf_counter() - started)
                     cpu[arm] = time.process_time() - cpu_started
+                    thread_cpu[arm] = time.thread_time() - thread_started
                     exported_in[arm] = export_cpu_s() - export_started
                     if toggle and arm == "on":
                         uninstall()
@@ -271,7 +275,13 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
                         (cpu["off"] - exported_in["off"]) / block,
                     )
                 )
-            return {"samples": samples, "pair_medians": pair_medians, "pair_cpu": pair_cpu}
+                pair_thread.append((thread_cpu["on"], thread_cpu["off"]))
+            return {
+                "samples": samples,
+                "pair_medians": pair_medians,
+                "pair_cpu": pair_cpu,
+                "pair_thread": pair_thread,
+            }
 
         for _ in range(options["warmup"]):
             step(on_model, on_opt, True)
@@ -280,7 +290,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
         # A/A first: arm A uninstrumented. Replicas design: the two replicas are not exactly
         # equally fast (memory placement), so the A/B difference is read against this
         # control; toggle design (one replica): the control shows the estimator's noise.
-        control = run_pairs(options["pairs"])
+        control = run_pairs(options["control_pairs"])
         instrumented = True
         install()
         # Past the one-time costs before measuring: the profiler's warm-up (Kineto's set-up)
@@ -299,6 +309,8 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
             "pair_cpu": measured["pair_cpu"],
             "control_pair_medians": control["pair_medians"],
             "control_pair_cpu": control["pair_cpu"],
+            "pair_thread": measured["pair_thread"],
+            "control_pair_thread": control["pair_thread"],
             "stats": monitor.stats.__dict__,
             "duty_cycle": source.duty_cycle._asdict() if source is not None else None,
             "on_steps_s": sum(measured["samples"]["on"]),
@@ -465,6 +477,12 @@ def _relative(pairs: list[list[float]]) -> list[float]:
     return [(on - off) / off * 100.0 for on, off in pairs]
 
 
+def _per_pair(results: list[dict[str, Any]], key: str) -> list[float]:
+    """Per block pair, the ranks' relative differences (%) averaged."""
+    per_rank = [_relative(result[key]) for result in results]
+    return [statistics.fmean(values) for values in zip(*per_rank, strict=True)]
+
+
 def _bootstrap_ci(
     values: list[float],
     control: list[float],
@@ -488,11 +506,31 @@ def _load() -> str:
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min)"
 
 
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(steal, total) jiffies of all CPUs from /proc/stat (Linux), or None elsewhere."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    ticks = [int(field) for field in fields[:8]]
+    return ticks[7], sum(ticks)
+
+
+def _steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> str:
+    """Share of CPU time the hypervisor gave to other guests: noise no design removes."""
+    if before is None or after is None or after[1] == before[1]:
+        return "steal time n/a"
+    return f"steal time {(after[0] - before[0]) / (after[1] - before[1]) * 100:.1f} % of CPU"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=150, help="on/off block pairs")
     parser.add_argument("--block", type=int, default=20, help="steps per block")
+    parser.add_argument(
+        "--control-pairs", type=int, default=None, help="A/A block pairs (default: --pairs)"
+    )
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument(
         "--on-warmup",
@@ -545,6 +583,7 @@ def main() -> int:
             options = {
                 "ranks": args.ranks,
                 "pairs": args.pairs,
+                "control_pairs": args.pairs if args.control_pairs is None else args.control_pairs,
                 "block": args.block,
                 "warmup": args.warmup,
                 "on_warmup": args.on_warmup,
@@ -556,11 +595,12 @@ def main() -> int:
                 "endpoint": receiver.url,
                 "out_dir": out_dir,
             }
-            started = time.monotonic()
+            started, ticks = time.monotonic(), _cpu_ticks()
             mp.start_processes(
                 _rank_main, args=(options,), nprocs=args.ranks, join=True, start_method="spawn"
             )
             wall_s = time.monotonic() - started
+            steal = _steal_share(ticks, _cpu_ticks())
             results = [
                 json.loads(Path(out_dir, f"rank{rank}.json").read_text())
                 for rank in range(args.ranks)
@@ -573,7 +613,7 @@ def main() -> int:
     median_on, median_off = statistics.median(on), statistics.median(off)
     print(
         f"DDP job ({args.mode}): {args.ranks} ranks gloo, {args.pairs} pairs x {args.block} "
-        f"steps per arm, {wall_s:.0f} s wall"
+        f"steps per arm, {wall_s:.0f} s wall, {steal}"
     )
     print(f"median step time  on: {median_on * 1000:.3f} ms   off: {median_off * 1000:.3f} ms")
     for rank, result in enumerate(results):
@@ -592,13 +632,18 @@ def main() -> int:
             f"{duty['spent_s'] * 1e3:.1f} ms = {spent_share:.2f} % of arm A's step time; "
             f"one-time warm-up {_ms(duty['warmup_cost_s'])} (not charged)"
         )
-    ab = [x for r in results for x in _relative(r["pair_medians"])]
-    aa = [x for r in results for x in _relative(r["control_pair_medians"])]
-    ab_cpu = [x for r in results for x in _relative(r["pair_cpu"])]
-    aa_cpu = [x for r in results for x in _relative(r["control_pair_cpu"])]
+    # DDP couples the ranks (each step waits for the slowest), so their pairs are not
+    # independent samples: one value per pair, the mean over ranks.
+    ab = _per_pair(results, "pair_medians")
+    aa = _per_pair(results, "control_pair_medians")
+    ab_cpu = _per_pair(results, "pair_cpu")
+    aa_cpu = _per_pair(results, "control_pair_cpu")
+    ab_thread = _per_pair(results, "pair_thread")
+    aa_thread = _per_pair(results, "control_pair_thread")
     for label, values, control, statistic in (
         ("wall clock (median step time per block)", ab, aa, statistics.median),
         ("CPU time (mean per step, all threads)", ab_cpu, aa_cpu, statistics.fmean),
+        ("training thread CPU (mean per step)", ab_thread, aa_thread, statistics.fmean),
     ):
         if args.design == "toggle":
             # One replica: nothing differs between the arms but stepwatch, so the overhead is

@@ -107,7 +107,7 @@ def overhead(rounds: int, block_steps: int) -> None:
         (5, 100),
         (5, 200),
         (5, 400),
-        (5, None),  # the default: adaptive, 0.2 % budget
+        (5, None),  # the default: adaptive, 0.1 % budget
     )
     for active, period in schedules:
         source = TorchProfilerSource(active_steps=active, period_steps=period)

@@ -18,7 +18,10 @@ from hypothesis import strategies as st
 
 from stepwatch._errors import ConfigError
 from stepwatch.exporters.kernels import OpRecord, TorchProfilerSource
-from stepwatch.exporters.kernels._torch_source import DEFAULT_MIN_PERIOD_STEPS
+from stepwatch.exporters.kernels._torch_source import (
+    DEFAULT_MIN_PERIOD_STEPS,
+    DEFAULT_OVERHEAD_BUDGET,
+)
 
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)  # a failure prints its example
 
@@ -357,7 +360,7 @@ def test_export_thread_cost_counts_against_the_budget() -> None:
         sim.run(source, 30_000)
         periods.append(source.duty_cycle.period_steps)
         assert source.duty_cycle.drain_cost_s == pytest.approx(sim.read_ns * 5 / 1e9)
-    assert periods[1] > periods[0] + 5 * 4_000_000 / (0.002 * 4_000_000) * 0.9
+    assert periods[1] > periods[0] + 5 * 4_000_000 / (DEFAULT_OVERHEAD_BUDGET * 4_000_000) * 0.9
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, phases=NO_SHRINK)
@@ -483,7 +486,7 @@ def test_a_pause_inside_the_probe_is_not_charged_and_the_probe_runs_again() -> N
     steady, paused = SimulatedTraining(seed=3), SimulatedTraining(seed=3)
     references = []
     for sim in (steady, paused):
-        source = _adaptive(sim, active_steps=5)
+        source = _adaptive(sim, active_steps=5, overhead_budget=0.002)
         sim.run(source, 60)  # past the warm-up (after 50 steps)
         if sim is paused:
             _pause_inside_next_cycle(sim, source, 2_000_000_000)  # 500 steps of 4 ms
@@ -503,7 +506,7 @@ def test_a_pause_inside_the_probe_is_not_charged_and_the_probe_runs_again() -> N
 
 def test_a_pause_inside_a_cycle_is_charged_the_prediction_only() -> None:
     sim = SimulatedTraining(seed=4)
-    source = _adaptive(sim, active_steps=5)
+    source = _adaptive(sim, active_steps=5, overhead_budget=0.002)
     sim.run(source, 5_000)
     before = source.duty_cycle
     assert before.cycle_cost_s is not None and before.interrupted_cycles == 0
@@ -520,7 +523,7 @@ def test_a_pause_inside_a_cycle_is_charged_the_prediction_only() -> None:
 
 def test_a_pause_between_cycles_earns_at_most_eight_steps_of_budget() -> None:
     sim = SimulatedTraining(seed=5, jitter=0.0)
-    source = _adaptive(sim, active_steps=5)
+    source = _adaptive(sim, active_steps=5, overhead_budget=0.002)
     sim.run(source, 5_000)
     while sim.running:
         sim.run(source, 1)
