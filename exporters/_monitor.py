@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from stepwatch._errors import ConfigError
+from stepwatch._ratelog import RateLimitedLog
 from stepwatch.exporters._device import DeviceTimer, resolve_device_timer
 from stepwatch.exporters._export import (
     DEFAULT_TIMEOUT_S,
@@ -96,26 +97,6 @@ class MonitorStats:
     misuse: int
     observations_overflowed: int
     observations_rejected: int
-
-
-class _RateLimitedLog:
-    """Logs one message per key at most every ``interval_s``; says how many were suppressed."""
-
-    def __init__(self, interval_s: float) -> None:
-        self._interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, key: str, message: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        last = self._last.get(key)
-        if last is not None and now - last < self._interval_s:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return
-        suppressed = self._suppressed.pop(key, 0)
-        self._last[key] = now
-        suffix = f" ({suppressed} similar messages suppressed)" if suppressed else ""
-        logger.warning(message + suffix, *args, exc_info=exc_info)
 
 
 class _NullContext:
@@ -325,7 +306,7 @@ class StepMonitor:
         self._device_timer = resolve_device_timer(device_timer)
         self._mono_anchor_ns = self._clock.monotonic_ns()
         self._wall_anchor_ns = self._clock.time_ns()
-        self._log = _RateLimitedLog(_LOG_INTERVAL_S)
+        self._log = RateLimitedLog(logger, _LOG_INTERVAL_S)
 
         # Training-thread state.
         self._buffer: collections.deque[_StepRecord] = collections.deque()

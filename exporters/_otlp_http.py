@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from stepwatch import __version__
 from stepwatch._errors import ConfigError
+from stepwatch._ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
@@ -84,33 +85,11 @@ class OtlpHttpStats:
     rejected_data_points: int
 
 
-class _RateLimitedLog:
-    """One log line per key at most every ``interval_s``, counting what it suppressed."""
-
-    def __init__(self, interval_s: float) -> None:
-        self._interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def log(self, level: int, key: str, message: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(key)
-            if last is not None and now - last < self._interval_s:
-                self._suppressed[key] = self._suppressed.get(key, 0) + 1
-                return
-            suppressed = self._suppressed.pop(key, 0)
-            self._last[key] = now
-        suffix = f" ({suppressed} similar messages suppressed)" if suppressed else ""
-        logger.log(level, message + suffix, *args)
-
-
-_LOGS: dict[str, _RateLimitedLog] = {}
+_LOGS: dict[str, RateLimitedLog] = {}
 _LOGS_LOCK = threading.Lock()
 
 
-def _log_for(endpoint: str) -> _RateLimitedLog:
+def _log_for(endpoint: str) -> RateLimitedLog:
     """One rate limiter per endpoint, shared by successive exporters.
 
     The monitor replaces its exporter after repeated failures; a limiter per instance would
@@ -119,7 +98,7 @@ def _log_for(endpoint: str) -> _RateLimitedLog:
     with _LOGS_LOCK:
         log = _LOGS.get(endpoint)
         if log is None:
-            log = _LOGS[endpoint] = _RateLimitedLog(_LOG_INTERVAL_S)
+            log = _LOGS[endpoint] = RateLimitedLog(logger, _LOG_INTERVAL_S)
         return log
 
 

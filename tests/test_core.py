@@ -1,7 +1,8 @@
-"""The core: line protocol, diagnosis record, InfluxDB client against a real influxd."""
+"""The core: line protocol, diagnosis record, rate-limited log, InfluxDB client (real influxd)."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -131,3 +132,25 @@ def test_diagnosis_location_in_words() -> None:
         {**base.to_json_dict(), "ranks": [3, 17], "hosts": ["n1"], "phase": "backward"}
     )
     assert located.location == "ranks 3, 17; hosts n1; phase backward"
+
+
+def test_rate_limited_log_says_one_line_per_key_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from stepwatch._ratelog import RateLimitedLog
+
+    now = [100.0]
+    log = RateLimitedLog(logging.getLogger("stepwatch.test"), 30.0, clock_s=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="stepwatch.test"):
+        for _ in range(3):
+            log.warning("down", "export failed: %s", "refused")
+        log.log(logging.INFO, "other", "another key is not held back")
+        now[0] += 29.9
+        log.warning("down", "export failed: %s", "refused")
+        now[0] += 0.2
+        log.warning("down", "export failed: %s", "timeout")
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "export failed: refused"),
+        (logging.INFO, "another key is not held back"),
+        (logging.WARNING, "export failed: timeout (3 similar messages suppressed)"),
+    ]
