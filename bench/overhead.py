@@ -4,10 +4,11 @@ Two ranks (gloo over loopback, one per core of the bench machine) train a small 
 alternating blocks of steps. Arm A is fully instrumented: ``monitor.step()``, a ``data`` phase,
 auto-mode hooks on forward/backward/optimizer and communication (the exposed wait, DDP's
 built-in allreduce untouched), and op histograms from :class:`TorchProfilerSource` (adaptive
-duty cycle, default budget), exporting OTLP/HTTP every second to the real stepwatch bridge
-started in this process (with a counting writer; a plain local OTLP/HTTP receiver when the
-bridge is not installed). Arm B is plain DDP. The block order within each pair is random
-(seeded, the same on every rank) so drift and neighbours on the machine hit both arms alike.
+duty cycle, default budget), exporting OTLP/HTTP every second to a plain loopback receiver
+(``--sink bridge``: the real stepwatch bridge in this process, with a counting writer, which
+on a 2-core machine takes CPU from the ranks it measures). Arm B is plain DDP. The block
+order within each pair is random (seeded, the same on every rank) so drift and neighbours on
+the machine hit both arms alike.
 
 Designs (``--design``):
 
@@ -19,7 +20,8 @@ Designs (``--design``):
   register a DDP comm hook, which DDP cannot remove). The replicas are not exactly equally fast
   (memory placement), so the overhead is the A/B difference minus the A/A difference.
 
-Two estimators, with 95 % bootstrap CIs:
+Three estimators, with 95 % bootstrap CIs over block pairs (one value per pair: the ranks'
+mean, as DDP couples them):
 
 - wall clock: per block pair, the relative difference of the median step times (robust to
   scheduling noise; by construction it does not see the rare profiled steps);
@@ -28,7 +30,15 @@ Two estimators, with 95 % bootstrap CIs:
   included), averaged over pairs so the rare profiled steps and the exports are paid for;
   insensitive to waiting for the CPU while other processes run. The export thread sends arm
   A's windows when its 1 s timer fires, often during the following B block: its CPU time
-  (read from its own thread clock) is moved from the B block to arm A.
+  (read from its own thread clock) is moved from the B block to arm A. Blocks shorter than a
+  few export intervals over-charge it (each A block adds one partly filled window): with
+  ``--block 80`` at 24 ms, about 1.5x what continuous training would pay;
+- training-thread CPU: ``time.thread_time()`` of the loop's own thread, i.e. the hooks and the
+  monitor on the critical path, without the export and gloo threads.
+
+The run prints the hypervisor's steal time over the job (``/proc/stat``): on a shared VM it is
+the noise floor no design removes (12–23 % on this project's CI machine, where run-to-run
+differences of ±1–2 % are common).
 
 ``--mode`` isolates parts of arm A: ``no-ops`` (everything but op histograms),
 ``collective`` (communication timed per collective by a Python comm hook instead),
@@ -93,7 +103,7 @@ class BridgeSink:
 
 
 class Receiver:
-    """A loopback OTLP/HTTP endpoint that accepts and counts requests (no bridge installed)."""
+    """A loopback OTLP/HTTP endpoint that accepts and counts requests (``--sink receiver``)."""
 
     def __init__(self) -> None:
         self.requests = 0
@@ -101,6 +111,8 @@ class Receiver:
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # kept alive, as the bridge does
+
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 receiver.requests += 1
@@ -556,6 +568,15 @@ def main() -> int:
         "removed after; replicas: two replicas, arm A's permanently instrumented (forced for "
         "the modes that register a DDP comm hook, which DDP cannot remove)",
     )
+    parser.add_argument(
+        "--sink",
+        choices=("receiver", "bridge"),
+        default="receiver",
+        help="receiver (default): a plain loopback OTLP/HTTP receiver; the bridge runs on other "
+        "machines in a deployment, and here it would take CPU from the ranks it measures "
+        "(decoding and converting each window); bridge: the real stepwatch bridge in this "
+        "process, with a counting writer",
+    )
     parser.add_argument("--comm-pairs", type=int, default=30, help="0 skips the comm-hook job")
     args = parser.parse_args()
     if args.mode in ("collective", "plain-python-hook"):
@@ -573,11 +594,7 @@ def main() -> int:
     if args.comm_pairs > 0:
         comm_hook_cost_us(pairs=args.comm_pairs, block=10, seed=args.seed)
 
-    receiver: BridgeSink | Receiver
-    try:
-        receiver = BridgeSink()
-    except ImportError:
-        receiver = Receiver()
+    receiver: BridgeSink | Receiver = BridgeSink() if args.sink == "bridge" else Receiver()
     try:
         with tempfile.TemporaryDirectory() as out_dir:
             options = {
