@@ -5,6 +5,13 @@ re-sends every alert that still holds, periodically, with ``endsAt`` in the futu
 condition clears it sends the alert once more with ``endsAt`` set to when it ended. Alerts are
 identified by their label set, so re-sending the same finding never duplicates it: the
 ``finding`` label (``Diagnosis.finding_id``) makes every finding its own alert.
+
+``startsAt`` of an open finding is when this sink first sent it (Prometheus's convention: the
+time the alert fired), not when the condition began; that time is in the description. The
+reason is grouping: Alertmanager flushes a new group at once when its first alert's
+``startsAt + group_wait`` is already past, so back-dated alerts posted together reach the
+receiver split over notifications ``group_interval`` apart (5 min by default). With the
+firing time, ``group_wait`` holds and all findings of one pass arrive in one notification.
 API: https://github.com/prometheus/alertmanager/blob/main/api/v2/openapi.yaml
 """
 
@@ -85,6 +92,7 @@ def dashboard_link(
 class _Sent:
     at_monotonic_s: float
     resolved: bool
+    starts_unix_nano: int
 
 
 class AlertmanagerSink:
@@ -154,8 +162,15 @@ class AlertmanagerSink:
         dashboard_url = first("STEPWATCH_DASHBOARD_URL") or None
         return cls(url, dashboard_url=dashboard_url, transport=transport)
 
-    def alert(self, finding: Diagnosis, *, now_unix_nano: int) -> dict[str, Any]:
-        """The ``postableAlert`` object for ``finding``."""
+    def alert(
+        self, finding: Diagnosis, *, now_unix_nano: int, starts_unix_nano: int | None = None
+    ) -> dict[str, Any]:
+        """The ``postableAlert`` object for ``finding``.
+
+        ``starts_unix_nano`` is the alert's ``startsAt`` (default: the finding's start);
+        ``publish`` passes the time the finding first fired.
+        """
+        starts = finding.start_unix_nano if starts_unix_nano is None else starts_unix_nano
         if finding.end_unix_nano is None:
             ends = now_unix_nano + int(4 * self.resend_interval_s * 1e9)
         else:
@@ -164,8 +179,8 @@ class AlertmanagerSink:
         alert: dict[str, Any] = {
             "labels": finding_labels(finding),
             "annotations": annotations,
-            "startsAt": rfc3339(finding.start_unix_nano),
-            "endsAt": rfc3339(max(ends, finding.start_unix_nano)),
+            "startsAt": rfc3339(starts),
+            "endsAt": rfc3339(max(ends, starts)),
         }
         if self.dashboard_url is not None:
             link = dashboard_link(self.dashboard_url, finding, now_unix_nano=now_unix_nano)
@@ -184,7 +199,11 @@ class AlertmanagerSink:
         now_s = self._monotonic()
         due = [finding for finding in findings if self._is_due(finding, now_s=now_s)]
         if due:
-            payload = [self.alert(finding, now_unix_nano=now_unix_nano) for finding in due]
+            starts = [self._starts_at(finding, now_unix_nano=now_unix_nano) for finding in due]
+            payload = [
+                self.alert(finding, now_unix_nano=now_unix_nano, starts_unix_nano=start)
+                for finding, start in zip(due, starts, strict=True)
+            ]
             send_json(
                 self._transport,
                 "POST",
@@ -192,10 +211,23 @@ class AlertmanagerSink:
                 payload,
                 timeout_s=self.timeout_s,
             )
-            for finding in due:
-                self._sent[finding.finding_id] = _Sent(now_s, finding.end_unix_nano is not None)
+            for finding, start in zip(due, starts, strict=True):
+                resolved = finding.end_unix_nano is not None
+                self._sent[finding.finding_id] = _Sent(now_s, resolved, start)
             logger.debug("alertmanager: sent %d alerts", len(due))
         self._forget_old(now_s)
+
+    def _starts_at(self, finding: Diagnosis, *, now_unix_nano: int) -> int:
+        """When the finding first fired here: kept across resends and its resolution.
+
+        A finding already closed when first seen never fired; it keeps its own start.
+        """
+        sent = self._sent.get(finding.finding_id)
+        if sent is not None:
+            return sent.starts_unix_nano
+        if finding.end_unix_nano is not None:
+            return finding.start_unix_nano
+        return max(now_unix_nano, finding.start_unix_nano)
 
     def _is_due(self, finding: Diagnosis, *, now_s: float) -> bool:
         """New, changed state (open → resolved), or open and not sent for a resend interval."""

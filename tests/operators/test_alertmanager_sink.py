@@ -13,7 +13,7 @@ import pytest
 from stepwatch import ConfigError, Diagnosis
 from stepwatch._errors import DeliveryError
 from stepwatch._http import HttpResponse
-from stepwatch.detectors._alertmanager import AlertmanagerSink
+from stepwatch.detectors._alertmanager import AlertmanagerSink, rfc3339
 
 from .conftest import ManagedAlertmanager, WebhookReceiver
 
@@ -48,7 +48,9 @@ def test_delivered_grouped_and_resolved(
         return lambda p: p["groupLabels"].get("job") == job and p["status"] == status
 
     firing = webhook.wait_for(for_job("firing"), timeout_s=20)
-    # Two findings of one job → one notification group carrying both alerts.
+    # Two findings of one job → one notification carrying both alerts. The findings began a
+    # minute ago; had startsAt said so, Alertmanager would flush the group on the first alert
+    # and the second would follow a group_interval later (a race this test once lost in CI).
     assert firing["groupLabels"] == {"alertname": "StepwatchFinding", "job": job}
     assert sorted(a["labels"]["rank"] for a in firing["alerts"]) == ["17", "3"]
     labels = firing["alerts"][0]["labels"]
@@ -59,8 +61,9 @@ def test_delivered_grouped_and_resolved(
     assert annotations["summary"].startswith("rank ")
     assert "var-job=" + job in annotations["dashboard_url"]
     assert len(alertmanager.alerts(job=job)) == 2
+    assert "since: " + rfc3339(open_findings[0].start_unix_nano) in annotations["description"]
 
-    end_s = time.time() - 1
+    end_s = time.time()
     closed = [dataclass_with_end(f, end_s) for f in open_findings]
     sink.publish(closed)
     resolved = webhook.wait_for(for_job("resolved"), timeout_s=20)
@@ -138,6 +141,34 @@ def test_resend_schedule_and_ends_at() -> None:
     clocks.advance(1000)
     sink.publish([dataclass_with_end(item, clocks.wall_ns / 1e9 - 1000)])
     assert len(transport.requests) == 3, "a resolved alert is not re-sent"
+    # startsAt is when the finding first fired, the same on every send, resolution included.
+    fired = "2027-01-15T08:00:00.000Z"
+    assert [request[2][0]["startsAt"] for request in transport.requests] == [fired] * 3
+
+
+def test_starts_at_is_the_firing_time_unless_closed_when_first_seen() -> None:
+    transport = RecordingTransport()
+    clocks = FakeClocks()
+    sink = AlertmanagerSink(
+        "http://am:9093",
+        transport=transport,
+        clock=lambda: clocks.wall_ns,
+        monotonic=lambda: clocks.mono_s,
+    )
+    began_s = clocks.wall_ns / 1e9 - 300
+    closed = dataclass_with_end(finding("j", rank=1, start_s=began_s), began_s + 100)
+    sink.publish([closed, finding("j", rank=2, start_s=began_s)])
+    closed_alert, open_alert = transport.requests[0][2]
+    # Never fired: keeps its own span, so Alertmanager records it as resolved.
+    assert closed_alert["startsAt"] == rfc3339(int(began_s * 1e9))
+    assert closed_alert["endsAt"] == rfc3339(int((began_s + 100) * 1e9))
+    assert open_alert["startsAt"] == rfc3339(clocks.wall_ns)
+    # A finding ending before its firing time (detection lag) still has endsAt >= startsAt.
+    clocks.advance(5)
+    late_end = dataclass_with_end(finding("j", rank=2, start_s=began_s), began_s + 1)
+    sink.publish([late_end])
+    resolved = transport.requests[1][2][0]
+    assert resolved["endsAt"] == resolved["startsAt"] == open_alert["startsAt"]
 
 
 def test_refusal_is_a_delivery_error_and_is_retried() -> None:
