@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import http.server
 import json
 import os
@@ -203,6 +204,24 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
         def export_cpu_s() -> float:
             return time.clock_gettime(export_clock) if export_clock is not None else 0.0
 
+        # Python's garbage collector runs in whichever thread allocates, holding the GIL: its
+        # time is booked to the arm whose block is running (the parts' costs omit it).
+        gc_account: dict[str, Any] = {"arm": None, "started": 0.0}
+        gc_totals = {arm: {"s": 0.0, "gen2": 0, "all": 0} for arm in ("on", "off")}
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                gc_account["started"] = time.perf_counter()
+                return
+            arm = gc_account["arm"]
+            if arm is not None:
+                totals = gc_totals[arm]
+                totals["s"] += time.perf_counter() - gc_account["started"]
+                totals["all"] += 1
+                totals["gen2"] += info["generation"] == 2
+
+        gc.callbacks.append(on_gc)
+
         loss_fn = torch.nn.CrossEntropyLoss()
         generator = torch.Generator().manual_seed(rank)
         batch = options["batch"]
@@ -266,12 +285,14 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
                     times = []
                     cpu_started, export_started = time.process_time(), export_cpu_s()
                     thread_started = time.thread_time()
+                    gc_account["arm"] = arm if instrumented else None
                     for _ in range(options["block"]):
                         started = time.perf_counter()
                         step(model, optimizer, arm == "on")
                         times.append(time.perf_counter() - started)
                     cpu[arm] = time.process_time() - cpu_started
                     thread_cpu[arm] = time.thread_time() - thread_started
+                    gc_account["arm"] = None
                     exported_in[arm] = export_cpu_s() - export_started
                     if toggle and arm == "on":
                         uninstall()
@@ -327,6 +348,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
             "duty_cycle": source.duty_cycle._asdict() if source is not None else None,
             "on_steps_s": sum(measured["samples"]["on"]),
             "export_cpu_s": export_total_s,
+            "gc": gc_totals,
         }
         Path(options["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -685,6 +707,16 @@ def main() -> int:
         f"export thread CPU: {export_s * 1e3:.0f} ms over {on_s:.0f} s of arm-A steps "
         f"= {export_s / on_s * 100:.3f} % of arm A's step time (charged to arm A above)"
     )
+    steps_per_arm = args.pairs * args.block * args.ranks
+    gc_line = []
+    for arm in ("on", "off"):
+        gc_s = sum(r["gc"][arm]["s"] for r in results)
+        gen2 = sum(r["gc"][arm]["gen2"] for r in results)
+        count = sum(r["gc"][arm]["all"] for r in results)
+        gc_line.append(
+            f"{arm}: {gc_s / steps_per_arm * 1e6:.1f} µs/step ({count} collections, {gen2} full)"
+        )
+    print("garbage collection during the measured blocks, " + "; ".join(gc_line))
     exported = sum(r["stats"]["steps_exported"] for r in results)
     recorded = sum(r["stats"]["steps_recorded"] for r in results)
     print(f"exported {exported}/{recorded} instrumented steps; sink: {receiver.describe()}")
