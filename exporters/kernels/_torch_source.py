@@ -28,7 +28,10 @@ steps) are not training time. One that falls between cycles earns no more budget
 steps; one that falls inside a cycle would otherwise be charged to the profiler as hundreds of
 milliseconds of "overhead" and push the period to its ceiling, so that cycle is charged the
 predicted cost of its steps instead (the probe is simply run again) and counted in
-``duty_cycle.interrupted_cycles``.
+``duty_cycle.interrupted_cycles``. Such a cycle's ops are dropped unread: the profiler recorded
+the pause's work too (an evaluation pass's ops, say), which is not the training steps', and
+reading it would cost the export thread in proportion to the pause (400 ms for a 1.7 s pause
+on the overhead bench, charged to the budget, pinned the period at its ceiling).
 
 Start/stop happen on the training thread at step boundaries (the profiler's state belongs to
 the thread that started it); events are read on the export thread in
@@ -43,6 +46,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import statistics
 import threading
 import time
@@ -98,15 +102,41 @@ class ProfilerBackend(Protocol):
         """Stop recording; the returned callable yields the cycle's ops."""
 
 
-class TorchProfilerBackend:
-    """:class:`ProfilerBackend` on ``torch.profiler.profile(activities=[CPU])``."""
+KINETO_LOG_LEVEL_QUIET = "6"
+"""Above every Kineto severity (VERBOSE 0 … ERROR 4, USDT 5): Kineto prints nothing."""
 
-    def __init__(self) -> None:
+
+class TorchProfilerBackend:
+    """:class:`ProfilerBackend` on ``torch.profiler.profile(activities=[CPU])``.
+
+    Args:
+        quiet_kineto: torch 2.13's Kineto writes two lines to stderr at every profiler start
+            and stop (``USDT:… profiler_start`` / ``profiler_stop``): from an always-on source,
+            two lines per cycle on every rank, forever. When ``KINETO_LOG_LEVEL`` is unset,
+            the first start sets it to :data:`KINETO_LOG_LEVEL_QUIET` (Kineto reads it once,
+            when the profiler first runs in the process, so it has no effect if something
+            profiled before). That also silences Kineto's own warnings and errors for the
+            process; this source reports its failures through ``logging`` itself. Set
+            ``KINETO_LOG_LEVEL`` yourself (or pass ``False``) to keep Kineto's output.
+    """
+
+    def __init__(self, *, quiet_kineto: bool = True) -> None:
         self._profile: Any = None
+        self._quiet_kineto = quiet_kineto
 
     def start(self) -> None:
         """Start a fresh CPU-activity profile."""
         from torch.profiler import ProfilerActivity, profile
+
+        if self._quiet_kineto:
+            self._quiet_kineto = False  # once: never touch the environment again
+            if "KINETO_LOG_LEVEL" not in os.environ:
+                os.environ["KINETO_LOG_LEVEL"] = KINETO_LOG_LEVEL_QUIET
+                _log.info(
+                    "KINETO_LOG_LEVEL=%s: Kineto's per-cycle log lines silenced (set "
+                    "KINETO_LOG_LEVEL to keep them)",
+                    KINETO_LOG_LEVEL_QUIET,
+                )
 
         self._profile = profile(activities=[ProfilerActivity.CPU])
         self._profile.start()
@@ -213,6 +243,7 @@ class _Cycle(NamedTuple):
     active_steps: int
     charged_from_ns: int  # just before the profiler started: its start cost is charged too
     warmup: bool = False  # the process's first profiler run: measured, not charged
+    interrupted: bool = False  # the loop paused inside it: dropped unread
 
 
 class TorchProfilerSource:
@@ -379,22 +410,25 @@ class TorchProfilerSource:
         read_ops = self._backend.stop()
         stopped = self._clock_ns()
         self._last_boundary_ns = stopped  # the next step is timed from here
-        self._pending.append(running._replace(read_ops=read_ops))
+        steps = len(running.boundaries)
+        baseline = self._baseline_ns if self._baseline_ns is not None else 0.0
+        paused = bool(baseline) and _longest_step_ns(running) > _PAUSE_FACTOR * baseline
+        interrupted = paused and not running.warmup
+        self._pending.append(running._replace(read_ops=read_ops, interrupted=interrupted))
         while len(self._pending) > self._max_pending:
             self._pending.popleft()
             self.dropped_cycles += 1
-        steps = len(running.boundaries)
-        baseline = self._baseline_ns if self._baseline_ns is not None else 0.0
         cost = max(0.0, (stopped - running.charged_from_ns) - steps * baseline)
         self._cycles += 1
         if running.warmup:  # one-time set-up: reported, neither charged nor a prediction
             self._warmup_ns = cost
             self._last_training_ns = cost
             return stopped
-        if baseline and _longest_step_ns(running) > _PAUSE_FACTOR * baseline:
+        if interrupted:
             # The loop paused inside the cycle: the measured time is mostly the pause's. Charge
             # what its steps are predicted to cost (nothing for the probe, which runs again at
-            # the next boundary) and keep the prediction as it was.
+            # the next boundary) and keep the prediction as it was. Its ops are dropped unread
+            # (see drain()).
             self._interrupted += 1
             predicted = self._cycle_training_ns
             cost = 0.0 if predicted is None else predicted * min(1.0, steps / self._active_steps)
@@ -426,6 +460,11 @@ class TorchProfilerSource:
         with self._lock:
             while self._pending:
                 cycle = self._pending.popleft()
+                if cycle.interrupted:
+                    # Everything the pause ran (an evaluation pass, a checkpoint) was recorded
+                    # too: reading it would cost the export thread in proportion to the pause,
+                    # and its ops are not training steps' ops. Dropped unread.
+                    continue
                 started = self._cpu_clock_ns()
                 try:
                     ops = cycle.read_ops()

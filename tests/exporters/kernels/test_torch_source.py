@@ -251,6 +251,7 @@ class SimulatedTraining:
         self.base_ns = 0.0  # what the steps would have taken without the profiler
         self.cost_ns = 0.0  # what the profiler added (both threads)
         self._profiled = 0
+        self._ops: list[OpRecord] = []  # one op in the middle of each profiled step
 
     # Clocks.
     def clock_ns(self) -> int:
@@ -265,6 +266,7 @@ class SimulatedTraining:
         self.running = True
         self.started_after.append(self.steps)
         self._profiled = 0
+        self._ops = []
         self.now_ns += self.start_ns
         self.cost_ns += self.start_ns
 
@@ -274,28 +276,35 @@ class SimulatedTraining:
         self.cycle_steps.append(self._profiled)
         self.now_ns += self.stop_ns
         self.cost_ns += self.stop_ns
-        profiled = self._profiled
+        profiled, ops = self._profiled, self._ops
 
         def read() -> Sequence[OpRecord]:
             self.cpu_ns += self.read_ns * profiled
             self.cost_ns += self.read_ns * profiled
-            return []
+            return ops
 
         return read
 
-    def run(self, source: TorchProfilerSource, steps: int, *, drain_every: int = 250) -> None:
+    def run(
+        self, source: TorchProfilerSource, steps: int, *, drain_every: int | None = 250
+    ) -> None:
+        """Train ``steps`` steps, draining every ``drain_every`` and at the end (None: never)."""
         for _ in range(steps):
             base = self.step_ns * (1.0 + self.random.uniform(-self.jitter, self.jitter))
             extra = base * self.inflation if self.running else 0.0
             self._profiled += self.running
+            if self.running:
+                middle = self.now_ns + round((base + extra) / 2)
+                self._ops.append(OpRecord("aten::mm", middle, middle + 1000, 1))
             self.now_ns += round(base + extra)
             self.base_ns += base
             self.cost_ns += extra
             self.steps += 1
             source.on_step_end(self.steps - 1)
-            if self.steps % drain_every == 0:
+            if drain_every is not None and self.steps % drain_every == 0:
                 source.drain()
-        source.drain()
+        if drain_every is not None:
+            source.drain()
 
     def cycle_cost_ns(self, active_steps: int) -> float:
         """True cost of one full cycle."""
@@ -493,7 +502,7 @@ def test_a_pause_inside_the_probe_is_not_charged_and_the_probe_runs_again() -> N
             assert source.duty_cycle.interrupted_cycles == 1
             duty = source.duty_cycle
             assert duty.training_cost_s == 0  # the pause is not the profiler's
-            assert duty.spent_s == pytest.approx(sim.read_ns / 1e9)  # reading its one step is
+            assert duty.spent_s == 0  # and its ops are dropped unread
             assert duty.cycle_cost_s is None  # no prediction from it
         sim.run(source, 20_000)
         references.append(source.duty_cycle)
@@ -521,6 +530,34 @@ def test_a_pause_inside_a_cycle_is_charged_the_prediction_only() -> None:
     assert after.period_steps == pytest.approx(before.period_steps, rel=0.1)
 
 
+def test_an_interrupted_cycle_is_dropped_unread() -> None:
+    """The profiler records the pause's work too: reading it would cost the export thread in
+    proportion to the pause (and charge the budget); its ops are not training steps'."""
+    sim = SimulatedTraining(seed=6)
+    source = _adaptive(sim, active_steps=5, overhead_budget=0.002)
+    sim.run(source, 5_000)
+    source.drain()
+    while not sim.running:
+        sim.run(source, 1, drain_every=None)
+    while sim.running:  # a whole cycle without a pause: read, one op per step
+        sim.run(source, 1, drain_every=None)
+    cpu_ns = sim.cpu_ns
+    window = source.drain()
+    assert sum(map(len, window.durations_s.values())) == 5, window
+    assert sim.cpu_ns > cpu_ns
+    before = source.duty_cycle
+    _pause_inside_next_cycle(sim, source, 3_000_000_000)
+    while sim.running:
+        sim.run(source, 1, drain_every=None)
+    cpu_ns = sim.cpu_ns
+    window = source.drain()
+    assert sim.cpu_ns == cpu_ns, "the interrupted cycle's ops were read"
+    assert not window.idle_durations_s and not window.durations_s
+    after = source.duty_cycle
+    assert after.interrupted_cycles == 1
+    assert after.drain_cost_s == before.drain_cost_s
+
+
 def test_a_pause_between_cycles_earns_at_most_eight_steps_of_budget() -> None:
     sim = SimulatedTraining(seed=5, jitter=0.0)
     source = _adaptive(sim, active_steps=5, overhead_budget=0.002)
@@ -538,3 +575,38 @@ def test_a_pause_between_cycles_earns_at_most_eight_steps_of_budget() -> None:
     sim.run(source, 5_000)
     gaps = [b - a for a, b in itertools.pairwise(sim.started_after[-6:])]
     assert min(gaps) >= 0.5 * source.duty_cycle.period_steps
+
+
+@pytest.mark.parametrize("preset", [None, "2"])
+def test_kineto_log_lines_are_silenced_unless_the_user_set_the_level(preset: str | None) -> None:
+    """torch 2.13's Kineto prints two lines per profiler start/stop: an always-on source must
+    not write them into every rank's stderr, but a level the user chose is theirs."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch\n"
+        "from stepwatch.exporters import TorchProfilerSource\n"
+        "source = TorchProfilerSource(active_steps=2, period_steps=3)\n"
+        "for step in range(9):\n"
+        "    torch.ones(4) @ torch.ones(4)\n"
+        "    source.on_step_end(step)\n"
+        "window = source.drain()\n"
+        "source.close()\n"
+        "print(os.environ['KINETO_LOG_LEVEL'], len(window.idle_durations_s))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    if preset is not None:
+        env["KINETO_LOG_LEVEL"] = preset
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    level, profiled_steps = done.stdout.split()
+    assert int(profiled_steps) == 6  # three cycles of two steps really ran
+    if preset is None:
+        assert level == "6"
+        assert "profiler_start" not in done.stderr, done.stderr
+    else:
+        assert level == preset
+        assert done.stderr.count("profiler_start") == 3
