@@ -12,16 +12,26 @@ the machine hit both arms alike.
 
 Designs (``--design``):
 
-- ``toggle`` (default): one DDP replica; arm A's hooks are installed at the start of each A
-  block and removed at its end, so nothing but stepwatch differs between the arms. An A/A
-  control (the same block design with both arms plain) is measured first and printed: it shows
+- ``alternate`` (default): one DDP replica; the arms alternate every step (A then B or B then
+  A, at random), arm A's hooks installed just before its step and removed just after. This
+  machine's noise is slow drift (other tenants, frequency, the neighbouring rank), which
+  cancels between neighbouring steps: measured with both arms plain on 3,000 steps each, the
+  95 % CI of the mean thread-CPU difference was ±0.28 % alternating every step, ±1.0 % in
+  blocks of 10 and ±2.0 % in blocks of 40. Estimators, bootstrapped over step pairs (all
+  ranks of a pair resampled together): the ratio of the median step times (the goal metric),
+  of the mean step times, and of the training thread's CPU time. What runs elsewhere is
+  added from its own measurement: the export thread's CPU (its thread clock) and the
+  profiler's charged cycle cost; pairs inside a profiling cycle are set apart (the profiler
+  runs through the B steps of its cycle). An A/A control comes first.
+- ``toggle``: the same in blocks of ``--block`` steps (the previous default); an A/A control
+  (the same block design with both arms plain) is measured first and printed: it shows
   what the estimators read when nothing differs.
 - ``replicas``: two identical replicas, A's permanently instrumented (forced for the modes that
   register a DDP comm hook, which DDP cannot remove). The replicas are not exactly equally fast
   (memory placement), so the overhead is the A/B difference minus the A/A difference.
 
-Three estimators, with 95 % bootstrap CIs over block pairs (one value per pair: the ranks'
-mean, as DDP couples them):
+The block designs' three estimators, with 95 % bootstrap CIs over block pairs (one value
+per pair: the ranks' mean, as DDP couples them):
 
 - wall clock: per block pair, the relative difference of the median step times (robust to
   scheduling noise; by construction it does not see the rare profiled steps);
@@ -143,6 +153,41 @@ class Receiver:
         self.thread.join(5.0)
 
 
+class HookSwitch:
+    """Arm A's hooks, installed once, switched off and on per step without allocating.
+
+    ``monitor.instrument()`` puts its hooks in torch's per-object hook dicts. Switching off
+    swaps the model's and the optimizer's dicts for empty ones and empties the parameter's
+    post-accumulate-grad dict (refilled when switched on), so B steps run with no stepwatch hook
+    at all and A steps with the very hooks a job keeps for its whole run: no registration per
+    step, and none of its garbage for the collector. These are torch internals; a missing one
+    stops the bench.
+    """
+
+    MODULE = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called")
+    OPTIMIZER = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+
+    def __init__(self, model: Any, optimizer: Any) -> None:
+        self.targets = [(model, name) for name in self.MODULE]
+        self.targets += [(optimizer, name) for name in self.OPTIMIZER]
+        self.on = [getattr(target, name) for target, name in self.targets]
+        self.off = [type(hooks)() for hooks in self.on]
+        first = next(p for p in model.parameters() if p.requires_grad)
+        self.parameter_hooks = first._post_accumulate_grad_hooks
+        self.parameter_saved = dict(self.parameter_hooks or {})
+
+    def set(self, on: bool) -> None:
+        for (target, name), hooks_on, hooks_off in zip(
+            self.targets, self.on, self.off, strict=True
+        ):
+            object.__setattr__(target, name, hooks_on if on else hooks_off)
+        if self.parameter_hooks is not None:
+            if on:
+                self.parameter_hooks.update(self.parameter_saved)
+            else:
+                self.parameter_hooks.clear()
+
+
 def _rank_main(rank: int, options: dict[str, Any]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -174,7 +219,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
         )
 
     try:
-        toggle = options["design"] == "toggle"
+        toggle = options["design"] in ("toggle", "alternate")
         on_model = make_model()
         off_model = on_model if toggle else make_model()
         on_opt = torch.optim.SGD(on_model.parameters(), lr=0.01, momentum=0.9)
@@ -316,6 +361,39 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
                 "pair_thread": pair_thread,
             }
 
+        def run_alternating(pairs: int) -> list[list[float]]:
+            """Arms alternating every step (order random per pair); one row per pair.
+
+            Row: A wall, B wall, A thread CPU, B thread CPU (seconds), and 1.0 when a
+            profiling cycle covered the pair (the profiler keeps running through the B steps
+            of its cycle, so those pairs are set apart; its cost is accounted separately).
+            """
+            rows: list[list[float]] = []
+            for _ in range(pairs):
+                arms = ["on", "off"]
+                order_rng.shuffle(arms)
+                profiled = source is not None and source._running is not None
+                measured: dict[str, tuple[float, float]] = {}
+                for arm in arms:
+                    active = switch is not None and arm == "on"
+                    if active:
+                        switch.set(True)
+                    gc_account["arm"] = arm if instrumented else None
+                    thread_started = time.thread_time()
+                    started = time.perf_counter()
+                    step(on_model, on_opt, arm == "on")
+                    wall = time.perf_counter() - started
+                    measured[arm] = (wall, time.thread_time() - thread_started)
+                    gc_account["arm"] = None
+                    if active:
+                        switch.set(False)
+                profiled = profiled or (source is not None and source._running is not None)
+                (on_wall, on_cpu), (off_wall, off_cpu) = measured["on"], measured["off"]
+                rows.append([on_wall, off_wall, on_cpu, off_cpu, float(profiled)])
+            return rows
+
+        alternate = options["design"] == "alternate"
+        switch: HookSwitch | None = None
         for _ in range(options["warmup"]):
             step(on_model, on_opt, True)
             if not toggle:
@@ -323,16 +401,42 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
         # A/A first: arm A uninstrumented. Replicas design: the two replicas are not exactly
         # equally fast (memory placement), so the A/B difference is read against this
         # control; toggle design (one replica): the control shows the estimator's noise.
-        control = run_pairs(options["control_pairs"])
+        if alternate:
+            control_rows = run_alternating(options["control_pairs"])
+        else:
+            control = run_pairs(options["control_pairs"])
         instrumented = True
         install()
         # Past the one-time costs before measuring: the profiler's warm-up (Kineto's set-up)
         # and its one-step probe come after 50 and 100 steps; the steady state is measured.
         for _ in range(options["on_warmup"]):
             step(on_model, on_opt, True)
-        if toggle:
+        if alternate and handle is not None:
+            switch = HookSwitch(on_model, on_opt)
+            switch.set(False)
+        elif toggle:
             uninstall()
+        spent_before = source.duty_cycle.spent_s if source is not None else 0.0
         export_before = export_cpu_s()
+        if alternate:
+            rows = run_alternating(options["pairs"])
+            export_total_s = export_cpu_s() - export_before
+            monitor.close(timeout_s=5.0)
+            result = {
+                "rows": rows,
+                "control_rows": control_rows,
+                "export_cpu_s": export_total_s,
+                "profiler_spent_s": (
+                    source.duty_cycle.spent_s - spent_before if source is not None else 0.0
+                ),
+                "on_steps_s": sum(row[0] for row in rows),
+                "off_steps_s": sum(row[1] for row in rows),
+                "gc": gc_totals,
+                "stats": monitor.stats.__dict__,
+                "duty_cycle": source.duty_cycle._asdict() if source is not None else None,
+            }
+            Path(options["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
+            return
         measured = run_pairs(options["pairs"])
         export_total_s = export_cpu_s() - export_before
         monitor.close(timeout_s=5.0)
@@ -584,10 +688,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--design",
-        choices=("toggle", "replicas"),
-        default="toggle",
-        help="toggle (default): one DDP replica, arm A's hooks installed for each A block and "
-        "removed after; replicas: two replicas, arm A's permanently instrumented (forced for "
+        choices=("alternate", "toggle", "replicas"),
+        default="alternate",
+        help="alternate (default): one DDP replica, the arms alternating every step (arm A's "
+        "hooks installed before its step and removed after); toggle: the same in blocks of "
+        "--block steps; replicas: two replicas, arm A's permanently instrumented (forced for "
         "the modes that register a DDP comm hook, which DDP cannot remove)",
     )
     parser.add_argument(
@@ -647,14 +752,17 @@ def main() -> int:
     finally:
         receiver.stop()
 
-    on = [t for r in results for t in r["samples"]["on"]]
-    off = [t for r in results for t in r["samples"]["off"]]
-    median_on, median_off = statistics.median(on), statistics.median(off)
+    alternate = args.design == "alternate"
+    block = 1 if alternate else args.block
     print(
-        f"DDP job ({args.mode}): {args.ranks} ranks gloo, {args.pairs} pairs x {args.block} "
-        f"steps per arm, {wall_s:.0f} s wall, {steal}"
+        f"DDP job ({args.mode}, {args.design}): {args.ranks} ranks gloo, {args.pairs} pairs x "
+        f"{block} steps per arm, {wall_s:.0f} s wall, {steal}"
     )
-    print(f"median step time  on: {median_on * 1000:.3f} ms   off: {median_off * 1000:.3f} ms")
+    if not alternate:
+        on = [t for r in results for t in r["samples"]["on"]]
+        off = [t for r in results for t in r["samples"]["off"]]
+        median_on, median_off = statistics.median(on), statistics.median(off)
+        print(f"median step time  on: {median_on * 1000:.3f} ms   off: {median_off * 1000:.3f} ms")
     for rank, result in enumerate(results):
         duty = result["duty_cycle"]
         if duty is None:
@@ -671,6 +779,31 @@ def main() -> int:
             f"{duty['spent_s'] * 1e3:.1f} ms = {spent_share:.2f} % of arm A's step time; "
             f"one-time warm-up {_ms(duty['warmup_cost_s'])} (not charged)"
         )
+    if alternate:
+        _report_alternating(results)
+    else:
+        _report_blocks(results, args.design)
+    steps_per_arm = args.pairs * block * args.ranks
+    gc_line = []
+    for arm in ("on", "off"):
+        gc_s = sum(r["gc"][arm]["s"] for r in results)
+        gen2 = sum(r["gc"][arm]["gen2"] for r in results)
+        count = sum(r["gc"][arm]["all"] for r in results)
+        gc_line.append(
+            f"{arm}: {gc_s / steps_per_arm * 1e6:.1f} µs/step ({count} collections, {gen2} full)"
+        )
+    print(
+        "garbage collection during the measured steps (in the times above), " + "; ".join(gc_line)
+    )
+    exported = sum(r["stats"]["steps_exported"] for r in results)
+    recorded = sum(r["stats"]["steps_recorded"] for r in results)
+    print(f"exported {exported}/{recorded} instrumented steps; sink: {receiver.describe()}")
+    print(f"end: {_load()}")
+    return 0
+
+
+def _report_blocks(results: list[dict[str, Any]], design: str) -> None:
+    """The block designs' estimators (toggle, replicas)."""
     # DDP couples the ranks (each step waits for the slowest), so their pairs are not
     # independent samples: one value per pair, the mean over ranks.
     ab = _per_pair(results, "pair_medians")
@@ -684,7 +817,7 @@ def main() -> int:
         ("CPU time (mean per step, all threads)", ab_cpu, aa_cpu, statistics.fmean),
         ("training thread CPU (mean per step)", ab_thread, aa_thread, statistics.fmean),
     ):
-        if args.design == "toggle":
+        if design == "toggle":
             # One replica: nothing differs between the arms but stepwatch, so the overhead is
             # A/B itself; A/A (both arms plain) shows what the estimator reads for nothing.
             overhead = statistic(values)
@@ -707,21 +840,69 @@ def main() -> int:
         f"export thread CPU: {export_s * 1e3:.0f} ms over {on_s:.0f} s of arm-A steps "
         f"= {export_s / on_s * 100:.3f} % of arm A's step time (charged to arm A above)"
     )
-    steps_per_arm = args.pairs * args.block * args.ranks
-    gc_line = []
-    for arm in ("on", "off"):
-        gc_s = sum(r["gc"][arm]["s"] for r in results)
-        gen2 = sum(r["gc"][arm]["gen2"] for r in results)
-        count = sum(r["gc"][arm]["all"] for r in results)
-        gc_line.append(
-            f"{arm}: {gc_s / steps_per_arm * 1e6:.1f} µs/step ({count} collections, {gen2} full)"
+
+
+def _report_alternating(results: list[dict[str, Any]]) -> None:
+    """The alternating design's estimators, each with a 95 % bootstrap CI over step pairs.
+
+    A pair is one A step and one B step, on every rank at once (DDP couples the ranks, so a
+    resample draws whole pairs, all ranks together). Pairs a profiling cycle covered on any
+    rank are set apart: the profiler keeps running through the B steps of its cycle. Its cost
+    is the duty cycle's own account, added to the CPU total with the export thread's.
+    """
+    import numpy as np
+
+    rows = np.array([r["rows"] for r in results])  # rank, pair, field
+    control = np.array([r["control_rows"] for r in results])
+    profiled = rows[:, :, 4].max(axis=0) > 0
+    print(
+        f"pairs covered by a profiling cycle (set apart): {int(profiled.sum())} of {rows.shape[1]}"
+    )
+    rng = np.random.default_rng(0)
+
+    def estimate(data: Any, statistic: str) -> tuple[float, float, float]:
+        def value(index: Any) -> float:
+            picked = data[:, index, :]
+            if statistic == "median":
+                return float(np.median(picked[:, :, 0]) / np.median(picked[:, :, 1]) - 1)
+            a, b = (2, 3) if statistic == "cpu" else (0, 1)
+            return float(picked[:, :, a].sum() / picked[:, :, b].sum() - 1)
+
+        pairs = data.shape[1]
+        point = value(np.arange(pairs))
+        boot = sorted(value(rng.integers(0, pairs, pairs)) for _ in range(1000))
+        return point * 100, boot[25] * 100, boot[974] * 100
+
+    kept = rows[:, ~profiled, :]
+    for label, statistic in (
+        ("median step time (the goal metric)", "median"),
+        ("mean step time", "mean"),
+        ("training thread CPU (mean per step)", "cpu"),
+    ):
+        point, low, high = estimate(kept, statistic)
+        c_point, c_low, c_high = estimate(control, statistic)
+        print(
+            f"{label}: overhead {point:+.3f} % (95% CI {low:+.3f} .. {high:+.3f} %); "
+            f"A/A control {c_point:+.3f} % (CI {c_low:+.3f} .. {c_high:+.3f} %)"
         )
-    print("garbage collection during the measured blocks, " + "; ".join(gc_line))
-    exported = sum(r["stats"]["steps_exported"] for r in results)
-    recorded = sum(r["stats"]["steps_recorded"] for r in results)
-    print(f"exported {exported}/{recorded} instrumented steps; sink: {receiver.describe()}")
-    print(f"end: {_load()}")
-    return 0
+    on_s = sum(r["on_steps_s"] for r in results)
+    all_s = on_s + sum(r["off_steps_s"] for r in results)
+    export_s = sum(r["export_cpu_s"] for r in results)
+    # The export thread works once a second whatever the steps, plus a little per step: over
+    # all steps its share is what training pays for the fixed part, over A's steps alone an
+    # upper bound (a window holds half as many A steps as in training).
+    export_low, export_high = export_s / all_s * 100, export_s / on_s * 100
+    # The profiler earns its budget on every step boundary it sees, B steps included: its
+    # charged cost over all steps is what training pays.
+    profiler_share = sum(r["profiler_spent_s"] for r in results) / all_s * 100
+    thread, _, _ = estimate(kept, "cpu")
+    low_total = thread + export_low + profiler_share
+    high_total = thread + export_high + profiler_share
+    print(
+        f"off the training thread: export thread {export_low:.3f}-{export_high:.3f} % of step "
+        f"time, profiler cycles {profiler_share:.3f} % (their own account); CPU all in: "
+        f"{low_total:+.3f} .. {high_total:+.3f} %"
+    )
 
 
 def _ms(value_s: float | None) -> str:
