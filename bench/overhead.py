@@ -1,14 +1,14 @@
 """Overhead of stepwatch on a real CPU DDP job: A/B interleaved in one run.
 
-Two ranks (gloo over loopback, one per core of the bench machine) train a small MLP with DDP in
-alternating blocks of steps. Arm A is fully instrumented: ``monitor.step()``, a ``data`` phase,
-auto-mode hooks on forward/backward/optimizer and communication (the exposed wait, DDP's
-built-in allreduce untouched), and op histograms from :class:`TorchProfilerSource` (adaptive
-duty cycle, default budget), exporting OTLP/HTTP every second to a plain loopback receiver
-(``--sink bridge``: the real stepwatch bridge in this process, with a counting writer, which
-on a 2-core machine takes CPU from the ranks it measures). Arm B is plain DDP. The block
-order within each pair is random (seeded, the same on every rank) so drift and neighbours on
-the machine hit both arms alike.
+Two ranks (gloo over loopback, one per core of the bench machine) train an MLP with DDP, the two
+arms alternating (every step by default). Arm A is fully instrumented: ``monitor.step()``, a
+``data`` phase, auto-mode hooks on forward/backward/optimizer and communication (the exposed
+wait, DDP's built-in allreduce untouched), and op histograms from :class:`TorchProfilerSource`
+(adaptive duty cycle, default budget), exporting OTLP/HTTP every second to a plain loopback
+receiver (``--sink bridge``: the real stepwatch bridge in this process, with a counting writer,
+which on a 2-core machine takes CPU from the ranks it measures). Arm B is plain DDP. The arm
+order within each pair is random (seeded, the same on every rank) so drift and neighbours on the
+machine hit both arms alike.
 
 Designs (``--design``):
 
@@ -60,7 +60,12 @@ Also measures the hot-path cost of one step with four phases in a tight loop, an
 hook's cost per bucket against DDP's built-in C++ allreduce (a separate 2-rank job with a
 model of many small buckets, CPU time). Prints the 1-minute load average at start and end.
 
-Usage: ``.venv/bin/python bench/overhead.py [--ranks 2] [--pairs 150] [--block 20] [--mode M]``
+The defaults are the headline run (about 15 minutes here): 3,000 step pairs of a 2-rank job
+whose step takes ~86 ms (``--hidden 2048 --batch 128``). ``--hidden 1024 --batch 64`` gives a
+~22 ms step, where the fixed per-step cost weighs four times as much.
+
+Usage: ``.venv/bin/python bench/overhead.py [--ranks 2] [--pairs 3000] [--hidden 2048]
+[--batch 128] [--design alternate|toggle|replicas] [--mode M]``
 """
 
 from __future__ import annotations
@@ -664,11 +669,11 @@ def _steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--pairs", type=int, default=150, help="on/off block pairs")
-    parser.add_argument("--block", type=int, default=20, help="steps per block")
     parser.add_argument(
-        "--control-pairs", type=int, default=None, help="A/A block pairs (default: --pairs)"
+        "--pairs", type=int, default=3000, help="A/B pairs (of steps, or of blocks of --block)"
     )
+    parser.add_argument("--block", type=int, default=20, help="steps per block")
+    parser.add_argument("--control-pairs", type=int, default=500, help="A/A pairs, measured first")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument(
         "--on-warmup",
@@ -676,8 +681,8 @@ def main() -> int:
         default=120,
         help="instrumented steps before measuring (past the profiler's warm-up and probe)",
     )
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=2048, help="MLP width (step time)")
+    parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
         "--mode",
@@ -727,7 +732,7 @@ def main() -> int:
             options = {
                 "ranks": args.ranks,
                 "pairs": args.pairs,
-                "control_pairs": args.pairs if args.control_pairs is None else args.control_pairs,
+                "control_pairs": args.control_pairs,
                 "block": args.block,
                 "warmup": args.warmup,
                 "on_warmup": args.on_warmup,

@@ -34,7 +34,9 @@ comm hook returns the inner hook's own tensor.
 Cost on the training thread, measured by ``bench/hook_cost.py`` (one process, a 64-64-8
 MLP, a ~0.5 ms CPU step; process CPU time per step over no hooks, median of 300 interleaved
 rounds): about 52 µs per step for a plain module and 63 µs under DDP (1-rank gloo), down from
-73 and 83 µs; 0.20-0.24 % of a 26 ms step. Where it goes, by elimination (empty hooks of
+73 and 83 µs. On a larger model the same hooks cost more (~110-160 µs per step at a
+1024-wide MLP, not yet explained; docs/exporters.md): ~1 % of a 22 ms step, ~0.1-0.2 % of an
+86 ms one. Where it goes, by elimination (empty hooks of
 each kind): leaving ``nn.Module._call_impl``'s hook-free fast path, ~10-30 µs (one slow path
 serves both module hooks); registering and calling an autograd hook on each step's output,
 ~15-20 µs as done here (~30 µs through ``Tensor.register_hook``); the post-accumulate-grad
