@@ -437,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--influx", action="store_true", help="write to a managed influxd")
     args = parser.parse_args(argv)
 
-    from stepwatch import ManagedInfluxDB
+    from stepwatch.core import ManagedInfluxDB
     from stepwatch.otel_bridge import Bridge, InfluxV1Writer
 
     with tempfile.TemporaryDirectory() as directory:

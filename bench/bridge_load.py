@@ -274,8 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ExportMetricsServiceRequest,
     )
 
-    from stepwatch import InfluxClient, ManagedInfluxDB
-    from stepwatch._influx import wait_until
+    from stepwatch.core import InfluxClient, ManagedInfluxDB
+    from stepwatch.core._influx import wait_until
     from stepwatch.otel_bridge import convert_request
 
     rng = random.Random(args.seed)

@@ -4,7 +4,7 @@ Run: ``.venv/bin/python bench/demo_faults.py [--faults straggler,link,...] [--cl
 
 Each row is one real 4-rank DDP job (separate processes, gloo on loopback, StepMonitor →
 OTLP/HTTP → the bridge → a managed influxd), diagnosed exactly as the demo CLI does
-(:func:`stepwatch._demo.write_outputs` over the job's range ±1 s). Prints: fault, expected
+(:func:`stepwatch.app._demo.write_outputs` over the job's range ±1 s). Prints: fault, expected
 finding, diagnosed kinds/ranks/hosts, correct (the expected finding and nothing else; for
 ``none``, no finding at all) and the wall time of the run.
 """
@@ -19,11 +19,11 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from stepwatch import ManagedInfluxDB
-from stepwatch._demo import job_time_range, run_demo_job, write_outputs
-from stepwatch._demo_job import DemoJobConfig
-from stepwatch._diagnosis import Diagnosis
-from stepwatch._stack import LocalStack
+from stepwatch.app._demo import job_time_range, run_demo_job, write_outputs
+from stepwatch.app._demo_job import DemoJobConfig
+from stepwatch.app._stack import LocalStack
+from stepwatch.core import ManagedInfluxDB
+from stepwatch.core._diagnosis import Diagnosis
 
 FAULT_RANK = 2
 FAULT_HOST_SUFFIX = f"-node{FAULT_RANK // 2}"

@@ -16,7 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from stepwatch import Diagnosis, ManagedInfluxDB  # noqa: E402
+from stepwatch.core import Diagnosis, ManagedInfluxDB  # noqa: E402
 from stepwatch.detectors._alertmanager import AlertmanagerSink  # noqa: E402
 from stepwatch.detectors._report import write_report  # noqa: E402
 from tests.operators.conftest import ManagedAlertmanager, WebhookReceiver  # noqa: E402

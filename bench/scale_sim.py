@@ -63,7 +63,7 @@ BRIDGE_UTILISATION = 0.6
 
 def serve_bridge(config: dict[str, Any]) -> int:
     """Run one Bridge until stdin says ``stop``; answer ``report`` with its metrics as JSON."""
-    from stepwatch import InfluxClient
+    from stepwatch.core import InfluxClient
     from stepwatch.otel_bridge import Bridge, InfluxV1Writer
 
     writer = InfluxV1Writer(InfluxClient(config["influx_url"], database=config["database"]))
@@ -323,7 +323,7 @@ def directory_bytes(path: Path, pattern: str = "*") -> int:
 
 def wait_for_snapshot(wal: Path, timeout_s: float) -> bool:
     """Poll until influxd has snapshotted its cache (WAL segments of the run removed)."""
-    from stepwatch._influx import wait_until
+    from stepwatch.core._influx import wait_until
 
     return wait_until(lambda: directory_bytes(wal) < 64 * 1024, timeout_s=timeout_s, interval_s=1)
 
@@ -356,9 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.seconds <= 120 or not 1 <= args.bridges <= 8 or args.ranks > 200_000:
         parser.error("bounded: --seconds in (0, 120], --bridges in [1, 8], --ranks <= 200000")
 
-    from stepwatch import InfluxClient, ManagedInfluxDB
-    from stepwatch._influx import wait_until
-    from stepwatch._net import free_port
+    from stepwatch.core import InfluxClient, ManagedInfluxDB
+    from stepwatch.core._influx import wait_until
+    from stepwatch.core._net import free_port
     from stepwatch.otel_bridge import convert_request
 
     rng = random.Random(args.seed)

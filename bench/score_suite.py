@@ -29,7 +29,7 @@ def run_in_memory(scenario: Scenario) -> Score:
 
 
 def run_through_influx(scenarios: list[Scenario]) -> list[Score]:
-    from stepwatch import ManagedInfluxDB
+    from stepwatch.core import ManagedInfluxDB
     from stepwatch.detectors._runner import detect_job_findings
     from stepwatch.detectors._simulate import write_direct
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stepwatch import InfluxClient, ManagedInfluxDB
+from stepwatch.core import InfluxClient, ManagedInfluxDB
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"

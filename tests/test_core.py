@@ -7,14 +7,14 @@ import math
 
 import pytest
 
-import stepwatch
-from stepwatch import ConfigError, Diagnosis, InfluxClient, InfluxError
-from stepwatch._influx import count_points
-from stepwatch._lineproto import encode_point
+import stepwatch.core
+from stepwatch.core import ConfigError, Diagnosis, InfluxClient, InfluxError
+from stepwatch.core._influx import count_points
+from stepwatch.core._lineproto import encode_point
 
 
 def test_all_is_pinned() -> None:
-    assert sorted(stepwatch.__all__) == [
+    assert sorted(stepwatch.core.__all__) == [
         "ConfigError",
         "DeliveryError",
         "Diagnosis",
@@ -28,8 +28,8 @@ def test_all_is_pinned() -> None:
         "TraceFormatError",
         "__version__",
     ]
-    for name in stepwatch.__all__:
-        assert hasattr(stepwatch, name)
+    for name in stepwatch.core.__all__:
+        assert hasattr(stepwatch.core, name)
 
 
 def test_line_protocol_escapes_and_types() -> None:
@@ -137,7 +137,7 @@ def test_diagnosis_location_in_words() -> None:
 def test_rate_limited_log_says_one_line_per_key_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from stepwatch._ratelog import RateLimitedLog
+    from stepwatch.core._ratelog import RateLimitedLog
 
     now = [100.0]
     log = RateLimitedLog(logging.getLogger("stepwatch.test"), 30.0, clock_s=lambda: now[0])

@@ -2,7 +2,7 @@
 
 One real run (separate processes, gloo on loopback, StepMonitor → OTLP/HTTP → the bridge →
 the session's influxd), then the same diagnosis the ``stepwatch demo`` CLI prints
-(:func:`stepwatch._demo.write_outputs`). Timing on a shared 2-core host is noisy and bursty,
+(:func:`stepwatch.app._demo.write_outputs`). Timing on a shared 2-core host is noisy and bursty,
 so this is the detectors' small-world test: four ranks, ~20 windows of 0.5 s.
 """
 
@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch import ManagedInfluxDB, _schema
-from stepwatch._demo import job_time_range, run_demo_job, write_outputs
-from stepwatch._demo_job import DemoJobConfig
-from stepwatch._influx import QuerySeries
-from stepwatch._stack import LocalStack
+from stepwatch.app._demo import job_time_range, run_demo_job, write_outputs
+from stepwatch.app._demo_job import DemoJobConfig
+from stepwatch.app._stack import LocalStack
+from stepwatch.core import ManagedInfluxDB, _schema
+from stepwatch.core._influx import QuerySeries
 from stepwatch.detectors._frame import export_window_s
 from stepwatch.detectors._stats import change_points, multiscale_outliers, sustained_outliers
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from stepwatch import ManagedInfluxDB
-from stepwatch._demo import StoredSummary, run_demo_job
-from stepwatch._demo_job import DemoJobConfig
-from stepwatch._influx import quote_literal
-from stepwatch._stack import LocalStack
+from stepwatch.app._demo import StoredSummary, run_demo_job
+from stepwatch.app._demo_job import DemoJobConfig
+from stepwatch.app._stack import LocalStack
+from stepwatch.core import ManagedInfluxDB
+from stepwatch.core._influx import quote_literal
 
 STEPS = 60
 RANKS = 4
@@ -120,7 +120,7 @@ def test_stored_bytes_per_rank_per_step_are_small(clean_run: StoredSummary) -> N
 
 
 def test_demo_cli_help_lists_fault_flags(tmp_path: Path) -> None:
-    from stepwatch._cli import build_parser
+    from stepwatch.app._cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["demo", "--fault", "straggler", "--fault-rank", "1"])

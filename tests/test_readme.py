@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from stepwatch import InfluxClient
-from stepwatch._influx import wait_until
+from stepwatch.core import InfluxClient
+from stepwatch.core._influx import wait_until
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer
 
 README = Path(__file__).resolve().parent.parent / "README.md"

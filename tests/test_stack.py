@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from stepwatch import InfluxClient
-from stepwatch._durations import parse_duration_s
-from stepwatch._influx import wait_until
+from stepwatch.core import InfluxClient
+from stepwatch.core._durations import parse_duration_s
+from stepwatch.core._influx import wait_until
 from stepwatch.exporters import StepMonitor
 
 
@@ -90,7 +90,7 @@ def test_parse_duration(text: str, seconds: float) -> None:
 
 
 def test_parse_duration_rejects_garbage() -> None:
-    from stepwatch import ConfigError
+    from stepwatch.core import ConfigError
 
     with pytest.raises(ConfigError, match="--every"):
         parse_duration_s("soon", argument="--every")

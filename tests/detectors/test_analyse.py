@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch import ConfigError
+from stepwatch.core import ConfigError
 from stepwatch.detectors import (
     DetectorConfig,
     Fault,

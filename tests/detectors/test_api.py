@@ -8,10 +8,10 @@ import sys
 import pytest
 
 import stepwatch.detectors
-from stepwatch import ConfigError
-from stepwatch._cli import build_parser
+from stepwatch.app._cli import build_parser
+from stepwatch.app._detect_commands import parse_duration_s, parse_moment
+from stepwatch.core import ConfigError
 from stepwatch.detectors import Fault, Topology, Truth, simulate
-from stepwatch.detectors._commands import parse_duration_s, parse_moment
 
 
 def test_all_is_pinned() -> None:
@@ -65,8 +65,8 @@ def test_all_is_pinned() -> None:
 
 def test_cli_module_imports_only_the_standard_library() -> None:
     code = (
-        "import sys, stepwatch.detectors._commands, stepwatch._cli;"
-        "stepwatch._cli.build_parser();"
+        "import sys, stepwatch.app._detect_commands, stepwatch.app._cli;"
+        "stepwatch.app._cli.build_parser();"
         "heavy = {'numpy', 'scipy', 'statsmodels', 'opentelemetry'} & {m.split('.')[0] "
         "for m in sys.modules}; print(sorted(heavy))"
     )
@@ -132,7 +132,7 @@ def test_json_lines_sink_prints_each_state_once() -> None:
     import io
     import json
 
-    from stepwatch import Diagnosis
+    from stepwatch.core import Diagnosis
     from stepwatch.detectors import JsonLinesSink, MemorySink
 
     diagnosis = Diagnosis(

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stepwatch import Diagnosis, InfluxClient
-from stepwatch._cli import main
-from stepwatch._influx import count_points
-from stepwatch._schema import DIAGNOSIS_MEASUREMENT
+from stepwatch.app._cli import main
+from stepwatch.core import Diagnosis, InfluxClient
+from stepwatch.core._influx import count_points
+from stepwatch.core._schema import DIAGNOSIS_MEASUREMENT
 from stepwatch.detectors import (
     DetectorService,
     Fault,
@@ -247,7 +247,7 @@ def test_cli_simulate_detect_evaluate(influx: InfluxClient, tmp_path: Path) -> N
 
 
 def test_simulated_ranks_over_otlp_through_the_bridge(influx: InfluxClient) -> None:
-    from stepwatch._influx import wait_until
+    from stepwatch.core._influx import wait_until
     from stepwatch.detectors import send_otlp
     from stepwatch.otel_bridge import Bridge, InfluxV1Writer
 

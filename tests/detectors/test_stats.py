@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from statsmodels.stats.multitest import multipletests
 
-from stepwatch import ConfigError
+from stepwatch.core import ConfigError
 from stepwatch.detectors import benjamini_hochberg, change_points, cross_rank_outliers
 from stepwatch.detectors._stats import persistent, rolling_nanmean, safe_log
 

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch import ConfigError, _schema
+from stepwatch.core import ConfigError, _schema
 from stepwatch.exporters import InMemoryExporter, StepMonitor
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch import ConfigError
+from stepwatch.core import ConfigError
 from stepwatch.exporters import ExponentialHistogram
 from stepwatch.exporters._histogram import (
     FLOAT_BITS,

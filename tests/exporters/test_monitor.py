@@ -15,7 +15,7 @@ from opentelemetry.sdk.metrics.export import (
     MetricsData,
 )
 
-from stepwatch import ConfigError, _schema
+from stepwatch.core import ConfigError, _schema
 from stepwatch.exporters import InMemoryExporter, KernelWindow, StepMonitor
 
 WALL_ANCHOR_NS = 1_795_000_000_000_000_000

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from stepwatch import InfluxClient, _schema
+from stepwatch.core import InfluxClient, _schema
 from stepwatch.exporters import StepMonitor
 
 bridge_module = pytest.importorskip("stepwatch.otel_bridge")

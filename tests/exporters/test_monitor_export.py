@@ -15,7 +15,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 
-from stepwatch import ConfigError, _schema
+from stepwatch.core import ConfigError, _schema
 from stepwatch.exporters import StepMonitor, resolve_exporter_config
 
 OTLP_VARIABLES = [

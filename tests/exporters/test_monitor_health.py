@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stepwatch import _schema
+from stepwatch.core import _schema
 from stepwatch.exporters import InMemoryExporter, StepMonitor
 from stepwatch.exporters._window import build_resource
 from stepwatch.exporters.kernels import GpuReading, HealthSampler, XidEvent

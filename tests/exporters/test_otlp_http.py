@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepwatch import ConfigError, __version__
+from stepwatch.core import ConfigError, __version__
 from stepwatch.exporters import (
     OtlpHttpExporter,
     _otlp_http,

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from stepwatch import _schema
+from stepwatch.core import _schema
 from stepwatch.exporters import InMemoryExporter, StepMonitor
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "overhead.py"

@@ -20,7 +20,7 @@ from opentelemetry.sdk.metrics.export import (
     MetricsData,
 )
 
-from stepwatch import ConfigError, _schema
+from stepwatch.core import ConfigError, _schema
 from stepwatch.exporters import KernelWindow, WindowBuilder, build_resource
 from stepwatch.exporters._window import SCOPE_NAME
 from stepwatch.otel_bridge import exponential_buckets, nearest_rank_quantile

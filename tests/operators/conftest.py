@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from stepwatch._net import free_port, wait_http_ready
+from stepwatch.core._net import free_port, wait_http_ready
 
 
 class WebhookReceiver:

@@ -17,8 +17,8 @@ import dataclasses
 
 import numpy as np
 
-from stepwatch import Diagnosis, InfluxClient
-from stepwatch._lineproto import encode_point
+from stepwatch.core import Diagnosis, InfluxClient
+from stepwatch.core._lineproto import encode_point
 from stepwatch.detectors._sinks import InfluxDiagnosisSink
 
 PHASES = ("data", "forward", "backward", "optimizer", "communication")

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from stepwatch import ConfigError, Diagnosis
-from stepwatch._errors import DeliveryError
-from stepwatch._http import HttpResponse
+from stepwatch.core import ConfigError, Diagnosis
+from stepwatch.core._errors import DeliveryError
+from stepwatch.core._http import HttpResponse
 from stepwatch.detectors._alertmanager import AlertmanagerSink, rfc3339
 
 from .conftest import ManagedAlertmanager, WebhookReceiver
@@ -183,7 +183,7 @@ def test_refusal_is_a_delivery_error_and_is_retried() -> None:
 
 
 def test_unreachable_is_a_delivery_error() -> None:
-    from stepwatch._net import free_port
+    from stepwatch.core._net import free_port
 
     sink = AlertmanagerSink(f"http://127.0.0.1:{free_port()}", timeout_s=2)
     with pytest.raises(DeliveryError):

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from stepwatch import InfluxClient
+from stepwatch.core import InfluxClient
 
 from .demo_data import DemoJob, write_demo
 

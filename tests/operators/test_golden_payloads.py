@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stepwatch import Diagnosis
-from stepwatch._http import HttpResponse
+from stepwatch.core import Diagnosis
+from stepwatch.core._http import HttpResponse
 from stepwatch.detectors._alertmanager import AlertmanagerSink
 from stepwatch.detectors._grafana import GrafanaAnnotationSink
 

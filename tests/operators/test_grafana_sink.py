@@ -25,9 +25,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch import ConfigError, Diagnosis, InfluxClient
-from stepwatch._errors import DeliveryError
-from stepwatch._http import HttpResponse
+from stepwatch.core import ConfigError, Diagnosis, InfluxClient
+from stepwatch.core._errors import DeliveryError
+from stepwatch.core._http import HttpResponse
 from stepwatch.detectors._grafana import GrafanaAnnotationSink
 
 TOKEN = "glsa_test_token"

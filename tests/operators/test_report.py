@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stepwatch import ConfigError, InfluxClient
-from stepwatch._cli import main as stepwatch_main
+from stepwatch.app._cli import main as stepwatch_main
+from stepwatch.core import ConfigError, InfluxClient
 from stepwatch.detectors._report import (
     MAX_HEATMAP_RANKS,
     load_report_data,
@@ -211,7 +211,7 @@ def test_report_renders_in_headless_chromium(
 
 
 def test_report_time_arguments() -> None:
-    from stepwatch.detectors._report_commands import parse_moment
+    from stepwatch.app._report_command import parse_moment
 
     now = 1_800_000_000 * 10**9
     assert parse_moment("now", argument="--to", now_unix_nano=now) == now

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stepwatch import ConfigError
+from stepwatch.core import ConfigError
 from stepwatch.detectors import AlertmanagerSink, GrafanaAnnotationSink
 from stepwatch.detectors._sinks import sinks_from_environment
 

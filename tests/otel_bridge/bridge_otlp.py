@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from stepwatch import InfluxError, InfluxUnavailableError
+from stepwatch.core import InfluxError, InfluxUnavailableError
 
 T0 = 1_795_000_000_000_000_000
 T1 = T0 + 10_000_000_000

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from stepwatch import InfluxClient
+from stepwatch.core import InfluxClient
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer
 
 

@@ -27,8 +27,8 @@ from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm
 )
 
 import stepwatch.otel_bridge as bridge
-from stepwatch._errors import ConfigError
-from stepwatch._lineproto import encode_point
+from stepwatch.core._errors import ConfigError
+from stepwatch.core._lineproto import encode_point
 from stepwatch.otel_bridge import (
     TAG_ALLOWLIST,
     convert_request,

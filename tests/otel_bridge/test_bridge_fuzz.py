@@ -13,7 +13,7 @@ from types import ModuleType
 
 from bridge_otlp import gauge, request
 
-from stepwatch import InfluxClient
+from stepwatch.core import InfluxClient
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer, convert_request
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "bridge_fuzz.py"

@@ -11,7 +11,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 
-from stepwatch import ConfigError, InfluxClient
+from stepwatch.core import ConfigError, InfluxClient
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer, convert_request
 from stepwatch.otel_bridge._identity import RankIdentityGuard, Verdict
 

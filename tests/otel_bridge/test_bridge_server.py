@@ -43,8 +43,8 @@ from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation
 from opentelemetry.sdk.resources import Resource
 from prometheus_client.parser import text_string_to_metric_families
 
-from stepwatch import ConfigError, InfluxClient
-from stepwatch._influx import count_points, wait_until
+from stepwatch.core import ConfigError, InfluxClient
+from stepwatch.core._influx import count_points, wait_until
 from stepwatch.otel_bridge import Bridge
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -24,10 +24,10 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from stepwatch import ConfigError, InfluxClient
-from stepwatch._influx import count_points, wait_until
+from stepwatch.app._bridge_command import _seconds
+from stepwatch.core import ConfigError, InfluxClient
+from stepwatch.core._influx import count_points, wait_until
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer, convert_request
-from stepwatch.otel_bridge._commands import _seconds
 
 SECOND = 1_000_000_000
 PROTO = {"Content-Type": "application/x-protobuf"}
@@ -271,7 +271,7 @@ def test_cli_seconds_zero_means_no_limit() -> None:
 
 
 def test_cli_options_reach_the_bridge() -> None:
-    from stepwatch.otel_bridge._commands import register, resolve
+    from stepwatch.app._bridge_command import register, resolve
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

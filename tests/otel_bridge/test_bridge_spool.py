@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from bridge_otlp import RecordingWriter, post, window_request
 
-from stepwatch import ConfigError, ManagedInfluxDB
-from stepwatch._influx import count_points, wait_until
+from stepwatch.core import ConfigError, ManagedInfluxDB
+from stepwatch.core._influx import count_points, wait_until
 from stepwatch.otel_bridge import Bridge, BridgeMetrics, DiskSpool, InfluxV1Writer, MemorySpool
 from stepwatch.otel_bridge._forwarder import Forwarder
 

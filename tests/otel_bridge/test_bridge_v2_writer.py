@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from bridge_otlp import post, window_request
 
-from stepwatch import ConfigError, InfluxError, InfluxUnavailableError
-from stepwatch._influx import wait_until
+from stepwatch.core import ConfigError, InfluxError, InfluxUnavailableError
+from stepwatch.core._influx import wait_until
 from stepwatch.otel_bridge import Bridge, InfluxV2Writer
 
 TOKEN = "v2-token"

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 
-from stepwatch import _schema
-from stepwatch._errors import ConfigError
+from stepwatch.core import _schema
+from stepwatch.core._errors import ConfigError
 from stepwatch.exporters.kernels import ingest_traces, read_trace
 
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from stepwatch import InfluxClient
-from stepwatch._cli import main
-from stepwatch._errors import ConfigError
-from stepwatch.exporters._commands import parse_time_origin
+from stepwatch.app._cli import main
+from stepwatch.app._ingest_command import parse_time_origin
+from stepwatch.core import InfluxClient
+from stepwatch.core._errors import ConfigError
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 
-from stepwatch import _schema
+from stepwatch.core import _schema
 from stepwatch.exporters.kernels import classify_kernel, read_trace, trace_windows
 from stepwatch.otel_bridge._convert import convert_to_points
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from stepwatch import InfluxClient
-from stepwatch._influx import quote_literal
+from stepwatch.core import InfluxClient
+from stepwatch.core._influx import quote_literal
 from stepwatch.exporters._export import create_exporter, resolve_exporter_config
 from stepwatch.exporters.kernels import classify_kernel, ingest_traces, read_trace
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer

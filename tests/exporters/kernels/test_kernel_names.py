@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch._schema import KERNEL_CATEGORIES
+from stepwatch.core._schema import KERNEL_CATEGORIES
 from stepwatch.exporters.kernels import KernelClass, classify_kernel
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch._errors import ConfigError
+from stepwatch.core._errors import ConfigError
 from stepwatch.exporters._window import KernelWindow
 from stepwatch.exporters.kernels import (
     KernelEvent,

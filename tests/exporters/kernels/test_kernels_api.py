@@ -64,7 +64,7 @@ def test_all_is_pinned() -> None:
 def test_import_is_light_and_inert() -> None:
     # Importing the package pulls in neither torch, cupti, pynvml, grpc nor the OTel SDK.
     code = (
-        "import sys, stepwatch.exporters.kernels, stepwatch.exporters._commands;"
+        "import sys, stepwatch.exporters.kernels, stepwatch.app._ingest_command;"
         "heavy = [m for m in ('torch', 'cupti', 'pynvml', 'grpc', 'opentelemetry.sdk')"
         " if m in sys.modules]; print(heavy)"
     )

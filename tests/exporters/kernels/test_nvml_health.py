@@ -9,7 +9,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
 from opentelemetry.sdk.metrics.export import AggregationTemporality, MetricsData
 
-from stepwatch import _schema
+from stepwatch.core import _schema
 from stepwatch.exporters._window import build_resource
 from stepwatch.exporters.kernels import GpuReading, HealthSampler, XidEvent
 from stepwatch.otel_bridge import convert_request

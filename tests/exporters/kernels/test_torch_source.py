@@ -16,7 +16,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from stepwatch._errors import ConfigError
+from stepwatch.core._errors import ConfigError
 from stepwatch.exporters.kernels import OpRecord, TorchProfilerSource
 from stepwatch.exporters.kernels._torch_source import (
     DEFAULT_MIN_PERIOD_STEPS,
@@ -169,7 +169,7 @@ def test_step_monitor_exports_cpu_kernels() -> None:
     """The source plugs into StepMonitor: kernel histograms ride in the step windows."""
     from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
 
-    from stepwatch import _schema
+    from stepwatch.core import _schema
     from stepwatch.exporters import StepMonitor
 
     class Recording:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stepwatch._errors import TraceFormatError
+from stepwatch.core._errors import TraceFormatError
 from stepwatch.exporters.kernels import (
     parse_trace,
     phase_of_annotation,

@@ -1,0 +1,5 @@
+import sys
+
+from stepwatch.app._cli import main
+
+sys.exit(main())

@@ -1,0 +1,245 @@
+"""The demo training job: a real multi-process PyTorch DDP run (CPU, gloo), instrumented.
+
+Each rank is a separate process started by :func:`launch`. Faults are real effects inside the
+job, so what stepwatch diagnoses is what a real straggler, link or stall does to DDP:
+
+- ``straggler``: extra compute (matrix multiplies) in one rank's forward pass from a step on;
+- ``link``: a delay inside one rank's DDP communication hook, before its allreduce;
+- ``jit``: one long host-side stall on one rank at one step (like a JIT recompile);
+- ``dataloader``: a slow data loader on one rank from a step on;
+- ``regression``: every rank does extra compute from a step on (job-wide slowdown).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from stepwatch.core._errors import ConfigError
+from stepwatch.core._net import free_port
+
+FAULT_KINDS = ("none", "straggler", "link", "jit", "dataloader", "regression")
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoJobConfig:
+    """What one demo run does. ``fault_rank`` is ignored for job-wide faults.
+
+    The defaults are the ``stepwatch demo`` CLI's: a 300-step job exporting a window every
+    0.25 s gives the detectors ~20 analysis windows of 0.5 s (see ``export_window_s``).
+    """
+
+    job_id: str
+    world_size: int = 4
+    steps: int = 300
+    fault: str = "none"
+    fault_rank: int = 2
+    fault_step: int = 120
+    fault_factor: float = 2.0
+    endpoint: str = "http://127.0.0.1:4318"
+    protocol: str = "http/protobuf"
+    batch_size: int = 32
+    hidden: int = 256
+    export_interval_s: float = 0.25
+    collect_kernels: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fault not in FAULT_KINDS:
+            raise ConfigError(f"fault: {self.fault!r} is not one of {FAULT_KINDS}")
+        if self.world_size < 2:
+            raise ConfigError(
+                f"world_size: a DDP demo needs at least 2 ranks, got {self.world_size}"
+            )
+        if not 0 <= self.fault_rank < self.world_size:
+            raise ConfigError(
+                f"fault_rank: {self.fault_rank} is not a rank of a {self.world_size}-rank job"
+            )
+        if self.steps < 1:
+            raise ConfigError(f"steps: must be positive, got {self.steps}")
+        if self.fault_factor <= 1.0:
+            raise ConfigError(f"fault_factor: must exceed 1.0, got {self.fault_factor}")
+
+
+def launch(config: DemoJobConfig, *, timeout_s: float = 600.0) -> None:
+    """Run the job: ``world_size`` processes, gloo over loopback; returns when all finish.
+
+    Raises:
+        StepwatchError: a rank failed or the job did not finish within ``timeout_s``.
+    """
+    from torch.multiprocessing.spawn import (
+        ProcessExitedException,
+        ProcessRaisedException,
+        start_processes,
+    )
+
+    from stepwatch.core._errors import StepwatchError
+
+    master_port = free_port()
+    context = start_processes(  # type: ignore[no-untyped-call]
+        _rank_main,
+        args=(config, master_port),
+        nprocs=config.world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise StepwatchError(f"demo job did not finish within {timeout_s:.0f} s")
+    except ProcessRaisedException as exc:
+        raise StepwatchError(f"a demo rank failed: {exc}") from exc
+    except ProcessExitedException as exc:
+        raise StepwatchError(f"a demo rank exited abnormally: {exc}") from exc
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+
+
+def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from stepwatch.exporters import StepMonitor
+
+    torch.set_num_threads(1)
+    torch.manual_seed(1234 + rank)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{master_port}",
+        rank=rank,
+        world_size=config.world_size,
+    )
+    try:
+        model = _demo_model(config.hidden)
+        ddp = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        faulty = config.fault in ("straggler", "link", "jit", "dataloader") and (
+            rank == config.fault_rank
+        )
+        monitor = StepMonitor(
+            job_id=config.job_id,
+            rank=rank,
+            world_size=config.world_size,
+            host_name=_demo_host(rank),
+            local_rank=rank % 2,
+            endpoint=config.endpoint,
+            protocol=config.protocol,
+            export_interval_s=config.export_interval_s,
+            kernel_source=_kernel_source(config),
+        )
+        # One line instruments forward, backward, optimizer and communication. The link
+        # fault is a delay inside one rank's comm hook (passed in: DDP accepts a single one),
+        # which times that rank's collectives one by one; the others then do the same
+        # (collective_timing) so every rank measures communication alike.
+        monitor.instrument(
+            ddp,
+            optimizer,
+            comm_hook=_slow_comm_hook(config) if config.fault == "link" and faulty else None,
+            collective_timing=config.fault == "link",
+        )
+        for step in range(config.steps):
+            active = step >= config.fault_step
+            model.stall_s = (
+                1.5 if config.fault == "jit" and faulty and step == config.fault_step else 0.0
+            )
+            model.extra_factor = (
+                config.fault_factor
+                if (config.fault == "straggler" and faulty and active)
+                or (config.fault == "regression" and active)
+                else 0.0
+            )
+            with monitor.step():
+                with monitor.phase("data"):
+                    inputs = torch.randn(config.batch_size, 64)
+                    targets = torch.randint(0, 10, (config.batch_size,))
+                    if config.fault == "dataloader" and faulty and active:
+                        time.sleep(0.004 * config.fault_factor)
+                output = ddp(inputs)
+                loss = loss_fn(output, targets)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+        monitor.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def _demo_model(hidden: int) -> Any:
+    """A small MLP whose forward can carry a fault: extra compute or a one-off stall."""
+    import torch
+
+    class DemoModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.Sequential(
+                torch.nn.Linear(64, hidden),
+                torch.nn.ReLU(),
+                torch.nn.Linear(hidden, hidden),
+                torch.nn.ReLU(),
+                torch.nn.Linear(hidden, 10),
+            )
+            self.burner = torch.randn(hidden, hidden)
+            self.extra_factor = 0.0
+            self.stall_s = 0.0
+
+        def forward(self, inputs: Any) -> Any:
+            if self.stall_s:
+                time.sleep(self.stall_s)  # a host-side stall (JIT recompile): nothing runs
+            if self.extra_factor:
+                _burn(self.burner, factor=self.extra_factor)  # a compute straggler
+            return self.layers(inputs)
+
+    return DemoModel()
+
+
+def _demo_host(rank: int) -> str:
+    """Two ranks per simulated node so host-level localisation has something to group."""
+    return f"{socket.gethostname()}-node{rank // 2}"
+
+
+def _burn(matrix: Any, *, factor: float) -> None:
+    """Extra compute proportional to ``factor`` (a compute straggler)."""
+    repeats = max(1, round(8 * (factor - 1.0)))
+    for _ in range(repeats):
+        matrix = (matrix @ matrix).clamp_(-1.0, 1.0)
+
+
+def _slow_comm_hook(config: DemoJobConfig) -> Any:
+    """A DDP comm hook that delays this rank's allreduce from the fault step on (a slow link)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    delay_s = 0.004 * config.fault_factor  # 8 ms at the default factor: a badly degraded link
+    calls = [0]
+
+    def slow_allreduce(process_group: Any, bucket: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > config.fault_step:  # one bucket per step for the demo's small model
+            time.sleep(delay_s)
+        return allreduce_hook(process_group, bucket)
+
+    return slow_allreduce
+
+
+def _kernel_source(config: DemoJobConfig) -> Any:
+    if not config.collect_kernels:
+        return None
+    try:
+        from stepwatch.exporters.kernels import TorchProfilerSource  # type: ignore[attr-defined]
+    except ImportError:
+        logger.warning("kernel collection requested but stepwatch.exporters.kernels is missing")
+        return None
+    # A fixed duty cycle: the demo is a few hundred steps, shorter than the period the default
+    # 0.2% overhead budget would choose, and it is there to show the op histograms.
+    return TorchProfilerSource(period_steps=100)

@@ -1,0 +1,207 @@
+"""``stepwatch up`` and ``stepwatch demo`` (standard library only at import)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from stepwatch.core._durations import parse_duration_s
+
+
+def register(subparsers: Any) -> None:
+    up = subparsers.add_parser(
+        "up",
+        help="run the local stack: managed InfluxDB, OTLP bridge, detectors",
+        description="Start a managed influxd (or use --influx-url), the OTLP bridge and the "
+        "detector service; print the endpoints; Ctrl-C stops everything.",
+    )
+    _add_stack_arguments(up)
+    up.add_argument(
+        "--detect-every",
+        default="30s",
+        help="detector period, e.g. 30s or 2m; 'off' disables (default 30s)",
+    )
+    up.set_defaults(handler=_run_up)
+
+    demo = subparsers.add_parser(
+        "demo",
+        help="run a real 4-rank DDP job through stepwatch and show what was stored",
+        description="A real PyTorch DDP job (CPU, gloo) instrumented by stepwatch, streamed "
+        "through the bridge into a managed InfluxDB, then diagnosed. Inject a fault with "
+        "--fault.",
+    )
+    _add_stack_arguments(demo)
+    demo.add_argument("--ranks", type=int, default=4, help="number of DDP ranks (default 4)")
+    demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    demo.add_argument(
+        "--fault",
+        default="none",
+        choices=("none", "straggler", "link", "jit", "dataloader", "regression"),
+        help="inject a real fault into the job",
+    )
+    demo.add_argument("--fault-rank", type=int, default=2, help="the faulty rank (default 2)")
+    demo.add_argument(
+        "--fault-step", type=int, default=120, help="the step the fault starts (default 120)"
+    )
+    demo.add_argument(
+        "--fault-factor",
+        type=float,
+        default=2.0,
+        help="fault strength: slowdown factor of the affected work (default 2.0)",
+    )
+    demo.add_argument(
+        "--export-interval",
+        type=float,
+        default=0.25,
+        help="seconds per exported window (default 0.25: a short demo still has many windows)",
+    )
+    demo.add_argument(
+        "--kernels", action="store_true", help="also collect op histograms with torch.profiler"
+    )
+    demo.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="keep the stack up after the demo until Ctrl-C",
+    )
+    demo.add_argument("--json", action="store_true", help="print diagnoses as JSON lines")
+    demo.set_defaults(handler=_run_demo)
+
+
+def _add_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where the managed InfluxDB and the spool live "
+        "(default $STEPWATCH_DATA_DIR or ~/.local/share/stepwatch)",
+    )
+    parser.add_argument(
+        "--influx-url",
+        default=os.environ.get("STEPWATCH_INFLUX_URL"),
+        help="use this InfluxDB (v1 API) instead of starting one ($STEPWATCH_INFLUX_URL)",
+    )
+    parser.add_argument(
+        "--database",
+        default=os.environ.get("STEPWATCH_INFLUX_DATABASE", "stepwatch"),
+        help="database to write and read (default stepwatch)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="bridge listen address")
+    parser.add_argument("--grpc-port", type=int, default=0, help="OTLP/gRPC port (0: free)")
+    parser.add_argument("--http-port", type=int, default=0, help="OTLP/HTTP port (0: free)")
+
+
+def _stack(args: argparse.Namespace, *, detect_every_s: float | None) -> Any:
+    from stepwatch.app._stack import LocalStack, default_data_dir
+
+    return LocalStack(
+        args.data_dir or default_data_dir(),
+        influx_url=args.influx_url,
+        database=args.database,
+        influx_token=os.environ.get("STEPWATCH_INFLUX_TOKEN"),
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        detect_every_s=detect_every_s,
+    )
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _print_endpoints(stack: Any) -> None:
+    influx = stack.influx_url or (stack.influxd.url if stack.influxd else "?")
+    print(f"InfluxDB:     {influx}  (database {stack.database})")
+    print(f"OTLP/HTTP:    {stack.otlp_http_endpoint}/v1/metrics")
+    print(f"OTLP/gRPC:    {stack.otlp_grpc_endpoint}")
+    print(f"bridge stats: {stack.otlp_http_endpoint}/metrics")
+    print(
+        f"point ranks at it: OTEL_EXPORTER_OTLP_ENDPOINT={stack.otlp_http_endpoint}",
+        flush=True,
+    )
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    every = (
+        None
+        if args.detect_every == "off"
+        else parse_duration_s(args.detect_every, argument="--detect-every")
+    )
+    with _stack(args, detect_every_s=every) as stack:
+        _print_endpoints(stack)
+        print("stepwatch up: running; Ctrl-C stops everything", flush=True)
+        _wait_for_signal()
+    print("stepwatch up: stopped", flush=True)
+    return 0
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from stepwatch.app._demo import format_summary, job_time_range, run_demo_job, write_outputs
+    from stepwatch.app._demo_job import DemoJobConfig
+
+    job = f"demo-{args.fault}-{time.strftime('%Y%m%d-%H%M%S')}"
+    with _stack(args, detect_every_s=None) as stack:
+        _print_endpoints(stack)
+        config = DemoJobConfig(
+            job_id=job,
+            world_size=args.ranks,
+            steps=args.steps,
+            fault=args.fault,
+            fault_rank=args.fault_rank,
+            fault_step=args.fault_step,
+            fault_factor=args.fault_factor,
+            endpoint=stack.otlp_http_endpoint,
+            export_interval_s=args.export_interval,
+            collect_kernels=args.kernels,
+        )
+        summary = run_demo_job(stack.client, config)
+        print(format_summary(summary, steps=args.steps))
+        out_dir = stack.data_dir / "reports"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        start_unix_nano, end_unix_nano = job_time_range(stack.client, job) or (
+            time.time_ns() - 600_000_000_000,
+            time.time_ns(),
+        )
+        diagnoses, report = write_outputs(
+            stack.client,
+            job,
+            out_dir=out_dir,
+            start_unix_nano=start_unix_nano - 1_000_000_000,
+            end_unix_nano=end_unix_nano + 1_000_000_000,
+        )
+        print(f"diagnosis ({len(diagnoses)} finding{'s' if len(diagnoses) != 1 else ''}):")
+        for diagnosis in diagnoses:
+            print(
+                diagnosis.to_json()
+                if args.json
+                else f"  [{diagnosis.severity}] {diagnosis.kind}: {diagnosis.summary}"
+            )
+        if not diagnoses:
+            print("  none: the job looks healthy")
+        print("where to look:")
+        print(
+            f'  InfluxQL: SELECT * FROM "stepwatch.phase.duration" '
+            f"WHERE \"stepwatch.job.id\" = '{job}'  (database {stack.database})"
+        )
+        if report is not None:
+            print(f"  report:   {report}")
+        print("  Grafana:  copy grafana/provisioning into your Grafana (docs/operators.md)")
+        if args.keep_running:
+            print("stack still running; Ctrl-C stops it", flush=True)
+            _wait_for_signal()
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,390 @@
+"""Windows of one job as dense numpy arrays, read back from InfluxDB with InfluxQL.
+
+Ranks export windows independently, so their timestamps never coincide. The reader bins
+window end times into fixed analysis windows aligned on the Unix epoch (so two incremental
+passes over overlapping ranges see the same bins) and adds histogram sums and counts per
+bin: per-step means stay exact whatever the number of exports per bin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from stepwatch.core import _schema
+from stepwatch.core._errors import ConfigError
+from stepwatch.core._influx import InfluxClient, QuerySeries, quote_ident, quote_literal
+from stepwatch.detectors._stats import BoolArray, FloatArray
+
+#: Kernel categories whose time counts as "compute" for straggler blame.
+COMPUTE_CATEGORY = "compute"
+COMMUNICATION_CATEGORY = "communication"
+#: Phases whose wall time is host/device compute (not waiting in a collective).
+COMPUTE_PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class JobFrame:
+    """One job's windows × ranks [× phases | kernel classes], per-step means in seconds.
+
+    Attributes:
+        job: the job id.
+        window_s: analysis window length.
+        window_end_unix_nano: ``(W,)`` end of each analysis window.
+        ranks: ``(R,)`` global ranks, sorted.
+        hosts: host name of each rank (``""`` when unknown).
+        pp_ranks: ``(R,)`` pipeline stage of each rank, -1 when unknown.
+        step_count: ``(W, R)`` steps finished in the window (0 = rank silent).
+        step_s: ``(W, R)`` mean step wall time (NaN when silent).
+        step_max_s: ``(W, R)`` longest step.
+        phases: phase names, the last axis of ``phase_s``.
+        phase_s: ``(W, R, P)`` time per step in each phase.
+        phase_max_s: ``(W, R, P)`` longest single phase occurrence.
+        kernel_classes: kernel class names, the last axis of ``kernel_s``.
+        kernel_categories: category of each kernel class.
+        kernel_s: ``(W, R, K)`` kernel time per step of each class.
+        idle_s: ``(W, R)`` device-idle time per step.
+        idle_max_s: ``(W, R)`` longest per-step idle time.
+        sm_clock_hz: ``(W, R)`` mean SM clock (GPU health) or ``None`` when not reported.
+    """
+
+    job: str
+    window_s: float
+    window_end_unix_nano: np.ndarray
+    ranks: np.ndarray
+    hosts: tuple[str, ...]
+    pp_ranks: np.ndarray
+    step_count: FloatArray
+    step_s: FloatArray
+    step_max_s: FloatArray
+    phases: tuple[str, ...]
+    phase_s: FloatArray
+    phase_max_s: FloatArray
+    kernel_classes: tuple[str, ...]
+    kernel_categories: tuple[str, ...]
+    kernel_s: FloatArray
+    idle_s: FloatArray
+    idle_max_s: FloatArray
+    sm_clock_hz: FloatArray | None = None
+
+    @property
+    def n_windows(self) -> int:
+        return int(self.window_end_unix_nano.shape[0])
+
+    @property
+    def n_ranks(self) -> int:
+        return int(self.ranks.shape[0])
+
+    @property
+    def present(self) -> BoolArray:
+        """``(W, R)``: the rank reported at least one step in the window."""
+        return self.step_count > 0
+
+    def window_start_unix_nano(self, index: int) -> int:
+        return int(self.window_end_unix_nano[index]) - round(self.window_s * 1e9)
+
+    def category_s(self, category: str) -> FloatArray:
+        """``(W, R)`` kernel time per step of every class in ``category`` (NaN if none)."""
+        names = sorted(set(self.kernel_categories))
+        if category not in names:
+            return np.full(self.step_s.shape, np.nan)
+        cache = self.__dict__.setdefault("_category_cache", {})
+        if not cache:  # one pass over the (W, R, K) array for every category
+            one_hot = np.array(
+                [[float(c == name) for name in names] for c in self.kernel_categories]
+            )
+            totals = self.kernel_s @ one_hot
+            for column, name in enumerate(names):
+                cache[name] = np.ascontiguousarray(totals[:, :, column])
+        return np.asarray(cache[category])
+
+    def phase(self, name: str) -> FloatArray | None:
+        if name not in self.phases:
+            return None
+        return np.asarray(self.phase_s[:, :, self.phases.index(name)])
+
+
+def _series_rank(series: QuerySeries) -> int | None:
+    text = series.tags.get(_schema.RANK, "")
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+@dataclasses.dataclass
+class _Accumulator:
+    """Sums and maxima per (bin, rank[, key]) while parsing query results."""
+
+    n_bins: int
+    rank_index: dict[int, int]
+    keys: dict[str, int] = dataclasses.field(default_factory=dict)
+    rows: list[tuple[int, int, int, float, float, float]] = dataclasses.field(default_factory=list)
+
+    def add(
+        self, bin_index: int, rank: int, key: str, total: float, count: float, peak: float
+    ) -> None:
+        key_index = self.keys.setdefault(key, len(self.keys))
+        self.rows.append((bin_index, self.rank_index[rank], key_index, total, count, peak))
+
+    def arrays(self, n_ranks: int) -> tuple[FloatArray, FloatArray, FloatArray]:
+        shape = (self.n_bins, n_ranks, max(len(self.keys), 1))
+        total = np.zeros(shape)
+        count = np.zeros(shape)
+        peak = np.full(shape, np.nan)
+        if self.rows:
+            data = np.array(self.rows, dtype=np.float64)
+            index = (
+                data[:, 0].astype(np.int64),
+                data[:, 1].astype(np.int64),
+                data[:, 2].astype(np.int64),
+            )
+            np.add.at(total, index, data[:, 3])
+            np.add.at(count, index, data[:, 4])
+            np.fmax.at(peak, index, data[:, 5])
+        return total, count, peak
+
+
+def _number(value: object) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return math.nan
+
+
+def read_frame(
+    client: InfluxClient,
+    job: str,
+    *,
+    start_unix_nano: int,
+    end_unix_nano: int,
+    window_s: float | None = None,
+) -> JobFrame:
+    """Read one job's windows in ``[start, end]`` into a :class:`JobFrame`.
+
+    Args:
+        client: InfluxDB client on the stepwatch database.
+        job: value of ``stepwatch.job.id``.
+        start_unix_nano: first instant read (rounded down to a window boundary).
+        end_unix_nano: last instant read (inclusive).
+        window_s: analysis window; export windows whose end falls in it are merged. When
+            ``None``, derived from the data's export window (:func:`export_window_s`).
+
+    Raises:
+        ConfigError: bad range or window.
+        InfluxError: the query failed.
+    """
+    if window_s is not None and window_s <= 0:
+        raise ConfigError(f"window_s: must be positive, got {window_s}")
+    if end_unix_nano <= start_unix_nano:
+        raise ConfigError("end_unix_nano: must be after start_unix_nano")
+    # Read from one maximal window earlier so the first bin is complete once aligned.
+    where = (
+        f"{quote_ident(_schema.JOB_ID)} = {quote_literal(job)} "
+        f"AND time >= {start_unix_nano - round((window_s or 60.0) * 1e9)} "
+        f"AND time <= {end_unix_nano}"
+    )
+    rank_tag = quote_ident(_schema.RANK)
+    statements = [
+        f'SELECT "sum", "count", "max", "start_time_unix_nano" FROM '
+        f"{quote_ident(_schema.STEP_DURATION)} WHERE {where} "
+        f"GROUP BY {rank_tag}, {quote_ident(_schema.HOST_NAME)}, {quote_ident(_schema.PP_RANK)}",
+        f'SELECT "sum", "count", "max" FROM {quote_ident(_schema.PHASE_DURATION)} '
+        f"WHERE {where} GROUP BY {rank_tag}, {quote_ident(_schema.PHASE)}",
+        f'SELECT "sum", "count", "max" FROM {quote_ident(_schema.KERNEL_DURATION)} '
+        f"WHERE {where} GROUP BY {rank_tag}, {quote_ident(_schema.KERNEL_CLASS)}, "
+        f"{quote_ident(_schema.KERNEL_CATEGORY)}",
+        f'SELECT "sum", "count", "max" FROM {quote_ident(_schema.DEVICE_IDLE_DURATION)} '
+        f"WHERE {where} GROUP BY {rank_tag}",
+        f'SELECT "gauge" FROM {quote_ident(_schema.GPU_SM_CLOCK)} WHERE {where} '
+        f"GROUP BY {rank_tag}",
+    ]
+    results = client.query("; ".join(statements))
+    if window_s is None:
+        window_s = export_window_s(results)
+    window_ns = round(window_s * 1e9)
+    origin = (start_unix_nano // window_ns) * window_ns
+    n_bins = max(1, (end_unix_nano - origin) // window_ns + 1)
+    return frame_from_series(
+        job, results, origin_unix_nano=origin, n_bins=n_bins, window_s=window_s
+    )
+
+
+def export_window_s(results: Sequence[QuerySeries]) -> float:
+    """Analysis window for the data's median export window (``time - start_time_unix_nano``).
+
+    Exports of 1 s or more: the export window rounded to whole seconds. Sub-second exports
+    (a demo, a short job) drift by a large fraction of their length on a loaded host, so
+    a bin of exactly one export window would often hold none of a rank's exports and
+    another two: those are binned at twice the export window rounded to 50 ms (at most 1 s).
+    10 s when the data carries no export window.
+    """
+    lengths: list[int] = []
+    for series in results:
+        if series.name != _schema.STEP_DURATION or "start_time_unix_nano" not in series.columns:
+            continue
+        position = series.columns.index("start_time_unix_nano")
+        for row in series.values:
+            start = row[position]
+            if isinstance(start, int | float) and start > 0:
+                lengths.append(int(row[0]) - int(start))
+    if not lengths:
+        return 10.0
+    median_s = float(np.median(lengths)) / 1e9
+    if median_s >= 1.0:
+        return float(round(median_s))
+    return min(1.0, 2.0 * max(0.05, round(median_s * 20.0) / 20.0))
+
+
+def frame_from_series(
+    job: str,
+    results: Sequence[QuerySeries],
+    *,
+    origin_unix_nano: int,
+    n_bins: int,
+    window_s: float,
+) -> JobFrame:
+    """Build a :class:`JobFrame` from the series of :func:`read_frame`'s statements."""
+    window_ns = round(window_s * 1e9)
+    hosts: dict[int, str] = {}
+    pp: dict[int, int] = {}
+    ranks: set[int] = set()
+    for series in results:
+        rank = _series_rank(series)
+        if rank is None:
+            continue
+        ranks.add(rank)
+        if series.name == _schema.STEP_DURATION:
+            hosts[rank] = series.tags.get(_schema.HOST_NAME, "") or hosts.get(rank, "")
+            text = series.tags.get(_schema.PP_RANK, "")
+            if text.lstrip("-").isdigit():
+                pp[rank] = int(text)
+    ordered = sorted(ranks)
+    rank_index = {rank: index for index, rank in enumerate(ordered)}
+    step = _Accumulator(n_bins, rank_index)
+    phase = _Accumulator(n_bins, rank_index)
+    kernel = _Accumulator(n_bins, rank_index)
+    idle = _Accumulator(n_bins, rank_index)
+    clock = _Accumulator(n_bins, rank_index)
+    categories: dict[str, str] = {}
+    for series in results:
+        rank = _series_rank(series)
+        if rank is None:
+            continue
+        columns = series.columns
+        layout: tuple[str, ...]
+        if series.name == _schema.GPU_SM_CLOCK:
+            target, key, layout = clock, "clock", ("gauge",)
+        else:
+            layout = ("sum", "count", "max")
+            if series.name == _schema.STEP_DURATION:
+                target, key = step, "step"
+            elif series.name == _schema.PHASE_DURATION:
+                target, key = phase, series.tags.get(_schema.PHASE, "") or "other"
+            elif series.name == _schema.KERNEL_DURATION:
+                target = kernel
+                key = series.tags.get(_schema.KERNEL_CLASS, "") or "other"
+                categories[key] = series.tags.get(_schema.KERNEL_CATEGORY, "") or "other"
+            elif series.name == _schema.DEVICE_IDLE_DURATION:
+                target, key = idle, "idle"
+            else:
+                continue
+        positions = [columns.index(name) if name in columns else -1 for name in layout]
+        for row in series.values:
+            time_unix_nano = int(row[0])
+            bin_index = (time_unix_nano - origin_unix_nano) // window_ns
+            if not 0 <= bin_index < n_bins:
+                continue
+            numbers = [_number(row[p]) if p >= 0 else math.nan for p in positions]
+            if layout == ("gauge",):
+                value = numbers[0]
+                if math.isfinite(value):
+                    target.add(bin_index, rank, key, value, 1.0, value)
+                continue
+            total, count, peak = numbers
+            if not (math.isfinite(total) and math.isfinite(count)):
+                continue
+            target.add(bin_index, rank, key, total, count, peak)
+    n_ranks = len(ordered)
+    step_total, step_count, step_peak = step.arrays(n_ranks)
+    steps = step_count[:, :, 0]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_step = np.where(steps > 0, 1.0 / np.where(steps > 0, steps, 1.0), np.nan)
+    phase_names = tuple(phase.keys)
+    phase_total, _, phase_peak = phase.arrays(n_ranks)
+    kernel_names = tuple(kernel.keys)
+    kernel_total, _, _ = kernel.arrays(n_ranks)
+    idle_total, _, idle_peak = idle.arrays(n_ranks)
+    clock_total, clock_count, _ = clock.arrays(n_ranks)
+    sm_clock: FloatArray | None = None
+    if clock.keys:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            sm_clock = np.where(
+                clock_count[:, :, 0] > 0, clock_total[:, :, 0] / clock_count[:, :, 0], np.nan
+            )
+    phase_order = sorted(range(len(phase_names)), key=lambda i: _phase_rank(phase_names[i]))
+    kernel_order = sorted(range(len(kernel_names)), key=lambda i: kernel_names[i])
+    return JobFrame(
+        job=job,
+        window_s=window_s,
+        window_end_unix_nano=origin_unix_nano
+        + window_ns * np.arange(1, n_bins + 1, dtype=np.int64),
+        ranks=np.array(ordered, dtype=np.int64),
+        hosts=tuple(hosts.get(rank, "") for rank in ordered),
+        pp_ranks=np.array([pp.get(rank, -1) for rank in ordered], dtype=np.int64),
+        step_count=steps,
+        step_s=step_total[:, :, 0] * per_step,
+        step_max_s=np.where(steps > 0, step_peak[:, :, 0], np.nan),
+        phases=tuple(phase_names[i] for i in phase_order),
+        phase_s=(phase_total * per_step[:, :, None])[:, :, phase_order]
+        if phase_names
+        else np.zeros((n_bins, n_ranks, 0)),
+        phase_max_s=phase_peak[:, :, phase_order]
+        if phase_names
+        else np.zeros((n_bins, n_ranks, 0)),
+        kernel_classes=tuple(kernel_names[i] for i in kernel_order),
+        kernel_categories=tuple(categories[kernel_names[i]] for i in kernel_order),
+        kernel_s=(kernel_total * per_step[:, :, None])[:, :, kernel_order]
+        if kernel_names
+        else np.zeros((n_bins, n_ranks, 0)),
+        idle_s=idle_total[:, :, 0] * per_step if idle.keys else np.full(steps.shape, np.nan),
+        idle_max_s=np.where(steps > 0, idle_peak[:, :, 0], np.nan)
+        if idle.keys
+        else np.full(steps.shape, np.nan),
+        sm_clock_hz=sm_clock,
+    )
+
+
+def _phase_rank(name: str) -> tuple[int, str]:
+    known: Mapping[str, int] = {phase: index for index, phase in enumerate(_schema.PHASES)}
+    return (known.get(name, len(known)), name)
+
+
+def list_jobs(client: InfluxClient) -> list[str]:
+    """Every job id that has step windows stored."""
+    series = client.query(
+        f"SHOW TAG VALUES FROM {quote_ident(_schema.STEP_DURATION)} "
+        f"WITH KEY = {quote_ident(_schema.JOB_ID)}"
+    )
+    jobs: set[str] = set()
+    for item in series:
+        for row in item.values:
+            if len(row) >= 2:
+                jobs.add(str(row[1]))
+    return sorted(jobs)
+
+
+def job_time_range(client: InfluxClient, job: str) -> tuple[int, int] | None:
+    """First and last window end time of a job, or ``None`` when it has no data."""
+    where = f"{quote_ident(_schema.JOB_ID)} = {quote_literal(job)}"
+    measurement = quote_ident(_schema.STEP_DURATION)
+    series = client.query(
+        f'SELECT first("count") FROM {measurement} WHERE {where}; '
+        f'SELECT last("count") FROM {measurement} WHERE {where}'
+    )
+    times = [int(item.values[0][0]) for item in series if item.values]
+    if len(times) < 2:
+        return None
+    return min(times), max(times)

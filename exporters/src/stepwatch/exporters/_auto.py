@@ -1,0 +1,536 @@
+"""Auto mode: forward, backward, optimizer and DDP communication phases from torch hooks.
+
+One line, no change to the training loop::
+
+    monitor.instrument(model, optimizer)
+
+- forward: module forward pre-hook → forward hook of the top-level module (summed when the
+  model runs several times per step, e.g. gradient accumulation; the forward hook is
+  ``always_call``, so a forward that raises still closes the phase);
+- backward: from the moment the gradient reaches the model's output (a tensor hook on the
+  output, registered at the end of each forward) to the next ``optimizer.step()`` or forward
+  on the training thread (by then ``loss.backward()`` has returned, DDP's allreduce wait
+  included);
+- optimizer: ``Optimizer.register_step_pre_hook`` → ``register_step_post_hook``;
+- communication, by default: the *exposed* wait, from the moment the model's last gradient
+  is ready (a hook on its first parameter, whose gradient autograd produces last, which is
+  when DDP issues its last bucket) to the end of ``loss.backward()`` (DDP waits there for its
+  allreduces). DDP keeps its built-in C++ allreduce, so nothing is added per bucket: any
+  Python comm hook costs a Python call per bucket and, on CPU, one more pass over the
+  gradients to average them (DDP's reducer fuses that into its copy; ~1.6 ms per 1.2 M
+  parameters on this project's CPU bench). The rank that arrives last waits least;
+- communication with ``comm_hook`` (or ``collective_timing=True``): a DDP comm hook that
+  wraps the allreduce (the hook you pass, or a timed copy of the default one) and times each
+  bucket from the moment its collective is issued to its future's completion — transfer plus
+  waiting for the peers, also the part hidden under backward; the hook's own work before the
+  collective is not counted. The phase is the union of those intervals in the step;
+- data: time from the previous step's end to the next forward (auto steps only);
+- step boundary: the end of ``optimizer.step()``, unless the loop uses ``monitor.step()``
+  itself, in which case the hooks only add phases to those steps.
+
+Numerics are untouched: hooks return ``None`` (no gradient or output is replaced) and the
+comm hook returns the inner hook's own tensor.
+
+Cost on the training thread, measured by ``bench/hook_cost.py`` (one process, a 64-64-8
+MLP, a ~0.5 ms CPU step; process CPU time per step over no hooks, median of 300 interleaved
+rounds): about 52 µs per step for a plain module and 63 µs under DDP (1-rank gloo), down from
+73 and 83 µs. On a larger model the same hooks cost more (~110-160 µs per step at a
+1024-wide MLP, not yet explained; docs/exporters.md): ~1 % of a 22 ms step, ~0.1-0.2 % of an
+86 ms one. Where it goes, by elimination (empty hooks of
+each kind): leaving ``nn.Module._call_impl``'s hook-free fast path, ~10-30 µs (one slow path
+serves both module hooks); registering and calling an autograd hook on each step's output,
+~15-20 µs as done here (~30 µs through ``Tensor.register_hook``); the post-accumulate-grad
+hook ~7-10 µs (DDP); optimizer hooks and the hooks' own code a few µs. Hence:
+
+- the backward-start hook is put in the output's tensor-hook dict with the two calls
+  ``Tensor.register_hook`` makes (``_backward_hooks`` and the node's
+  ``_register_hook_dict``), not through it: its per-call ``OrderedDict`` and
+  ``RemovableHandle`` were ~14 µs of a step (a one-time probe at set-up falls back to
+  ``register_hook`` if a torch version changes those internals; tensor subclasses that
+  override torch functions still go through it). Same hook, same moment.
+  ``grad_fn.register_prehook`` builds the same two Python objects and measured no cheaper;
+- each hook reads the clock once (``time.perf_counter_ns`` itself with the system clock) and
+  the step boundary is one reading: the end of a step is the next one's start and the data
+  phase's start;
+- module hooks stay: replacing the model's ``forward`` on the instance keeps the fast path
+  (10-25 µs less) but is visible to code that inspects, wraps, copies or pickles the model
+  (``copy.deepcopy`` would copy a wrapper that still runs the original model); a global
+  module hook takes every submodule off the fast path (worse);
+- a deep copy of an instrumented model (an EMA copy) gets inert hooks instead of failing on
+  the monitor's lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from stepwatch.exporters._monitor import StepMonitor
+
+
+class Instrumentation:
+    """Handle for the hooks installed by :func:`instrument`; :meth:`remove` detaches them.
+
+    Attributes:
+        communication_timed: Whether a timing DDP comm hook is installed.
+    """
+
+    def __init__(self, state: _AutoState, handles: list[Any], *, communication_timed: bool) -> None:
+        self._state = state
+        self._handles = handles
+        self.communication_timed = communication_timed
+
+    def remove(self) -> None:
+        """Remove the module and optimizer hooks; the DDP comm hook becomes a pass-through."""
+        state = self._state
+        state.enabled = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        # The backward-start hook of a forward whose backward has not run yet.
+        pending_hooks, state.backward_hooks = state.backward_hooks, None
+        if pending_hooks is not None:
+            pending_hooks.pop(state.hook_key, None)
+        pending_handle, state.backward_handle = state.backward_handle, None
+        if pending_handle is not None:
+            pending_handle.remove()
+
+
+class _AutoState:
+    """Hook callbacks; they run on the training thread except the comm completion callbacks.
+
+    The per-step hooks read the clock once each and touch the monitor only through its
+    training-thread methods; whatever can be looked up once (the clock function, torch's
+    ``Tensor`` type and grad-mode query, the bound backward-start callback) is, at set-up.
+    """
+
+    def __init__(self, monitor: StepMonitor) -> None:
+        import torch
+
+        self.monitor = monitor
+        self.clock = monitor._clock
+        self.enabled = True
+        self.forward_depth = 0
+        self.forward_start_ns = 0
+        self.in_backward = False
+        self.backward_start_ns = 0
+        # The pending backward-start hook: the output's hook dict, or a handle (public API).
+        self.backward_hooks: dict[int, Any] | None = None
+        self.hook_key = -next(_HOOK_KEYS)
+        self.backward_handle: Any = None
+        self.optimizer_start_ns: int | None = None
+        self.data_start_ns: int | None = None
+        # Issue and completion times of this step's collectives. Appends come from the training
+        # thread (issue) and the comm library's completion thread; a list append is atomic
+        # under the GIL, and DDP waits for every chained completion callback before backward
+        # returns, so by optimizer.step() (where they are read and cleared) nothing appends.
+        self.comm_starts_ns: list[int] = []
+        self.comm_ends_ns: list[int] = []
+        self.clock_ns = _fast_monotonic_ns(self.clock)
+        self.last_gradient_ns: int | None = None  # exposed-wait timing (no comm hook)
+        self._tensor_type = torch.Tensor
+        self._grad_enabled = torch.is_grad_enabled
+        self._on_backward_start = self.backward_start
+        self._direct_tensor_hooks = _direct_tensor_hooks_work(torch)
+        self._has_torch_function = torch.overrides.has_torch_function_unary
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _AutoState:
+        """A deep copy of an instrumented model (an EMA copy, say) is not instrumented.
+
+        ``copy.deepcopy`` copies the model's hooks with their state; the copy's hooks get a
+        disabled state that does nothing (the monitor, its lock and thread are not copied).
+        """
+        inert = object.__new__(_AutoState)
+        inert.enabled = False
+        return inert
+
+    def forward_pre(self, module: Any, args: Any) -> None:
+        if not self.enabled:
+            return
+        try:
+            now = self.clock_ns()
+            if self.in_backward or self.last_gradient_ns is not None:
+                self._end_backward(now)  # gradient accumulation: the previous micro-batch ended
+            monitor = self.monitor
+            if not monitor._explicit_steps:
+                if monitor._step_depth == 0:
+                    monitor._begin_step(explicit=False, now_ns=now)
+                data_start = self.data_start_ns
+                if data_start is not None:
+                    monitor._add_phase_ns("data", now - data_start)
+                    self.data_start_ns = None
+            self.forward_depth += 1
+            if self.forward_depth == 1:
+                self.forward_start_ns = now
+        except Exception:
+            self.monitor._misuse("auto", "auto-mode forward pre-hook failed", exc_info=True)
+
+    def forward_post(self, module: Any, args: Any, output: Any) -> None:
+        if not self.enabled:
+            return
+        try:
+            depth = self.forward_depth
+            if depth != 1:
+                if depth > 1:
+                    self.forward_depth = depth - 1
+                return
+            self.forward_depth = 0
+            self.monitor._add_phase_ns("forward", self.clock_ns() - self.forward_start_ns)
+            if not self._grad_enabled():
+                return
+            tensor = (
+                output
+                if type(output) is self._tensor_type
+                else _first_grad_tensor(output, self._tensor_type)
+            )
+            if tensor is None or not tensor.requires_grad:
+                return
+            if self._direct_tensor_hooks and not self._has_torch_function(tensor):
+                # What Tensor.register_hook does, without the OrderedDict and RemovableHandle
+                # it builds per call (most of its cost in a step): our entry in the output's
+                # dict of tensor hooks, which autograd runs when the gradient reaches the
+                # output (before the output's node). A new dict is registered on the node (a
+                # leaf output has none); an existing one (the model's own hooks, or ours on
+                # a leaf output from the previous step) already is.
+                hooks = tensor._backward_hooks
+                if hooks is None:
+                    hooks = _HookDict()
+                    tensor._backward_hooks = hooks
+                    node = tensor.grad_fn
+                    if node is not None:
+                        node._register_hook_dict(tensor)
+                hooks[self.hook_key] = self._on_backward_start
+                self.backward_hooks = hooks
+            else:  # a tensor subclass that overrides torch functions decides itself
+                self.backward_handle = tensor.register_hook(self._on_backward_start)
+        except Exception:
+            self.monitor._misuse("auto", "auto-mode forward hook failed", exc_info=True)
+
+    def backward_start(self, grad: Any) -> None:
+        # A tensor hook on the model's output: the gradient has reached the model.
+        if not self.enabled or self.in_backward:
+            return
+        try:
+            self.backward_start_ns = self.clock_ns()
+            self.in_backward = True
+        except Exception:
+            self.monitor._misuse("auto", "auto-mode backward hook failed", exc_info=True)
+
+    def _end_backward(self, now_ns: int) -> None:
+        """Close an open backward phase at the next hook on the training thread.
+
+        ``loss.backward()`` returns (after DDP has waited for its allreduces) before the next
+        ``optimizer.step()`` or forward. Ending the phase there, rather than with an autograd
+        engine callback, keeps Python out of the autograd engine's final callbacks, which
+        measurably slowed DDP steps (about 5% on the CPU/gloo overhead bench).
+        """
+        monitor = self.monitor
+        if self.in_backward:
+            self.in_backward = False
+            monitor._add_phase_ns("backward", now_ns - self.backward_start_ns)
+        last_gradient = self.last_gradient_ns
+        if last_gradient is not None:
+            self.last_gradient_ns = None
+            if now_ns > last_gradient:
+                monitor._add_phase_ns("communication", now_ns - last_gradient)
+
+    def last_gradient(self, parameter: Any) -> None:
+        # A post-accumulate-grad hook on the parameter whose gradient comes last.
+        if self.enabled:
+            self.last_gradient_ns = self.clock_ns()
+
+    def optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.enabled:
+            return
+        try:
+            now = self.optimizer_start_ns = self.clock_ns()
+            if self.in_backward or self.last_gradient_ns is not None:
+                self._end_backward(now)
+        except Exception:
+            self.monitor._misuse("auto", "auto-mode optimizer pre-hook failed", exc_info=True)
+
+    def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.enabled:
+            return
+        try:
+            now = self.clock_ns()
+            monitor = self.monitor
+            start = self.optimizer_start_ns
+            if start is not None:
+                monitor._add_phase_ns("optimizer", now - start)
+                self.optimizer_start_ns = None
+            starts = self.comm_starts_ns
+            if starts:
+                ends = self.comm_ends_ns
+                monitor._add_phase_ns("communication", _union_ns(starts, ends))
+                starts.clear()
+                ends.clear()
+            if not monitor._explicit_steps and monitor._step_depth > 0:
+                # One clock read: this step's end is the next one's start and the data start.
+                monitor._end_step(explicit=False, now_ns=now)
+                monitor._begin_step(explicit=False, now_ns=now)
+                self.data_start_ns = now
+        except Exception:
+            self.monitor._misuse("auto", "auto-mode optimizer hook failed", exc_info=True)
+
+    def timed_comm_hook(self, inner: Any) -> Any:
+        """Your DDP comm hook ``inner``, with its collective timed from issue to completion."""
+        starts, done = self.comm_starts_ns, self._comm_done
+        clock_ns = self.clock_ns
+
+        def hook(state: Any, bucket: Any) -> Any:
+            future = inner(state, bucket)
+            if not self.enabled:
+                return future
+            # From the moment the collective is issued: the hook's own work before it (e.g.
+            # compression) is not communication, and a rank that reaches the collective late
+            # is the one that waits least in it (arrival order, as in ARGUS).
+            starts.append(clock_ns())
+            # Chained with then() (not add_done_callback) so DDP, which waits on the returned
+            # future, cannot finish backward before the completion time is recorded.
+            return future.then(done)
+
+        # DDP inspects the hook's annotations and accepts only none or the exact runtime types;
+        # with postponed annotations these are strings, so present an unannotated hook.
+        hook.__annotations__ = {}
+        return hook
+
+    def _comm_done(self, completed: Any) -> Any:
+        """Completion of a wrapped hook's future: its value, unchanged."""
+        self.comm_ends_ns.append(self.clock_ns())
+        return completed.value()
+
+    def timed_allreduce_hook(self, group: Any, *, divide_in_place: bool) -> Any:
+        """DDP's built-in allreduce as a Python hook, timed, with as little per bucket as can be.
+
+        Per bucket: one scaling pass, the collective issued on the process group directly (not
+        through ``dist.all_reduce``'s Python checks), one clock read and list append, and one
+        chained completion callback that appends the completion time and unwraps the tensor.
+        No closure, lock or tuple per bucket.
+
+        Numerics: DDP's built-in reducer scales each gradient by ``1 / world_size`` while
+        copying it into the bucket (``mul``), or divides the bucket view in place when
+        ``gradient_as_bucket_view`` made the gradient alias it; a registered comm hook gets the
+        unscaled copy. Scaling the bucket the same way, before the sum, keeps gradients
+        bit-identical to DDP without a hook for any world size (``div_``, as DDP's own Python
+        ``allreduce_hook`` does, differs in the last bit for world sizes that are not powers
+        of two). The price is one pass over the bucket that DDP fuses into its copy.
+        """
+        world_size = group.size()
+        scale = 1.0 / world_size
+        allreduce = group.allreduce
+        starts, done = self.comm_starts_ns, _allreduce_done_factory(self)
+        clock_ns = self.clock_ns
+
+        def hook(state: Any, bucket: Any) -> Any:
+            tensor = bucket.buffer()
+            if world_size > 1:
+                if divide_in_place:
+                    tensor.div_(world_size)
+                else:
+                    tensor.mul_(scale)
+            future = allreduce([tensor]).get_future()
+            if self.enabled:
+                starts.append(clock_ns())
+                return future.then(done)
+            return future.then(_first_value)
+
+        hook.__annotations__ = {}
+        return hook
+
+
+def _allreduce_done_factory(state: _AutoState) -> Any:
+    """The one completion callback of the timed allreduce (shared by every bucket)."""
+    ends, clock_ns = state.comm_ends_ns, state.clock_ns
+    append = ends.append
+
+    def done(completed: Any) -> Any:
+        append(clock_ns())
+        return completed.value()[0]
+
+    return done
+
+
+def _first_value(completed: Any) -> Any:
+    return completed.value()[0]
+
+
+def _fast_monotonic_ns(clock: Any) -> Any:
+    """``clock.monotonic_ns``, or the C function itself when it is the system clock."""
+    import time
+
+    from stepwatch.exporters._monitor import SystemClock
+
+    if type(clock) is SystemClock:
+        return time.perf_counter_ns
+    return clock.monotonic_ns
+
+
+def _union_ns(starts_ns: list[int], ends_ns: list[int]) -> int:
+    """Length of the union of intervals known only by their start and end times.
+
+    The pairing is not needed: a time is covered when more intervals have started than ended
+    by then. Starts without an end yet (still in flight) add nothing.
+    """
+    starts, ends = sorted(starts_ns), sorted(ends_ns)
+    total = active = opened_at = 0
+    next_start = next_end = 0
+    while next_start < len(starts) or next_end < len(ends):
+        if next_end >= len(ends) or (
+            next_start < len(starts) and starts[next_start] <= ends[next_end]
+        ):
+            if active == 0:
+                opened_at = starts[next_start]
+            active += 1
+            next_start += 1
+        else:
+            if active > 0:
+                active -= 1
+                if active == 0:
+                    total += ends[next_end] - opened_at
+            next_end += 1
+    return total
+
+
+# Keys of stepwatch's hooks in an output's tensor-hook dict, one per instrumentation (several
+# may hook one output); torch keys its hooks by RemovableHandle ids, which count up from 0.
+_HOOK_KEYS: Final = itertools.count(1)
+
+
+class _HookDict(dict[int, Any]):
+    """A tensor's hook dict: a dict that ``torch.utils.hooks.RemovableHandle`` can weakref."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _direct_tensor_hooks_work(torch: Any) -> bool:
+    """Whether a tensor hook registered the way ``_AutoState.forward_post`` does runs (probe).
+
+    The two calls are torch internals (what ``Tensor.register_hook`` itself does); should a
+    torch version change them, the public ``register_hook`` is used instead.
+    """
+    fired: list[Any] = []
+    try:
+        with torch.enable_grad():
+            leaf = torch.ones(1, requires_grad=True)
+            output = leaf * 2.0
+            output._backward_hooks = _HookDict({-1: fired.append})
+            output.grad_fn._register_hook_dict(output)
+            output.sum().backward()
+    except Exception:
+        return False
+    return len(fired) == 1
+
+
+def _first_grad_tensor(output: Any, tensor_type: Any) -> Any:
+    """The first tensor requiring grad in a (nested) forward output, or None."""
+    stack = [output]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, tensor_type):
+            if item.requires_grad:
+                return item
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return None
+
+
+def instrument(
+    monitor: StepMonitor,
+    model: Any,
+    optimizer: Any,
+    *,
+    comm_hook: Any = None,
+    comm_state: Any = None,
+    time_communication: bool = True,
+    collective_timing: bool = False,
+) -> Instrumentation:
+    """Install auto-mode hooks on ``model`` and ``optimizer`` (see the module docstring).
+
+    Args:
+        monitor: The monitor receiving the phases.
+        model: A ``torch.nn.Module`` (a ``DistributedDataParallel`` also gets comm timing).
+        optimizer: A ``torch.optim.Optimizer``.
+        comm_hook: Your own DDP comm hook ``hook(state, bucket) -> Future``; it is registered
+            wrapped by the timing hook (DDP accepts one comm hook, so pass it here instead of
+            calling ``register_comm_hook`` yourself). Default: the standard allreduce hook.
+        comm_state: State passed to ``comm_hook`` (default: the DDP process group).
+        time_communication: Time a DDP model's communication (see the module docstring).
+            ``False`` reports no communication phase.
+        collective_timing: Without ``comm_hook``, time every bucket's collective from issue
+            to completion with a timed copy of DDP's allreduce as a Python comm hook, instead
+            of the exposed wait with no comm hook. Any Python comm hook costs more than DDP's
+            built-in C++ allreduce: DDP calls into Python per bucket, the completion callback
+            takes the GIL on the comm library's thread, and averaging the bucket is one more
+            pass over the gradients (``bench/overhead.py --mode collective`` measures it):
+            noise on a GPU, several percent of a CPU step.
+
+    Returns:
+        A handle whose ``remove()`` detaches the hooks.
+
+    Raises:
+        ConfigError: ``model`` or ``optimizer`` is not a torch module / optimizer (raised at
+            set-up, before training).
+    """
+    from stepwatch.core._errors import ConfigError
+    from stepwatch.exporters._monitor import logger
+
+    try:
+        import torch
+    except ImportError as exc:
+        raise ConfigError("instrument() needs torch (pip install 'stepwatch[torch]')") from exc
+
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    state = _AutoState(monitor)
+    handles = [
+        model.register_forward_pre_hook(state.forward_pre),
+        # always_call: a forward that raises still closes the phase (else it stays open forever).
+        model.register_forward_hook(state.forward_post, always_call=True),
+        optimizer.register_step_pre_hook(state.optimizer_pre),
+        optimizer.register_step_post_hook(state.optimizer_post),
+    ]
+    communication_timed = False
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) and time_communication:
+        if comm_hook is None and collective_timing and getattr(model, "_comm_hooks", None):
+            logger.warning(
+                "the DDP model already has a comm hook and DDP accepts only one: collectives "
+                "are not timed one by one, the exposed wait is; pass your hook as "
+                "instrument(..., comm_hook=...) instead"
+            )
+            collective_timing = False
+        if comm_state is None:
+            comm_state = model.process_group
+        elif comm_hook is None and not (
+            hasattr(comm_state, "allreduce") and hasattr(comm_state, "size")
+        ):
+            raise ConfigError(
+                "comm_state must be a process group when no comm_hook is given, "
+                f"got {type(comm_state).__name__}"
+            )
+        if comm_hook is not None:
+            model.register_comm_hook(comm_state, state.timed_comm_hook(comm_hook))
+            communication_timed = True
+        elif collective_timing:
+            hook = state.timed_allreduce_hook(
+                comm_state,
+                divide_in_place=bool(getattr(model, "gradient_as_bucket_view", False)),
+            )
+            model.register_comm_hook(comm_state, hook)
+            communication_timed = True
+        else:
+            last = next((p for p in model.parameters() if p.requires_grad), None)
+            if last is not None:
+                register: Any = last.register_post_accumulate_grad_hook
+                handles.append(register(state.last_gradient))
+                communication_timed = True
+    return Instrumentation(state, handles, communication_timed=communication_timed)

@@ -1,0 +1,423 @@
+"""One export window: whole steps (and the kernels that ran in them) as OTLP ``MetricsData``.
+
+The exporter does not use the SDK's ``MeterProvider``: its collection cycle cannot align a
+window with step boundaries. :class:`WindowBuilder` aggregates the steps of one window into
+exponential histograms itself and emits SDK ``MetricsData`` (DELTA, one data point per series,
+window bounds as ``start_time_unix_nano``/``time_unix_nano``) that any SDK
+``MetricExporter`` (OTLP gRPC, OTLP HTTP, in-memory) exports unchanged.
+
+Cardinality is bounded by construction, which is why the SDK's default per-instrument
+cardinality limit (2000 series) is never relevant and can never be silently hit: a window holds
+one ``stepwatch.step.duration`` series, one ``stepwatch.step.last`` series, one
+``stepwatch.device.idle.duration`` series, at most ``max_phase_series`` phase series and at most
+``max_kernel_series`` kernel series (defaults 32 and 256). Phases or kernel classes past the cap
+are folded into ``other`` and counted in :attr:`WindowBuilder.overflow_observations`.
+
+Bytes on the wire (bench/kernel_bytes.py: under 1 KB gzipped per rank per step on the DLRM
+trace, every kernel class and every SCHEMA.md attribute kept): kernel histograms carry no
+``min``/``max`` (OTLP makes both optional; see :data:`DEFAULT_KERNEL_MIN_MAX`), their ``sum``
+carries 12 significant bits, metrics and kernel points are ordered so deflate finds repeats
+close by, and the scope has no version. Nothing else is approximated; buckets and counts are
+exact, and step, phase and idle histograms are sent exactly, ``min`` and ``max`` included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, cast
+
+from stepwatch.core import _schema
+from stepwatch.core._errors import ConfigError
+from stepwatch.exporters._histogram import FLOAT_BITS, ExponentialHistogram, HistogramSnapshot
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import Metric, MetricsData
+    from opentelemetry.sdk.resources import Resource
+
+# The instrumentation scope is "stepwatch" without a version: OTLP makes the version optional,
+# no reader stores either (the bridge ignores the scope), and on the one-step DLRM window the
+# longer name and the version cost 17 of ~1,000 gzipped bytes (bench/kernel_bytes.py).
+SCOPE_NAME = "stepwatch"
+OTHER = "other"
+DEFAULT_KERNEL_SIGNIFICANT_BITS = 12
+"""Significant bits of kernel histograms' sum/min/max on the wire: relative error at most
+2**-12 (0.024 %) for ``sum`` and below 2**-11 (0.049 %) for ``min`` (rounded down) and ``max``
+(rounded up), both under the detectors' 0.05 % noise floor and 100x under the 5 % fidelity
+budget; saves ~22 gzipped bytes per window on the DLRM trace (bench/kernel_bytes.py)."""
+
+DEFAULT_KERNEL_MIN_MAX = False
+"""Whether kernel histograms carry ``min``/``max``. Off by default: the populated buckets already
+bound every kernel duration within one bucket (4.4 % at the kernel scale 4), the bridge's
+p50/p90/p99 come from the buckets, a one-execution histogram's value is its ``sum`` (the bridge
+stores it as ``min`` and ``max``), and no detector reads kernel extremes; on the one-step DLRM
+window the two fields cost ~100 of ~1,080 gzipped bytes (bench/kernel_bytes.py). Step, phase and
+idle histograms always carry exact ``min``/``max``: the stall detectors read the longest step
+and phase."""
+
+# Metric descriptions are not sent: OTLP makes them optional, the bridge does not store them,
+# and on a one-step window they cost ~130 of ~1,250 gzipped bytes (bench/kernel_bytes.py).
+# docs/schema.md describes every metric.
+_DESCRIPTION = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelWindow:
+    """Kernel events of one export window, already classified.
+
+    Attributes:
+        durations_s: ``(kernel class, category)`` → one duration per execution, in seconds.
+        idle_durations_s: Device-idle gap time, one value per step, in seconds.
+    """
+
+    durations_s: Mapping[tuple[str, str], Sequence[float]]
+    idle_durations_s: Sequence[float] = ()
+
+
+class KernelSource(Protocol):
+    """A producer of kernel events (CUPTI, torch.profiler, a trace file) for a StepMonitor."""
+
+    def on_step_end(self, step_index: int) -> None:
+        """Mark a step boundary. Called on the training thread: O(1), never raises."""
+
+    def drain(self) -> KernelWindow:
+        """Kernel events since the previous drain. Called on the export thread."""
+
+    def close(self) -> None:
+        """Stop collecting and release resources."""
+
+
+def build_resource(
+    *,
+    job_id: str,
+    rank: int,
+    world_size: int,
+    host_name: str | None = None,
+    local_rank: int | None = None,
+    dp_rank: int | None = None,
+    tp_rank: int | None = None,
+    pp_rank: int | None = None,
+    service_name: str = "stepwatch",
+) -> Resource:
+    """The OTel resource of one rank of one job, with exactly the attributes of SCHEMA.md.
+
+    The resource is built directly (not with ``Resource.create``) so no SDK default or
+    ``OTEL_RESOURCE_ATTRIBUTES`` key sneaks in: every key is one the bridge turns into a tag.
+
+    Args:
+        job_id: The training run (``stepwatch.job.id``).
+        rank: Global rank.
+        world_size: Number of ranks.
+        host_name: Node name; ``socket.gethostname()`` when omitted.
+        local_rank: Rank within the node.
+        dp_rank: Data-parallel coordinate.
+        tp_rank: Tensor-parallel coordinate.
+        pp_rank: Pipeline-parallel coordinate.
+        service_name: ``service.name``.
+
+    Returns:
+        The resource.
+
+    Raises:
+        ConfigError: An argument is empty, negative or inconsistent (names the argument).
+    """
+    from opentelemetry.sdk.resources import Resource
+
+    if not isinstance(job_id, str) or not job_id:
+        raise ConfigError(f"job_id must be a non-empty string, got {job_id!r}")
+    _check_int("world_size", world_size, minimum=1)
+    _check_int("rank", rank, minimum=0)
+    if rank >= world_size:
+        raise ConfigError(f"rank must be < world_size ({world_size}), got {rank}")
+    if host_name is None:
+        host_name = socket.gethostname()
+    if not isinstance(host_name, str) or not host_name:
+        raise ConfigError(f"host_name must be a non-empty string, got {host_name!r}")
+    if not isinstance(service_name, str) or not service_name:
+        raise ConfigError(f"service_name must be a non-empty string, got {service_name!r}")
+    attributes: dict[str, str | int] = {
+        _schema.JOB_ID: job_id,
+        _schema.RANK: rank,
+        _schema.WORLD_SIZE: world_size,
+        _schema.HOST_NAME: host_name,
+    }
+    for name, key, value in (
+        ("local_rank", _schema.LOCAL_RANK, local_rank),
+        ("dp_rank", _schema.DP_RANK, dp_rank),
+        ("tp_rank", _schema.TP_RANK, tp_rank),
+        ("pp_rank", _schema.PP_RANK, pp_rank),
+    ):
+        if value is not None:
+            _check_int(name, value, minimum=0)
+            attributes[key] = value
+    attributes[_schema.SERVICE_NAME] = service_name
+    return Resource(attributes)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+class WindowBuilder:
+    """Aggregates whole steps and kernel events into the ``MetricsData`` of one window.
+
+    Owned by one thread (the export thread); not thread-safe.
+
+    Args:
+        resource: The rank's resource (see :func:`build_resource`).
+        max_scale: Finest exponential-histogram scale; histograms downscale from here.
+        max_size: Most buckets per histogram.
+        max_phase_series: Most distinct phases per window; more fold into ``other``.
+        max_kernel_series: Most ``(class, category)`` series per window; more fold into
+            ``("other", "other")``.
+        kernel_significant_bits: Significant bits kept in the ``sum``, ``min`` (rounded down)
+            and ``max`` (rounded up) of kernel histograms on the wire; 53 sends them exactly.
+            Step, phase and idle histograms are always sent exactly.
+        kernel_min_max: Send ``min``/``max`` on kernel histograms (see
+            :data:`DEFAULT_KERNEL_MIN_MAX`).
+
+    Raises:
+        ConfigError: An option is out of range.
+    """
+
+    def __init__(
+        self,
+        resource: Resource,
+        *,
+        max_scale: int = 5,
+        max_size: int = 160,
+        max_phase_series: int = 32,
+        max_kernel_series: int = 256,
+        kernel_significant_bits: int = DEFAULT_KERNEL_SIGNIFICANT_BITS,
+        kernel_min_max: bool = DEFAULT_KERNEL_MIN_MAX,
+    ) -> None:
+        ExponentialHistogram(max_scale=max_scale, max_size=max_size)  # validates both
+        if max_phase_series < 1:
+            raise ConfigError(f"max_phase_series must be >= 1, got {max_phase_series}")
+        if max_kernel_series < 1:
+            raise ConfigError(f"max_kernel_series must be >= 1, got {max_kernel_series}")
+        if (
+            isinstance(kernel_significant_bits, bool)
+            or not isinstance(kernel_significant_bits, int)
+            or not 1 <= kernel_significant_bits <= FLOAT_BITS
+        ):
+            raise ConfigError(
+                f"kernel_significant_bits must be an integer in [1, {FLOAT_BITS}], "
+                f"got {kernel_significant_bits!r}"
+            )
+        if not isinstance(kernel_min_max, bool):
+            raise ConfigError(f"kernel_min_max must be a bool, got {kernel_min_max!r}")
+        self._kernel_significant_bits = kernel_significant_bits
+        self._kernel_min_max = kernel_min_max
+        self._resource = resource
+        self._max_scale = max_scale
+        self._max_size = max_size
+        self._max_phase_series = max_phase_series
+        self._max_kernel_series = max_kernel_series
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self._scope = InstrumentationScope(SCOPE_NAME)
+        self.overflow_observations = 0
+        """Observations folded into ``other`` because a series cap was reached (cumulative)."""
+        self.rejected_observations = 0
+        """Durations refused for being negative, NaN or infinite (cumulative)."""
+        self._reset()
+
+    def _new_histogram(self) -> ExponentialHistogram:
+        return ExponentialHistogram(max_scale=self._max_scale, max_size=self._max_size)
+
+    def _reset(self) -> None:
+        self._steps = self._new_histogram()
+        self._idle = self._new_histogram()
+        self._phases: dict[str, ExponentialHistogram] = {}
+        self._kernels: dict[tuple[str, str], ExponentialHistogram] = {}
+        self._last_step: int | None = None
+
+    def _record(self, histogram: ExponentialHistogram, value: float) -> None:
+        if not histogram.record(value):
+            self.rejected_observations += 1
+
+    def add_step(
+        self, *, step_index: int, duration_s: float, phases_s: Mapping[str, float]
+    ) -> None:
+        """Add one finished step.
+
+        Args:
+            step_index: The step's index; the largest in the window becomes ``stepwatch.step.last``.
+            duration_s: Wall time of the step.
+            phases_s: Phase name → time spent in that phase during this step.
+        """
+        self._record(self._steps, duration_s)
+        if self._last_step is None or step_index > self._last_step:
+            self._last_step = step_index
+        for phase, seconds in phases_s.items():
+            histogram = self._phases.get(phase)
+            if histogram is None:
+                if len(self._phases) >= self._max_phase_series and phase != OTHER:
+                    self.overflow_observations += 1
+                    phase = OTHER
+                    histogram = self._phases.get(phase)
+                if histogram is None:
+                    histogram = self._phases[phase] = self._new_histogram()
+            self._record(histogram, seconds)
+
+    def add_kernels(self, window: KernelWindow) -> None:
+        """Add the kernel executions and device-idle gaps of a drained :class:`KernelWindow`."""
+        overflow = (OTHER, OTHER)
+        for key, durations in window.durations_s.items():
+            histogram = self._kernels.get(key)
+            if histogram is None:
+                if len(self._kernels) >= self._max_kernel_series and key != overflow:
+                    self.overflow_observations += len(durations)
+                    key = overflow
+                    histogram = self._kernels.get(key)
+                if histogram is None:
+                    histogram = self._kernels[key] = self._new_histogram()
+            self.rejected_observations += histogram.record_many(durations)
+        self.rejected_observations += self._idle.record_many(window.idle_durations_s)
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing was added since the last build."""
+        return (
+            self._steps.count == 0
+            and self._idle.count == 0
+            and not any(h.count for h in self._phases.values())
+            and not any(h.count for h in self._kernels.values())
+        )
+
+    def build(self, *, start_unix_nano: int, end_unix_nano: int) -> MetricsData | None:
+        """The window as ``MetricsData``; resets the builder.
+
+        Args:
+            start_unix_nano: Window start (the first step's start), Unix epoch nanoseconds.
+            end_unix_nano: Window end (the last step's end), Unix epoch nanoseconds.
+
+        Returns:
+            The metrics, or ``None`` when nothing was added since the last build.
+        """
+        from opentelemetry.sdk.metrics.export import (
+            Gauge,
+            Metric,
+            MetricsData,
+            NumberDataPoint,
+            ResourceMetrics,
+            ScopeMetrics,
+        )
+
+        if self.empty and self._last_step is None:
+            self._reset()
+            return None
+        end_unix_nano = max(end_unix_nano, start_unix_nano)
+        bounds = (start_unix_nano, end_unix_nano)
+        # Metric and point order is free in OTLP; this one is the smallest gzipped on the DLRM
+        # window (bench/kernel_bytes.py): the one-point histograms together, so deflate finds
+        # their shared bytes close by, and kernel points by total time, so neighbours have
+        # similar offsets, bucket runs and doubles.
+        metrics: list[Metric] = []
+        if self._steps.count:
+            metrics.append(
+                _histogram_metric(_schema.STEP_DURATION, [({}, self._steps.snapshot())], bounds)
+            )
+        if self._last_step is not None:
+            point = NumberDataPoint(
+                attributes={},
+                start_time_unix_nano=start_unix_nano,
+                time_unix_nano=end_unix_nano,
+                value=self._last_step,
+            )
+            metrics.append(
+                Metric(
+                    name=_schema.STEP_LAST,
+                    description=_DESCRIPTION,
+                    unit="{step}",
+                    data=Gauge(data_points=[point]),
+                )
+            )
+        if self._idle.count:
+            metrics.append(
+                _histogram_metric(
+                    _schema.DEVICE_IDLE_DURATION, [({}, self._idle.snapshot())], bounds
+                )
+            )
+        phases = [
+            ({_schema.PHASE: phase}, histogram.snapshot())
+            for phase, histogram in sorted(self._phases.items())
+            if histogram.count
+        ]
+        if phases:
+            metrics.append(_histogram_metric(_schema.PHASE_DURATION, phases, bounds))
+        bits = self._kernel_significant_bits
+        kernels = [
+            (
+                {_schema.KERNEL_CLASS: kernel_class, _schema.KERNEL_CATEGORY: category},
+                histogram.snapshot().with_significant_bits(bits),
+            )
+            for (kernel_class, category), histogram in sorted(self._kernels.items())
+            if histogram.count
+        ]
+        kernels.sort(key=lambda series: series[1].sum)  # stable: ties stay in (class, category)
+        if kernels:
+            metrics.append(
+                _histogram_metric(
+                    _schema.KERNEL_DURATION, kernels, bounds, min_max=self._kernel_min_max
+                )
+            )
+        self._reset()
+        return MetricsData(
+            resource_metrics=[
+                ResourceMetrics(
+                    resource=self._resource,
+                    scope_metrics=[ScopeMetrics(scope=self._scope, metrics=metrics, schema_url="")],
+                    schema_url="",
+                )
+            ]
+        )
+
+
+def _histogram_metric(
+    name: str,
+    series: Sequence[tuple[dict[str, str], HistogramSnapshot]],
+    bounds: tuple[int, int],
+    *,
+    min_max: bool = True,
+) -> Metric:
+    from opentelemetry.sdk.metrics.export import (
+        AggregationTemporality,
+        Buckets,
+        ExponentialHistogramDataPoint,
+        Metric,
+    )
+    from opentelemetry.sdk.metrics.export import ExponentialHistogram as OtelHistogram
+
+    # OTLP's min and max are optional fields; the SDK's encoder leaves them unset when None
+    # (its dataclass annotates them as float, hence the cast).
+    unset = cast(float, None)
+    points = []
+    for attributes, snap in series:
+        points.append(
+            ExponentialHistogramDataPoint(
+                attributes=attributes,
+                start_time_unix_nano=bounds[0],
+                time_unix_nano=bounds[1],
+                count=snap.count,
+                sum=snap.sum,
+                scale=snap.scale,
+                zero_count=snap.zero_count,
+                positive=Buckets(offset=snap.offset, bucket_counts=list(snap.bucket_counts)),
+                negative=Buckets(offset=0, bucket_counts=[]),
+                flags=0,
+                min=snap.min if min_max else unset,
+                max=snap.max if min_max else unset,
+            )
+        )
+    return Metric(
+        name=name,
+        description=_DESCRIPTION,
+        unit="s",
+        data=OtelHistogram(
+            data_points=points, aggregation_temporality=AggregationTemporality.DELTA
+        ),
+    )

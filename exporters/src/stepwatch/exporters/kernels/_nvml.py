@@ -1,0 +1,401 @@
+"""GPU health from NVML: gauges on semantic-convention names, XID errors as counts.
+
+The real calls (``pynvml`` from ``nvidia-ml-py``) sit behind :class:`NvmlBackend`;
+:class:`HealthSampler` reads every device on :meth:`~HealthSampler.sample` and turns the last
+readings of a window into OTel SDK ``MetricsData`` on :meth:`~HealthSampler.build`:
+
+| metric | instrument | unit | value |
+|---|---|---|---|
+| ``hw.gpu.utilization`` | gauge | 1 | SM busy ratio, 0..1 |
+| ``hw.gpu.memory.usage`` | gauge | By | device memory used |
+| ``hw.power`` | gauge | W | board power draw |
+| ``hw.temperature`` | gauge | Cel | GPU core temperature |
+| ``hw.errors`` | sum, DELTA, monotonic | {error} | new uncorrected ECC errors |
+| ``stepwatch.gpu.sm_clock`` | gauge | Hz | SM clock |
+| ``stepwatch.gpu.clock_event.reasons`` | gauge | 1 | bitmask; and 0/1 per reason (*) |
+| ``stepwatch.gpu.xid`` | sum, DELTA, monotonic | {event} | XIDs per ``stepwatch.gpu.xid.code`` |
+
+(*) one point per known reason, attribute ``stepwatch.gpu.clock_event.reason``.
+
+Every point carries ``hw.type=gpu``, ``hw.id`` (the GPU UUID, else its index) and ``hw.name``.
+Per-reason points are always sent (0 or 1) so "last value" queries never see a stale 1.
+
+Without a GPU or without ``pynvml`` the first failing call is logged once and the sampler
+produces nothing. NVML reference: https://docs.nvidia.com/deploy/nvml-api/
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from stepwatch.core import _schema
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import Metric, MetricsData, NumberDataPoint
+    from opentelemetry.sdk.resources import Resource
+
+_log = logging.getLogger(__name__)
+
+# nvmlClocksEventReasons bits (nvml.h, "ClocksEventReasons"; formerly ClocksThrottleReasons).
+CLOCK_EVENT_REASONS = (
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuReading:
+    """One reading of one GPU (``None`` where the device does not support a query).
+
+    Attributes:
+        index: NVML device index.
+        uuid: GPU UUID (``hw.id``); empty when unknown.
+        name: Product name (``hw.name``).
+        utilization_ratio: SM utilisation, 0..1.
+        memory_used_bytes: Device memory in use.
+        power_w: Board power draw, watts.
+        temperature_c: Core temperature, °C.
+        sm_clock_hz: SM clock, hertz.
+        clock_event_reasons: ``nvmlDeviceGetCurrentClocksEventReasons`` bitmask.
+        ecc_uncorrected_errors: Volatile uncorrected ECC error count (cumulative).
+    """
+
+    index: int
+    uuid: str = ""
+    name: str = ""
+    utilization_ratio: float | None = None
+    memory_used_bytes: int | None = None
+    power_w: float | None = None
+    temperature_c: float | None = None
+    sm_clock_hz: float | None = None
+    clock_event_reasons: int | None = None
+    ecc_uncorrected_errors: int | None = None
+
+
+class XidEvent(NamedTuple):
+    """An NVML ``XidCriticalError`` event."""
+
+    device_index: int
+    code: int
+
+
+class NvmlBackend(Protocol):
+    """The NVML calls the sampler makes; :class:`PynvmlBackend` is the real one."""
+
+    def device_count(self) -> int:
+        """Number of GPUs (initialises NVML on first use)."""
+
+    def read(self, index: int) -> GpuReading:
+        """One reading of device ``index``."""
+
+    def xid_events(self) -> Sequence[XidEvent]:
+        """XID events since the previous call, without blocking."""
+
+    def close(self) -> None:
+        """Release NVML."""
+
+
+class PynvmlBackend:
+    """:class:`NvmlBackend` on ``pynvml`` (``pip install nvidia-ml-py``)."""
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._handles: list[Any] = []
+        self._event_set: Any = None
+
+    def _init(self) -> Any:
+        if self._nvml is None:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            count = pynvml.nvmlDeviceGetCount()
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+            try:
+                event_set = pynvml.nvmlEventSetCreate()
+                for handle in self._handles:
+                    pynvml.nvmlDeviceRegisterEvents(
+                        handle, pynvml.nvmlEventTypeXidCriticalError, event_set
+                    )
+                self._event_set = event_set
+            except pynvml.NVMLError:
+                _log.info("NVML XID events not supported here; XID counts disabled")
+        return self._nvml
+
+    def device_count(self) -> int:
+        """Number of GPUs."""
+        self._init()
+        return len(self._handles)
+
+    def read(self, index: int) -> GpuReading:
+        """Query every supported field of one device."""
+        nvml = self._init()
+        handle = self._handles[index]
+
+        def query(call: Callable[[], Any]) -> Any:
+            try:
+                return call()
+            except nvml.NVMLError:
+                return None
+
+        def text(value: Any) -> str:
+            return value.decode() if isinstance(value, bytes) else str(value or "")
+
+        utilization = query(lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
+        memory = query(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+        power_mw = query(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
+        clock_mhz = query(lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
+        reasons_call = getattr(
+            nvml,
+            "nvmlDeviceGetCurrentClocksEventReasons",
+            getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None),
+        )
+        return GpuReading(
+            index=index,
+            uuid=text(query(lambda: nvml.nvmlDeviceGetUUID(handle))),
+            name=text(query(lambda: nvml.nvmlDeviceGetName(handle))),
+            utilization_ratio=None if utilization is None else utilization.gpu / 100.0,
+            memory_used_bytes=None if memory is None else int(memory.used),
+            power_w=None if power_mw is None else power_mw / 1000.0,
+            temperature_c=query(
+                lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+            ),
+            sm_clock_hz=None if clock_mhz is None else clock_mhz * 1e6,
+            clock_event_reasons=None
+            if reasons_call is None
+            else query(lambda: reasons_call(handle)),
+            ecc_uncorrected_errors=query(
+                lambda: nvml.nvmlDeviceGetTotalEccErrors(
+                    handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+                )
+            ),
+        )
+
+    def xid_events(self) -> Sequence[XidEvent]:
+        """Poll the event set with a zero timeout until it is empty."""
+        nvml = self._init()
+        if self._event_set is None:
+            return []
+        events: list[XidEvent] = []
+        while True:
+            try:
+                data = nvml.nvmlEventSetWait_v2(self._event_set, 0)
+            except nvml.NVMLError_Timeout:
+                return events
+            try:
+                index = int(nvml.nvmlDeviceGetIndex(data.device))
+            except nvml.NVMLError:
+                index = -1
+            events.append(XidEvent(index, int(data.eventData)))
+
+    def close(self) -> None:
+        """``nvmlEventSetFree`` and ``nvmlShutdown``."""
+        if self._nvml is not None:
+            if self._event_set is not None:
+                self._nvml.nvmlEventSetFree(self._event_set)
+            self._nvml.nvmlShutdown()
+            self._nvml = None
+
+
+class HealthSampler:
+    """Samples GPU health and builds a window of gauges and counts.
+
+    Args:
+        resource: The rank's resource (``build_resource``).
+        backend: NVML calls (default :class:`PynvmlBackend`).
+        devices: NVML indices to report (default: all).
+    """
+
+    def __init__(
+        self,
+        resource: Resource,
+        *,
+        backend: NvmlBackend | None = None,
+        devices: Sequence[int] | None = None,
+    ) -> None:
+        self._resource = resource
+        self._backend: NvmlBackend = backend if backend is not None else PynvmlBackend()
+        self._devices = None if devices is None else list(devices)
+        self._failed = False
+        self._last: dict[int, GpuReading] = {}
+        self._ecc_baseline: dict[int, int] = {}
+        self._ecc_delta: dict[int, int] = {}
+        self._xid_counts: dict[tuple[int, int], int] = {}
+
+    @property
+    def active(self) -> bool:
+        """False once NVML failed (the sampler is then a no-op)."""
+        return not self._failed
+
+    def sample(self) -> None:
+        """Read every device now and collect pending XID events; never raises."""
+        if self._failed:
+            return
+        try:
+            devices = self._devices
+            if devices is None:
+                devices = self._devices = list(range(self._backend.device_count()))
+            for index in devices:
+                reading = self._backend.read(index)
+                self._last[index] = reading
+                errors = reading.ecc_uncorrected_errors
+                if errors is not None:
+                    baseline = self._ecc_baseline.get(index, errors)
+                    self._ecc_delta[index] = self._ecc_delta.get(index, 0) + max(
+                        0, errors - baseline
+                    )
+                    self._ecc_baseline[index] = errors
+            for event in self._backend.xid_events():
+                key = (event.device_index, event.code)
+                self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
+        except Exception:
+            _log.warning("NVML unavailable; GPU health metrics disabled", exc_info=True)
+            self._failed = True
+
+    def build(self, *, start_unix_nano: int, end_unix_nano: int) -> MetricsData | None:
+        """The window's health metrics from the last readings; ``None`` when nothing was read.
+
+        Resets the error and XID counts (they are DELTA sums); gauges report the last reading.
+        """
+        from opentelemetry.sdk.metrics.export import (
+            AggregationTemporality,
+            Gauge,
+            Metric,
+            MetricsData,
+            NumberDataPoint,
+            ResourceMetrics,
+            ScopeMetrics,
+            Sum,
+        )
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        if not self._last:
+            return None
+        readings = [self._last[index] for index in sorted(self._last)]
+        self._last = {}
+
+        def point(reading: GpuReading, value: float, **extra: str) -> NumberDataPoint:
+            attributes: dict[str, str] = {
+                _schema.HW_TYPE: "gpu",
+                _schema.HW_ID: reading.uuid or str(reading.index),
+            }
+            if reading.name:
+                attributes[_schema.HW_NAME] = reading.name
+            attributes.update(extra)
+            return NumberDataPoint(
+                attributes=attributes,
+                start_time_unix_nano=start_unix_nano,
+                time_unix_nano=end_unix_nano,
+                value=value,
+            )
+
+        def gauge(name: str, unit: str, field: str) -> Metric | None:
+            points = [
+                point(reading, getattr(reading, field))
+                for reading in readings
+                if getattr(reading, field) is not None
+            ]
+            if not points:
+                return None
+            return Metric(name=name, description="", unit=unit, data=Gauge(data_points=points))
+
+        metrics: list[Metric] = []
+        for name, unit, field in (
+            (_schema.HW_GPU_UTILIZATION, "1", "utilization_ratio"),
+            (_schema.HW_GPU_MEMORY_USAGE, "By", "memory_used_bytes"),
+            (_schema.HW_POWER, "W", "power_w"),
+            (_schema.HW_TEMPERATURE, "Cel", "temperature_c"),
+            (_schema.GPU_SM_CLOCK, "Hz", "sm_clock_hz"),
+        ):
+            metric = gauge(name, unit, field)
+            if metric is not None:
+                metrics.append(metric)
+        reason_points = []
+        for reading in readings:
+            if reading.clock_event_reasons is None:
+                continue
+            mask = int(reading.clock_event_reasons)
+            reason_points.append(point(reading, mask))
+            for bit, reason in CLOCK_EVENT_REASONS:
+                reason_points.append(
+                    point(
+                        reading, 1 if mask & bit else 0, **{_schema.GPU_CLOCK_EVENT_REASON: reason}
+                    )
+                )
+        if reason_points:
+            metrics.append(
+                Metric(
+                    name=_schema.GPU_CLOCK_EVENT_REASONS,
+                    description="",
+                    unit="1",
+                    data=Gauge(data_points=reason_points),
+                )
+            )
+        by_index = {reading.index: reading for reading in readings}
+        error_points = [
+            point(by_index[index], self._ecc_delta.get(index, 0))
+            for index in sorted(by_index)
+            if by_index[index].ecc_uncorrected_errors is not None
+        ]
+        self._ecc_delta = {}
+        if error_points:
+            metrics.append(
+                _delta_sum(_schema.HW_ERRORS, "{error}", error_points, Sum, AggregationTemporality)
+            )
+        xid_points = [
+            point(
+                by_index.get(device, GpuReading(index=device)),
+                count,
+                **{_schema.GPU_XID_CODE: str(code)},
+            )
+            for (device, code), count in sorted(self._xid_counts.items())
+        ]
+        self._xid_counts = {}
+        if xid_points:
+            metrics.append(
+                _delta_sum(_schema.GPU_XID, "{event}", xid_points, Sum, AggregationTemporality)
+            )
+        scope = InstrumentationScope("stepwatch.exporters.kernels")
+        return MetricsData(
+            resource_metrics=[
+                ResourceMetrics(
+                    resource=self._resource,
+                    scope_metrics=[ScopeMetrics(scope=scope, metrics=metrics, schema_url="")],
+                    schema_url="",
+                )
+            ]
+        )
+
+    def close(self) -> None:
+        """Release NVML."""
+        try:
+            self._backend.close()
+        except Exception:
+            _log.debug("NVML close failed", exc_info=True)
+
+
+def _delta_sum(
+    name: str, unit: str, points: list[NumberDataPoint], sum_type: Any, temporality: Any
+) -> Metric:
+    from opentelemetry.sdk.metrics.export import Metric
+
+    return Metric(
+        name=name,
+        description="",
+        unit=unit,
+        data=sum_type(
+            data_points=points,
+            aggregation_temporality=temporality.DELTA,
+            is_monotonic=True,
+        ),
+    )

@@ -1,0 +1,555 @@
+"""CPU kernel source: ATen ops recorded by ``torch.profiler``, in cycles paid from a budget.
+
+Cost model (``bench/profiler_cost.py``, torch 2.13 CPU): while the profiler runs, every op pays
+its RecordFunction callbacks (+45 % on the bench's op-dense 4 ms MLP step); starting it costs
+~0.8 ms, stopping it ~2.9 µs per recorded op (Kineto materialises its result), and reading the
+events through ``kineto_results.events()`` ~3.6 µs per op on the export thread (against ~60 µs
+through ``prof.events()``). Profiling every step would cost tens of percent, so the source
+profiles ``active_steps`` consecutive steps per cycle and spaces the cycles out.
+
+How far apart is measured, not guessed. The source charges each cycle what it cost: on the
+training thread, the wall time from just before the profiler started to just after it stopped
+minus what those steps take unprofiled (the median of the recent unprofiled steps), plus the
+export thread's CPU time spent reading and summarising the cycle. It earns
+``overhead_budget`` × the time of every step and starts the next cycle only when the credit
+covers the predicted cost of one (a token bucket), so over a run the profiler's cost stays
+within the budget whatever the step looks like: op-dense CPU steps get long periods, steps of
+a few large ops short ones, bounded by ``min_period_steps`` and ``max_period_steps``. The
+first cycle is a one-step warm-up after ``min_period_steps`` steps: the first profiler run in
+a process pays Kineto's one-time set-up (hundreds of milliseconds on a large model), which is
+no guide to what later cycles cost, so it is reported (``warmup_cost_s``) and not charged to
+the budget. The second is a one-step probe ``min_period_steps`` later; its cost (the
+profiler's start once, the rest scaled to ``active_steps``) is the first prediction.
+:attr:`TorchProfilerSource.duty_cycle` reports the decision. A fixed ``period_steps`` turns
+the adaptation off (costs are still measured).
+
+Pauses of the training loop (evaluation, checkpoints, stalls: a step longer than 8 baseline
+steps) are not training time. One that falls between cycles earns no more budget than 8
+steps; one that falls inside a cycle would otherwise be charged to the profiler as hundreds of
+milliseconds of "overhead" and push the period to its ceiling, so that cycle is charged the
+predicted cost of its steps instead (the probe is simply run again) and counted in
+``duty_cycle.interrupted_cycles``. Such a cycle's ops are dropped unread: the profiler recorded
+the pause's work too (an evaluation pass's ops, say), which is not the training steps', and
+reading it would cost the export thread in proportion to the pause (400 ms for a 1.7 s pause
+on the overhead bench, charged to the budget, pinned the period at its ceiling).
+
+Start/stop happen on the training thread at step boundaries (the profiler's state belongs to
+the thread that started it); events are read on the export thread in
+:meth:`TorchProfilerSource.drain`.
+
+Timestamps: Kineto stamps CPU ops on the Unix-epoch clock in nanoseconds, the same clock as
+``time.time_ns()``, which is the default ``clock_ns`` for step boundaries.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
+
+from stepwatch.core._errors import ConfigError
+from stepwatch.exporters._window import KernelWindow
+from stepwatch.exporters.kernels._summary import (
+    DEFAULT_TOP_K,
+    KernelEvent,
+    KernelSummariser,
+    self_time_events,
+)
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_OVERHEAD_BUDGET = 0.001
+"""0.1 % of step time: a fifth of stepwatch's whole 0.5 % overhead goal (issue 3), the rest
+being the hooks (~60 µs per step), the monitor (~7 µs per step) and one export per second
+(~1–2 ms of the export thread); bench/overhead.py measures the sum."""
+DEFAULT_MIN_PERIOD_STEPS = 50
+DEFAULT_MAX_PERIOD_STEPS = 10_000
+_BASELINE_STEPS = 64  # unprofiled step durations kept for the baseline median
+_BASELINE_MIN_STEPS = 8  # fewer known steps: no cycle starts (nothing to compare against)
+_COST_SMOOTHING = 0.5  # weight of the newest cycle in the cost estimate
+_PAUSE_FACTOR = 8.0
+"""A step longer than this many baseline steps is a pause of the training loop (evaluation,
+a checkpoint, a stall, a loop that stopped calling ``step()``), not training: no profiler makes
+a step 8x slower, and a pause must neither pay for cycles nor be charged to one."""
+
+
+class OpRecord(NamedTuple):
+    """One CPU op as the profiler recorded it (Unix-epoch nanoseconds)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    thread_id: int
+
+
+class ProfilerBackend(Protocol):
+    """Starts and stops one profiling cycle (both on the training thread).
+
+    ``stop`` must be cheap beyond what the profiler itself costs: it returns a reader that the
+    export thread calls later to get the cycle's ops.
+    """
+
+    def start(self) -> None:
+        """Begin recording ops."""
+
+    def stop(self) -> Callable[[], Sequence[OpRecord]]:
+        """Stop recording; the returned callable yields the cycle's ops."""
+
+
+KINETO_LOG_LEVEL_QUIET = "6"
+"""Above every Kineto severity (VERBOSE 0 … ERROR 4, USDT 5): Kineto prints nothing."""
+
+
+class TorchProfilerBackend:
+    """:class:`ProfilerBackend` on ``torch.profiler.profile(activities=[CPU])``.
+
+    Args:
+        quiet_kineto: torch 2.13's Kineto writes two lines to stderr at every profiler start
+            and stop (``USDT:… profiler_start`` / ``profiler_stop``): from an always-on source,
+            two lines per cycle on every rank, forever. When ``KINETO_LOG_LEVEL`` is unset,
+            the first start sets it to :data:`KINETO_LOG_LEVEL_QUIET` (Kineto reads it once,
+            when the profiler first runs in the process, so it has no effect if something
+            profiled before). That also silences Kineto's own warnings and errors for the
+            process; this source reports its failures through ``logging`` itself. Set
+            ``KINETO_LOG_LEVEL`` yourself (or pass ``False``) to keep Kineto's output.
+    """
+
+    def __init__(self, *, quiet_kineto: bool = True) -> None:
+        self._profile: Any = None
+        self._quiet_kineto = quiet_kineto
+
+    def start(self) -> None:
+        """Start a fresh CPU-activity profile."""
+        from torch.profiler import ProfilerActivity, profile
+
+        if self._quiet_kineto:
+            self._quiet_kineto = False  # once: never touch the environment again
+            if "KINETO_LOG_LEVEL" not in os.environ:
+                os.environ["KINETO_LOG_LEVEL"] = KINETO_LOG_LEVEL_QUIET
+                _log.info(
+                    "KINETO_LOG_LEVEL=%s: Kineto's per-cycle log lines silenced (set "
+                    "KINETO_LOG_LEVEL to keep them)",
+                    KINETO_LOG_LEVEL_QUIET,
+                )
+
+        self._profile = profile(activities=[ProfilerActivity.CPU])
+        self._profile.start()
+
+    def stop(self) -> Callable[[], Sequence[OpRecord]]:
+        """Stop the profile; read its raw Kineto results later."""
+        current, self._profile = self._profile, None
+        if current is None:
+            return list
+        current.stop()
+        results = current.profiler.kineto_results
+        return lambda: read_kineto_ops(results)
+
+
+def read_kineto_ops(results: Any) -> list[OpRecord]:
+    """CPU ops of a ``torch._C._autograd._ProfilerResult`` via ``events()`` (the cheap path).
+
+    Skips user annotations (``record_function`` ranges, ``ProfilerStep#N``), Python function
+    events and non-CPU activity.
+    """
+    from torch._C._autograd import DeviceType
+
+    ops: list[OpRecord] = []
+    append = ops.append
+    cpu = DeviceType.CPU
+    events = results.events()
+    # Older torch builds may lack is_user_annotation / is_python_function; then only
+    # ProfilerStep#N is recognised (by name) and every other CPU event counts as an op.
+    sample = events[0] if events else None
+    has_flags = hasattr(sample, "is_user_annotation") and hasattr(sample, "is_python_function")
+    for event in events:
+        if event.device_type() != cpu:
+            continue
+        if has_flags and (event.is_user_annotation() or event.is_python_function()):
+            continue
+        name = event.name()
+        if name.startswith("ProfilerStep#"):
+            continue
+        append(OpRecord(name, event.start_ns(), event.end_ns(), event.start_thread_id()))
+    return ops
+
+
+def _take_until(
+    events: Sequence[KernelEvent], position: int, start_ns: int, end_ns: int
+) -> tuple[list[KernelEvent], int]:
+    """Events (sorted by start) starting in ``[start_ns, end_ns)`` from ``position`` on."""
+    taken = []
+    while position < len(events) and events[position].start_ns < end_ns:
+        if events[position].start_ns >= start_ns:
+            taken.append(events[position])
+        position += 1
+    return taken, position
+
+
+class ProfilerDutyCycle(NamedTuple):
+    """What :class:`TorchProfilerSource` decided, and what it measured.
+
+    Attributes:
+        active_steps: Consecutive steps profiled per cycle (the probe cycle profiles one).
+        period_steps: Steps from one cycle's start to the next: the fixed ``period_steps``, or
+            the period that keeps the predicted cycle cost within the budget (clamped to the
+            floor and ceiling).
+        adaptive: Whether the period follows the measured cost.
+        overhead_budget: Fraction of step time the profiler may cost (adaptive mode).
+        cycles: Cycles finished so far (the warm-up and the probe included).
+        baseline_step_s: Median of the recent unprofiled steps, or ``None`` before enough.
+        cycle_cost_s: Predicted cost of one cycle (training thread + export thread), or
+            ``None`` before the first cycle.
+        training_cost_s: Last cycle's measured cost on the training thread (start, stop and
+            the inflation of its profiled steps over the baseline).
+        drain_cost_s: Last cycle's export-thread CPU time (reading and summarising its ops).
+        spent_s: Total cost charged so far (both threads), the warm-up excluded.
+        warmup_cost_s: What the adaptive mode's first, one-step cycle cost (training thread
+            and export thread), or ``None`` before it ran: the profiler's one-time set-up.
+        expected_overhead: ``cycle_cost_s / (period_steps * baseline_step_s)``, the amortised
+            share of step time the current decision costs, or ``None`` before it is known.
+        within_budget: ``False`` when ``max_period_steps`` forced a cycle the credit did not
+            cover (the ceiling wins over the budget).
+        interrupted_cycles: Cycles during which the loop paused (a profiled step longer
+            than 8 baseline steps): charged the predicted cost of their steps instead of the
+            measured one, which is mostly the pause, and not used to predict.
+    """
+
+    active_steps: int
+    period_steps: int
+    adaptive: bool
+    overhead_budget: float
+    cycles: int
+    baseline_step_s: float | None
+    cycle_cost_s: float | None
+    training_cost_s: float | None
+    drain_cost_s: float | None
+    spent_s: float
+    expected_overhead: float | None
+    within_budget: bool
+    warmup_cost_s: float | None = None
+    interrupted_cycles: int = 0
+
+
+class _Cycle(NamedTuple):
+    read_ops: Callable[[], Sequence[OpRecord]]
+    start_ns: int
+    boundaries: list[tuple[int, int]]  # (step index, step end ns), in order
+    active_steps: int
+    charged_from_ns: int  # just before the profiler started: its start cost is charged too
+    warmup: bool = False  # the process's first profiler run: measured, not charged
+    interrupted: bool = False  # the loop paused inside it: dropped unread
+
+
+class TorchProfilerSource:
+    """A :class:`~stepwatch.exporters._window.KernelSource` of ATen CPU ops.
+
+    Args:
+        active_steps: Consecutive steps profiled per cycle.
+        period_steps: Profile on a fixed schedule instead: a cycle starts every
+            ``period_steps`` steps (``>= active_steps``; equal profiles every step), the first
+            at the first step boundary. ``None`` (default): the period follows the measured
+            cost (see the module docstring).
+        overhead_budget: Share of step time the profiler may cost, e.g. ``0.001`` = 0.1 %
+            (adaptive mode).
+        min_period_steps: Floor of the adaptive period, and the steps before the probe cycle.
+        max_period_steps: Ceiling of the adaptive period: a cycle starts at least this often
+            even if the budget has not earned it (reported in ``duty_cycle.within_budget``).
+        top_k: Kernel classes kept by name (see :class:`KernelSummariser`).
+        backend: Starts / stops the profiler (default :class:`TorchProfilerBackend`).
+        clock_ns: Clock of the step boundaries; must be the profiler's (Unix-epoch ns).
+        cpu_clock_ns: CPU-time clock of the calling thread, for the export thread's cost.
+        max_pending_cycles: Finished cycles kept for the next drain; older ones are dropped
+            (counted in :attr:`dropped_cycles`) if the export thread falls behind.
+
+    Raises:
+        ConfigError: An option is out of range (names it).
+    """
+
+    def __init__(
+        self,
+        *,
+        active_steps: int = 5,
+        period_steps: int | None = None,
+        overhead_budget: float = DEFAULT_OVERHEAD_BUDGET,
+        min_period_steps: int = DEFAULT_MIN_PERIOD_STEPS,
+        max_period_steps: int = DEFAULT_MAX_PERIOD_STEPS,
+        top_k: int = DEFAULT_TOP_K,
+        backend: ProfilerBackend | None = None,
+        clock_ns: Callable[[], int] = time.time_ns,
+        cpu_clock_ns: Callable[[], int] = time.thread_time_ns,
+        max_pending_cycles: int = 4,
+    ) -> None:
+        if active_steps < 1:
+            raise ConfigError(f"active_steps must be >= 1, got {active_steps}")
+        if period_steps is not None and period_steps < active_steps:
+            raise ConfigError(
+                f"period_steps must be >= active_steps ({active_steps}), got {period_steps}"
+            )
+        if not 0.0 < overhead_budget < 1.0:
+            raise ConfigError(f"overhead_budget must be in (0, 1), got {overhead_budget}")
+        if period_steps is None and min_period_steps <= active_steps:
+            raise ConfigError(
+                f"min_period_steps must be > active_steps ({active_steps}), got {min_period_steps}"
+            )
+        if max_period_steps < min_period_steps:
+            raise ConfigError(
+                f"max_period_steps must be >= min_period_steps ({min_period_steps}), "
+                f"got {max_period_steps}"
+            )
+        if max_pending_cycles < 1:
+            raise ConfigError(f"max_pending_cycles must be >= 1, got {max_pending_cycles}")
+        self._active_steps = active_steps
+        self._fixed_period = period_steps
+        self._budget = overhead_budget
+        self._min_period = min_period_steps
+        self._max_period = max_period_steps
+        self._backend: ProfilerBackend = backend if backend is not None else TorchProfilerBackend()
+        self._clock_ns = clock_ns
+        self._cpu_clock_ns = cpu_clock_ns
+        self._summariser = KernelSummariser(top_k=top_k)
+        self._pending: collections.deque[_Cycle] = collections.deque()
+        self._max_pending = max_pending_cycles
+        self._lock = threading.Lock()  # serialises drain() callers, never the training thread
+        self._running: _Cycle | None = None
+        self._disabled = False
+        self._closed = False
+        # Training-thread state.
+        self._last_boundary_ns: int | None = None
+        self._recent_ns: collections.deque[int] = collections.deque(maxlen=_BASELINE_STEPS)
+        self._baseline_ns: float | None = None
+        self._steps_since_start = 0  # step boundaries since the last cycle started
+        self._credit_ns = 0.0  # budget earned minus training-thread cost charged
+        self._training_spent_ns = 0.0
+        self._cycle_training_ns: float | None = None  # smoothed, per full cycle
+        self._last_training_ns: float | None = None
+        self._cycles = 0
+        self._warmup_ns: float | None = None
+        self._forced = False
+        self._interrupted = 0
+        # Export-thread state (written only by drain(), read by the training thread).
+        self._drain_spent_ns = 0
+        self._cycle_drain_ns: float | None = None  # smoothed, per full cycle
+        self._last_drain_ns: float | None = None
+        self.dropped_cycles = 0
+        """Finished cycles discarded because drain() fell behind (cumulative)."""
+
+    # ------------------------------------------------------------------ training thread
+    def on_step_end(self, step_index: int) -> None:
+        """Step boundary (training thread): O(1) except when a cycle starts or stops."""
+        if self._disabled:
+            return
+        try:
+            now = self._clock_ns()
+            running = self._running
+            if running is not None:
+                running.boundaries.append((step_index, now))
+                self._steps_since_start += 1
+                if len(running.boundaries) >= running.active_steps:
+                    stopped = self._finish_cycle(running)
+                    if self._fixed_period is not None and not self._closed and self._due():
+                        self._start_cycle(stopped)  # period == active_steps: back to back
+                return
+            last = self._last_boundary_ns
+            self._last_boundary_ns = now
+            self._steps_since_start += 1
+            if last is not None and now > last:
+                elapsed = now - last
+                self._recent_ns.append(elapsed)
+                baseline = self._baseline_ns
+                if baseline:  # a pause earns no budget: only training time does
+                    elapsed = min(elapsed, round(_PAUSE_FACTOR * baseline))
+                self._credit_ns += self._budget * elapsed
+            if self._closed or not self._due():
+                return
+            self._start_cycle(now)
+        except Exception:  # never raise into the training loop
+            _log.exception("torch.profiler kernel source failed; kernel collection disabled")
+            self._disabled = True
+            self._running = None
+
+    def _due(self) -> bool:
+        """Whether a cycle starts at this boundary."""
+        since = self._steps_since_start
+        if self._fixed_period is not None:
+            return self._cycles == 0 or since >= self._fixed_period
+        if since < self._min_period or len(self._recent_ns) < _BASELINE_MIN_STEPS:
+            return False
+        predicted = self._predicted_cycle_ns()
+        if predicted is None:  # the probe
+            return True
+        # Cycles not drained yet will cost the export thread too: reserve for them now.
+        drain = self._cycle_drain_ns
+        unpaid = len(self._pending) * drain if drain is not None else 0.0
+        if self._credit_ns - self._drain_spent_ns - unpaid >= predicted:
+            return True
+        if since >= self._max_period:
+            self._forced = True
+            return True
+        return False
+
+    def _start_cycle(self, now: int) -> None:
+        active = self._active_steps
+        warmup = self._fixed_period is None and self._cycles == 0
+        if self._fixed_period is None and self._cycle_training_ns is None:
+            active = 1  # the warm-up and the probe: the cheapest cycle there is
+        self._baseline_ns = statistics.median(self._recent_ns) if self._recent_ns else None
+        self._steps_since_start = 0
+        self._backend.start()
+        started = self._clock_ns()
+        self._running = _Cycle(list, started, [], active, now, warmup)
+
+    def _finish_cycle(self, running: _Cycle) -> int:
+        """Stop the profiler, queue the cycle, charge its cost; returns the time after stop."""
+        self._running = None
+        read_ops = self._backend.stop()
+        stopped = self._clock_ns()
+        self._last_boundary_ns = stopped  # the next step is timed from here
+        steps = len(running.boundaries)
+        baseline = self._baseline_ns if self._baseline_ns is not None else 0.0
+        paused = bool(baseline) and _longest_step_ns(running) > _PAUSE_FACTOR * baseline
+        interrupted = paused and not running.warmup
+        self._pending.append(running._replace(read_ops=read_ops, interrupted=interrupted))
+        while len(self._pending) > self._max_pending:
+            self._pending.popleft()
+            self.dropped_cycles += 1
+        cost = max(0.0, (stopped - running.charged_from_ns) - steps * baseline)
+        self._cycles += 1
+        if running.warmup:  # one-time set-up: reported, neither charged nor a prediction
+            self._warmup_ns = cost
+            self._last_training_ns = cost
+            return stopped
+        if interrupted:
+            # The loop paused inside the cycle: the measured time is mostly the pause's. Charge
+            # what its steps are predicted to cost (nothing for the probe, which runs again at
+            # the next boundary) and keep the prediction as it was. Its ops are dropped unread
+            # (see drain()).
+            self._interrupted += 1
+            predicted = self._cycle_training_ns
+            cost = 0.0 if predicted is None else predicted * min(1.0, steps / self._active_steps)
+            self._credit_ns += self._budget * steps * baseline - cost
+            self._training_spent_ns += cost
+            self._last_training_ns = cost
+            return stopped
+        self._credit_ns += self._budget * steps * baseline - cost
+        self._training_spent_ns += cost
+        self._last_training_ns = cost
+        # Scaled to a full cycle: the profiler's start is paid once per cycle, the rest (the
+        # profiled steps' inflation and the stop, which grows with the ops recorded) per step.
+        # Exact for full cycles; for the one-step probe an estimate that errs high.
+        start_cost = min(cost, max(0, running.start_ns - running.charged_from_ns))
+        full_cycle = start_cost + (cost - start_cost) * self._active_steps / steps
+        self._cycle_training_ns = _smooth(self._cycle_training_ns, full_cycle)
+        return stopped
+
+    def _predicted_cycle_ns(self) -> float | None:
+        training = self._cycle_training_ns
+        if training is None:
+            return None
+        drain = self._cycle_drain_ns
+        return training + (drain if drain is not None else 0.0)
+
+    # ------------------------------------------------------------------ export thread
+    def drain(self) -> KernelWindow:
+        """Ops of the cycles finished since the last drain, as one window (export thread)."""
+        with self._lock:
+            while self._pending:
+                cycle = self._pending.popleft()
+                if cycle.interrupted:
+                    # Everything the pause ran (an evaluation pass, a checkpoint) was recorded
+                    # too: reading it would cost the export thread in proportion to the pause,
+                    # and its ops are not training steps' ops. Dropped unread.
+                    continue
+                started = self._cpu_clock_ns()
+                try:
+                    ops = cycle.read_ops()
+                    self._add_cycle(cycle, ops)
+                except Exception:
+                    _log.exception("reading torch.profiler results failed; cycle dropped")
+                cost = max(0, self._cpu_clock_ns() - started)
+                self._last_drain_ns = float(cost)
+                if cycle.warmup:
+                    self._warmup_ns = (self._warmup_ns or 0.0) + cost
+                    continue
+                self._drain_spent_ns += cost
+                per_cycle = cost * self._active_steps / max(1, len(cycle.boundaries))
+                self._cycle_drain_ns = _smooth(self._cycle_drain_ns, per_cycle)
+            return self._summariser.drain()
+
+    def _add_cycle(self, cycle: _Cycle, ops: Sequence[OpRecord]) -> None:
+        own, top = self_time_events(ops)
+        own_position = top_position = 0
+        step_start = cycle.start_ns
+        for _step_index, step_end in cycle.boundaries:
+            events, own_position = _take_until(own, own_position, step_start, step_end)
+            busy, top_position = _take_until(top, top_position, step_start, step_end)
+            self._summariser.add_step(events, start_ns=step_start, end_ns=step_end, busy=busy)
+            step_start = step_end
+
+    # ------------------------------------------------------------------ reporting
+    @property
+    def duty_cycle(self) -> ProfilerDutyCycle:
+        """The current schedule decision and the measured costs (any thread)."""
+        baseline = self._baseline_ns
+        if baseline is None and len(self._recent_ns) >= _BASELINE_MIN_STEPS:
+            baseline = statistics.median(list(self._recent_ns))
+        predicted = self._predicted_cycle_ns()
+        if self._fixed_period is not None:
+            period = self._fixed_period
+        elif predicted is None or not baseline:
+            period = self._min_period
+        else:
+            needed = math.ceil(predicted / (self._budget * baseline)) + self._active_steps
+            period = min(self._max_period, max(self._min_period, needed))
+        expected = predicted / (period * baseline) if predicted is not None and baseline else None
+        return ProfilerDutyCycle(
+            active_steps=self._active_steps,
+            period_steps=period,
+            adaptive=self._fixed_period is None,
+            overhead_budget=self._budget,
+            cycles=self._cycles,
+            baseline_step_s=_seconds(baseline),
+            cycle_cost_s=_seconds(predicted),
+            training_cost_s=_seconds(self._last_training_ns),
+            drain_cost_s=_seconds(self._last_drain_ns),
+            spent_s=(self._training_spent_ns + self._drain_spent_ns) / 1e9,
+            expected_overhead=expected,
+            within_budget=not self._forced,
+            warmup_cost_s=_seconds(self._warmup_ns),
+            interrupted_cycles=self._interrupted,
+        )
+
+    def close(self) -> None:
+        """Stop a running cycle (its partial data is discarded) and collect nothing more."""
+        self._closed = True
+        if self._running is not None:
+            self._running = None
+            try:
+                self._backend.stop()
+            except Exception:
+                _log.exception("stopping torch.profiler failed")
+
+
+def _longest_step_ns(cycle: _Cycle) -> int:
+    """The longest profiled step of a cycle (the first one runs from the profiler's start)."""
+    longest, previous = 0, cycle.start_ns
+    for _, end_ns in cycle.boundaries:
+        longest = max(longest, end_ns - previous)
+        previous = end_ns
+    return longest
+
+
+def _smooth(previous: float | None, latest: float) -> float:
+    """Cost estimate: an exponential average that follows any rise at once."""
+    if previous is None:
+        return latest
+    return max(latest, (1.0 - _COST_SMOOTHING) * previous + _COST_SMOOTHING * latest)
+
+
+def _seconds(value_ns: float | None) -> float | None:
+    return None if value_ns is None else value_ns / 1e9

@@ -1,5 +1,0 @@
-import sys
-
-from stepwatch._cli import main
-
-sys.exit(main())
