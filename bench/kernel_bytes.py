@@ -1,7 +1,7 @@
 """Bytes per rank per step: raw Kineto trace vs what stepwatch puts on the wire and in InfluxDB.
 
 Run: ``.venv/bin/python bench/kernel_bytes.py [TRACE_DIR_OR_TAR]`` (default: the public 8-rank
-DLRM trace in ../shared/data/kineto). One window per step, built exactly as ``stepwatch ingest``
+DLRM trace in tests/data/kineto). One window per step, built exactly as ``stepwatch ingest``
 builds it. Prints, per configuration (histogram scale, top-K): OTLP protobuf bytes (the
 ``ExportMetricsServiceRequest`` body), the same gzip-compressed (what the OTLP exporters send with
 ``compression=gzip``), InfluxDB line-protocol bytes (via ``stepwatch.otel_bridge.convert_request``
@@ -21,7 +21,7 @@ from pathlib import Path
 from stepwatch.exporters.kernels import classify_kernel, ingest_traces, read_trace, trace_windows
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TAR = REPO.parent / "shared" / "data" / "kineto" / "param_dlrm_8rank" / "dlrm_kineto.tar.gz"
+DEFAULT_TAR = REPO / "tests" / "data" / "kineto" / "param_dlrm_8rank" / "dlrm_kineto.tar.gz"
 ARGUS_BYTES = 2.7e3
 
 

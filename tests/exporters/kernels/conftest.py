@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-SHARED_KINETO = REPO_ROOT.parent / "shared" / "data" / "kineto"
 DATA = REPO_ROOT / "tests" / "data" / "kineto"
 DLRM_RANK0 = DATA / "dlrm_worker0_step_12.pt.trace.json.gz"
 CPU_TRACE = DATA / "cpu_mlp_3steps.pt.trace.json.gz"
@@ -28,9 +27,9 @@ def cpu_trace() -> Path:
 
 @pytest.fixture(scope="session")
 def dlrm_traces(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """The 8 per-rank DLRM traces (MIT, Meta), extracted from shared/data."""
+    """The 8 per-rank DLRM traces (MIT, Meta), under tests/data (extracted once)."""
     target = tmp_path_factory.mktemp("dlrm")
-    with tarfile.open(SHARED_KINETO / "param_dlrm_8rank" / "dlrm_kineto.tar.gz") as archive:
+    with tarfile.open(DATA / "param_dlrm_8rank" / "dlrm_kineto.tar.gz") as archive:
         archive.extractall(target, filter="data")
     files = sorted(target.rglob("*.json"))
     assert len(files) == 8
@@ -39,5 +38,5 @@ def dlrm_traces(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 
 @pytest.fixture(scope="session")
 def hta_traces() -> list[Path]:
-    """The 2 sampled HTA traces (MIT, Meta), gzipped JSON in shared/data."""
-    return sorted((SHARED_KINETO / "hta_sampled_2rank").glob("*.json.gz"))
+    """The 2 sampled HTA traces (MIT, Meta), gzipped JSON under tests/data."""
+    return sorted((DATA / "hta_sampled_2rank").glob("*.json.gz"))

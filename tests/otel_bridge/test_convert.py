@@ -8,14 +8,6 @@ import os
 from pathlib import Path
 
 import pytest
-from bridge_otlp import (
-    counter,
-    explicit_histogram,
-    exponential_histogram,
-    gauge,
-    rank_resource,
-    request,
-)
 from google.protobuf import json_format
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -39,6 +31,14 @@ from stepwatch.otel_bridge import (
 )
 from stepwatch.otel_bridge._convert import Point
 from stepwatch.otel_bridge._decode import decode_body
+from tests.otel_bridge.otlp_requests import (
+    counter,
+    explicit_histogram,
+    exponential_histogram,
+    gauge,
+    rank_resource,
+    request,
+)
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("STEPWATCH_UPDATE_GOLDEN") == "1"

@@ -17,14 +17,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from bridge_otlp import (
-    RecordingWriter,
-    explicit_histogram,
-    gauge,
-    post,
-    request,
-    window_request,
-)
 from google.protobuf import json_format
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
@@ -46,6 +38,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from stepwatch.core import ConfigError, InfluxClient
 from stepwatch.core._influx import count_points, wait_until
 from stepwatch.otel_bridge import Bridge
+from tests.otel_bridge.otlp_requests import (
+    RecordingWriter,
+    explicit_histogram,
+    gauge,
+    post,
+    request,
+    window_request,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPORT_PATH = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"

@@ -6,17 +6,6 @@ import argparse
 import time
 
 import pytest
-from bridge_otlp import (
-    T0,
-    T1,
-    RecordingWriter,
-    counter,
-    explicit_histogram,
-    exponential_histogram,
-    gauge,
-    post,
-    request,
-)
 from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -28,6 +17,17 @@ from stepwatch.app._bridge_command import _seconds
 from stepwatch.core import ConfigError, InfluxClient
 from stepwatch.core._influx import count_points, wait_until
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer, convert_request
+from tests.otel_bridge.otlp_requests import (
+    T0,
+    T1,
+    RecordingWriter,
+    counter,
+    explicit_histogram,
+    exponential_histogram,
+    gauge,
+    post,
+    request,
+)
 
 SECOND = 1_000_000_000
 PROTO = {"Content-Type": "application/x-protobuf"}

@@ -15,7 +15,7 @@ from stepwatch.core import InfluxClient
 from stepwatch.core._influx import wait_until
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
 
 

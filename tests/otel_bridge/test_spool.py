@@ -6,12 +6,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from bridge_otlp import RecordingWriter, post, window_request
 
 from stepwatch.core import ConfigError, ManagedInfluxDB
 from stepwatch.core._influx import count_points, wait_until
 from stepwatch.otel_bridge import Bridge, BridgeMetrics, DiskSpool, InfluxV1Writer, MemorySpool
 from stepwatch.otel_bridge._forwarder import Forwarder
+from tests.otel_bridge.otlp_requests import RecordingWriter, post, window_request
 
 
 def spools(tmp_path: Path, *, max_bytes: int, overflow: str) -> list[DiskSpool | MemorySpool]:

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from bridge_otlp import post, window_request
 
 from stepwatch.core import ConfigError, InfluxError, InfluxUnavailableError
 from stepwatch.core._influx import wait_until
 from stepwatch.otel_bridge import Bridge, InfluxV2Writer
+from tests.otel_bridge.otlp_requests import post, window_request
 
 TOKEN = "v2-token"
 

@@ -27,8 +27,7 @@ from stepwatch.detectors._report import (
     render_html,
     write_report,
 )
-
-from .demo_data import DemoJob, write_demo
+from tests.detectors.demo_data import DemoJob, write_demo
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

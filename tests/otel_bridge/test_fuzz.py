@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from bridge_otlp import gauge, request
-
 from stepwatch.core import InfluxClient
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer, convert_request
+from tests.otel_bridge.otlp_requests import gauge, request
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "bridge_fuzz.py"
 

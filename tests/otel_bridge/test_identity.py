@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from bridge_otlp import T1, RecordingWriter, gauge, post, rank_resource, request, window_request
 from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -14,6 +13,15 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from stepwatch.core import ConfigError, InfluxClient
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer, convert_request
 from stepwatch.otel_bridge._identity import RankIdentityGuard, Verdict
+from tests.otel_bridge.otlp_requests import (
+    T1,
+    RecordingWriter,
+    gauge,
+    post,
+    rank_resource,
+    request,
+    window_request,
+)
 
 SECOND = 1_000_000_000
 PROTO = {"Content-Type": "application/x-protobuf"}

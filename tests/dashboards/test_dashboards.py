@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from stepwatch.core import InfluxClient
-
-from .demo_data import DemoJob, write_demo
+from tests.detectors.demo_data import DemoJob, write_demo
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 INTERVAL_S = 30
