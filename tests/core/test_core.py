@@ -27,6 +27,7 @@ def test_all_is_pinned() -> None:
         "StepwatchError",
         "TraceFormatError",
         "__version__",
+        "settings",
     ]
     for name in stepwatch.core.__all__:
         assert hasattr(stepwatch.core, name)
