@@ -16,12 +16,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from stepwatch.core import Diagnosis, ManagedInfluxDB  # noqa: E402
-from stepwatch.detectors._alertmanager import AlertmanagerSink  # noqa: E402
-from stepwatch.detectors._report import write_report  # noqa: E402
 from tests.operators.conftest import ManagedAlertmanager, WebhookReceiver  # noqa: E402
 from tests.operators.demo_data import write_demo  # noqa: E402
 from tests.operators.test_dashboards import all_queries, interpolate  # noqa: E402
+
+from stepwatch.core import Diagnosis, ManagedInfluxDB  # noqa: E402
+from stepwatch.detectors.report._report import write_report  # noqa: E402
+from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink  # noqa: E402
 
 
 def bench_influx(root: Path, ranks: int, windows: int) -> None:

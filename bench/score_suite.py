@@ -13,9 +13,9 @@ import sys
 import tempfile
 import time
 
-from stepwatch.detectors._analyse import analyse
-from stepwatch.detectors._evaluate import Score, score, summarise
-from stepwatch.detectors._suite import Scenario, suite
+from stepwatch.detectors.analysis._analyse import analyse
+from stepwatch.detectors.simulation._evaluate import Score, score, summarise
+from stepwatch.detectors.simulation._suite import Scenario, suite
 
 
 def run_in_memory(scenario: Scenario) -> Score:
@@ -30,8 +30,8 @@ def run_in_memory(scenario: Scenario) -> Score:
 
 def run_through_influx(scenarios: list[Scenario]) -> list[Score]:
     from stepwatch.core import ManagedInfluxDB
-    from stepwatch.detectors._runner import detect_job_findings
-    from stepwatch.detectors._simulate import write_direct
+    from stepwatch.detectors.service._runner import detect_job_findings
+    from stepwatch.detectors.simulation._simulate import write_direct
 
     results = []
     with tempfile.TemporaryDirectory() as directory, ManagedInfluxDB(directory) as server:

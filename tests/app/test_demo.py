@@ -21,8 +21,8 @@ from stepwatch.app._demo_job import DemoJobConfig
 from stepwatch.app._stack import LocalStack
 from stepwatch.core import ManagedInfluxDB, _schema
 from stepwatch.core._influx import QuerySeries
-from stepwatch.detectors._frame import export_window_s
-from stepwatch.detectors._stats import change_points, multiscale_outliers, sustained_outliers
+from stepwatch.detectors.frame._frame import export_window_s
+from stepwatch.detectors.stats._stats import change_points, multiscale_outliers, sustained_outliers
 
 STRAGGLER_KINDS = {"compute_straggler", "masked_straggler"}
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from stepwatch.core import Diagnosis, InfluxClient
 from stepwatch.core._lineproto import encode_point
-from stepwatch.detectors._sinks import InfluxDiagnosisSink
+from stepwatch.detectors.sinks._sinks import InfluxDiagnosisSink
 
 PHASES = ("data", "forward", "backward", "optimizer", "communication")
 KERNELS = {  # (class, category): (executions per step, median duration s)

@@ -13,7 +13,7 @@ import pytest
 from stepwatch.core import ConfigError, Diagnosis
 from stepwatch.core._errors import DeliveryError
 from stepwatch.core._http import HttpResponse
-from stepwatch.detectors._alertmanager import AlertmanagerSink, rfc3339
+from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink, rfc3339
 
 from .conftest import ManagedAlertmanager, WebhookReceiver
 

@@ -20,7 +20,7 @@ from stepwatch.detectors import (
     score,
     simulate,
 )
-from stepwatch.detectors._suite import suite
+from stepwatch.detectors.simulation._suite import suite
 
 CASES = [
     ("compute_straggler@150:5:1.3", 32, None),

@@ -13,8 +13,8 @@ from typing import Any
 
 from stepwatch.core import Diagnosis
 from stepwatch.core._http import HttpResponse
-from stepwatch.detectors._alertmanager import AlertmanagerSink
-from stepwatch.detectors._grafana import GrafanaAnnotationSink
+from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink
+from stepwatch.detectors.sinks._grafana import GrafanaAnnotationSink
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 NOW_NS = 1_800_000_000 * 10**9

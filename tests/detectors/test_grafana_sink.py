@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from stepwatch.core import ConfigError, Diagnosis, InfluxClient
 from stepwatch.core._errors import DeliveryError
 from stepwatch.core._http import HttpResponse
-from stepwatch.detectors._grafana import GrafanaAnnotationSink
+from stepwatch.detectors.sinks._grafana import GrafanaAnnotationSink
 
 TOKEN = "glsa_test_token"
 

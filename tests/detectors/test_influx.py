@@ -28,7 +28,7 @@ from stepwatch.detectors import (
     simulate,
     write_direct,
 )
-from stepwatch.detectors._simulate import iter_line_batches
+from stepwatch.detectors.simulation._simulate import iter_line_batches
 
 WINDOW_NS = 5_000_000_000
 

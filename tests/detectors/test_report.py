@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from stepwatch.app._cli import main as stepwatch_main
 from stepwatch.core import ConfigError, InfluxClient
-from stepwatch.detectors._report import (
+from stepwatch.detectors.report._report import (
     MAX_HEATMAP_RANKS,
     load_report_data,
     most_deviant,

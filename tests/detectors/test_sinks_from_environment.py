@@ -6,7 +6,7 @@ import pytest
 
 from stepwatch.core import ConfigError
 from stepwatch.detectors import AlertmanagerSink, GrafanaAnnotationSink
-from stepwatch.detectors._sinks import sinks_from_environment
+from stepwatch.detectors.sinks._sinks import sinks_from_environment
 
 
 def test_nothing_configured_means_no_extra_sinks() -> None:

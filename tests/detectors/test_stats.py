@@ -10,7 +10,7 @@ from statsmodels.stats.multitest import multipletests
 
 from stepwatch.core import ConfigError
 from stepwatch.detectors import benjamini_hochberg, change_points, cross_rank_outliers
-from stepwatch.detectors._stats import persistent, rolling_nanmean, safe_log
+from stepwatch.detectors.stats._stats import persistent, rolling_nanmean, safe_log
 
 
 def _job(seed: int, *, windows: int = 40, ranks: int = 64) -> np.ndarray:

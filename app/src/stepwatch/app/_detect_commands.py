@@ -62,7 +62,7 @@ def _resolve_influx(args: argparse.Namespace) -> None:
 
 def _extra_sinks(args: argparse.Namespace) -> list[Any]:
     """Alertmanager and Grafana sinks from the arguments, else the environment."""
-    from stepwatch.detectors._sinks import sinks_from_environment
+    from stepwatch.detectors.sinks._sinks import sinks_from_environment
 
     return list(
         sinks_from_environment(
@@ -77,8 +77,8 @@ def _extra_sinks(args: argparse.Namespace) -> list[Any]:
 
 def _detect(args: argparse.Namespace) -> int:
     from stepwatch.core._errors import ConfigError
-    from stepwatch.detectors._runner import IncrementalDetector, detect_job
-    from stepwatch.detectors._sinks import JsonLinesSink, format_table
+    from stepwatch.detectors.service._runner import IncrementalDetector, detect_job
+    from stepwatch.detectors.sinks._sinks import JsonLinesSink, format_table
 
     _resolve_influx(args)
     client = _client(args)
@@ -128,7 +128,7 @@ def _detect(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     from stepwatch.core._errors import ConfigError
-    from stepwatch.detectors._simulate import (
+    from stepwatch.detectors.simulation._simulate import (
         Fault,
         Topology,
         fault_summary,
@@ -183,9 +183,9 @@ def _simulate(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from stepwatch.core._diagnosis import Diagnosis
     from stepwatch.core._errors import ConfigError
-    from stepwatch.detectors._evaluate import score
-    from stepwatch.detectors._runner import detect_job_findings
-    from stepwatch.detectors._simulate import Truth
+    from stepwatch.detectors.service._runner import detect_job_findings
+    from stepwatch.detectors.simulation._evaluate import score
+    from stepwatch.detectors.simulation._simulate import Truth
 
     truth = Truth.read(args.truth)
     detected: dict[str, int] | None = None

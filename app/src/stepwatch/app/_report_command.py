@@ -89,7 +89,7 @@ def parse_moment(text: str, *, argument: str, now_unix_nano: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from stepwatch.core._influx import InfluxClient
-    from stepwatch.detectors._report import job_extent, write_report
+    from stepwatch.detectors.report._report import job_extent, write_report
 
     options = resolve(args, os.environ)
     client = InfluxClient(

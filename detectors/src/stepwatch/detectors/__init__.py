@@ -20,35 +20,33 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stepwatch.detectors._alertmanager import AlertmanagerSink
-    from stepwatch.detectors._analyse import (
+    from stepwatch.detectors.analysis._analyse import (
         DetectorConfig,
         Finding,
         analyse,
         diagnose,
     )
-    from stepwatch.detectors._evaluate import (
-        FaultScore,
-        Score,
-        SuiteSummary,
-        score,
-        summarise,
-    )
-    from stepwatch.detectors._frame import (
+    from stepwatch.detectors.frame._frame import (
         JobFrame,
         list_jobs,
         read_frame,
     )
-    from stepwatch.detectors._grafana import GrafanaAnnotationSink
-    from stepwatch.detectors._report import write_report
-    from stepwatch.detectors._runner import (
+    from stepwatch.detectors.report._report import write_report
+    from stepwatch.detectors.service._runner import (
         DetectorService,
         IncrementalDetector,
         PassResult,
         detect_job,
         detect_job_findings,
     )
-    from stepwatch.detectors._simulate import (
+    from stepwatch.detectors.simulation._evaluate import (
+        FaultScore,
+        Score,
+        SuiteSummary,
+        score,
+        summarise,
+    )
+    from stepwatch.detectors.simulation._simulate import (
         Fault,
         SimulatedJob,
         Topology,
@@ -58,14 +56,16 @@ if TYPE_CHECKING:
         simulate,
         write_direct,
     )
-    from stepwatch.detectors._sinks import (
+    from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink
+    from stepwatch.detectors.sinks._grafana import GrafanaAnnotationSink
+    from stepwatch.detectors.sinks._sinks import (
         InfluxDiagnosisSink,
         JsonLinesSink,
         MemorySink,
         Sink,
         read_diagnoses,
     )
-    from stepwatch.detectors._stats import (
+    from stepwatch.detectors.stats._stats import (
         ChangePoint,
         OutlierTest,
         benjamini_hochberg,
@@ -76,45 +76,45 @@ if TYPE_CHECKING:
 # Lazy façade (PEP 562): ``import stepwatch.app._detect_commands`` (the CLI) must not pull in
 # numpy, so the public names are imported on first use from their private modules.
 _EXPORTS: dict[str, str] = {
-    "DetectorConfig": "_analyse",
-    "Finding": "_analyse",
-    "analyse": "_analyse",
-    "diagnose": "_analyse",
-    "FaultScore": "_evaluate",
-    "Score": "_evaluate",
-    "SuiteSummary": "_evaluate",
-    "score": "_evaluate",
-    "summarise": "_evaluate",
-    "JobFrame": "_frame",
-    "list_jobs": "_frame",
-    "read_frame": "_frame",
-    "DetectorService": "_runner",
-    "IncrementalDetector": "_runner",
-    "PassResult": "_runner",
-    "detect_job": "_runner",
-    "detect_job_findings": "_runner",
-    "Fault": "_simulate",
-    "SimulatedJob": "_simulate",
-    "Topology": "_simulate",
-    "Truth": "_simulate",
-    "TruthFault": "_simulate",
-    "send_otlp": "_simulate",
-    "simulate": "_simulate",
-    "write_direct": "_simulate",
-    "InfluxDiagnosisSink": "_sinks",
-    "JsonLinesSink": "_sinks",
-    "MemorySink": "_sinks",
-    "Sink": "_sinks",
-    "read_diagnoses": "_sinks",
-    "ChangePoint": "_stats",
-    "OutlierTest": "_stats",
-    "benjamini_hochberg": "_stats",
-    "change_points": "_stats",
-    "cross_rank_outliers": "_stats",
+    "DetectorConfig": "analysis",
+    "Finding": "analysis",
+    "analyse": "analysis",
+    "diagnose": "analysis",
+    "FaultScore": "simulation",
+    "Score": "simulation",
+    "SuiteSummary": "simulation",
+    "score": "simulation",
+    "summarise": "simulation",
+    "JobFrame": "frame",
+    "list_jobs": "frame",
+    "read_frame": "frame",
+    "DetectorService": "service",
+    "IncrementalDetector": "service",
+    "PassResult": "service",
+    "detect_job": "service",
+    "detect_job_findings": "service",
+    "Fault": "simulation",
+    "SimulatedJob": "simulation",
+    "Topology": "simulation",
+    "Truth": "simulation",
+    "TruthFault": "simulation",
+    "send_otlp": "simulation",
+    "simulate": "simulation",
+    "write_direct": "simulation",
+    "InfluxDiagnosisSink": "sinks",
+    "JsonLinesSink": "sinks",
+    "MemorySink": "sinks",
+    "Sink": "sinks",
+    "read_diagnoses": "sinks",
+    "ChangePoint": "stats",
+    "OutlierTest": "stats",
+    "benjamini_hochberg": "stats",
+    "change_points": "stats",
+    "cross_rank_outliers": "stats",
     # Sinks and the report written by the operators' side of detectors/.
-    "AlertmanagerSink": "_alertmanager",
-    "GrafanaAnnotationSink": "_grafana",
-    "write_report": "_report",
+    "AlertmanagerSink": "sinks",
+    "GrafanaAnnotationSink": "sinks",
+    "write_report": "report",
 }
 
 __all__ = [

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 
 from stepwatch.core._schema import DIAGNOSIS_KINDS
-from stepwatch.detectors._simulate import Fault, SimulatedJob, Topology, simulate
+from stepwatch.detectors.simulation._simulate import Fault, SimulatedJob, Topology, simulate
 
 FAULT_KINDS = DIAGNOSIS_KINDS
 SEVERITIES = (1.05, 1.1, 1.2, 1.5, 2.0, 3.0)

@@ -26,13 +26,13 @@ import numpy as np
 
 from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._errors import ConfigError
-from stepwatch.detectors._frame import (
+from stepwatch.detectors.frame._frame import (
     COMMUNICATION_CATEGORY,
     COMPUTE_CATEGORY,
     COMPUTE_PHASES,
     JobFrame,
 )
-from stepwatch.detectors._stats import (
+from stepwatch.detectors.stats._stats import (
     BoolArray,
     FloatArray,
     change_points,

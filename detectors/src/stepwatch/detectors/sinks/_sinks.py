@@ -217,8 +217,8 @@ def sinks_from_environment(
     Raises:
         ConfigError: a Grafana URL without a token, or a malformed URL (names it).
     """
-    from stepwatch.detectors._alertmanager import AlertmanagerSink
-    from stepwatch.detectors._grafana import GrafanaAnnotationSink
+    from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink
+    from stepwatch.detectors.sinks._grafana import GrafanaAnnotationSink
 
     overrides = {
         "STEPWATCH_ALERTMANAGER_URL": alertmanager_url,

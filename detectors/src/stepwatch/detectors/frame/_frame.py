@@ -17,7 +17,7 @@ import numpy as np
 from stepwatch.core import _schema
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._influx import InfluxClient, QuerySeries, quote_ident, quote_literal
-from stepwatch.detectors._stats import BoolArray, FloatArray
+from stepwatch.detectors.stats._stats import BoolArray, FloatArray
 
 #: Kernel categories whose time counts as "compute" for straggler blame.
 COMPUTE_CATEGORY = "compute"

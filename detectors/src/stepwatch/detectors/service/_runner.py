@@ -23,9 +23,9 @@ from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._errors import ConfigError, StepwatchError
 from stepwatch.core._influx import InfluxClient
 from stepwatch.core._lineproto import encode_point
-from stepwatch.detectors._analyse import DetectorConfig, Finding, analyse
-from stepwatch.detectors._frame import list_jobs, read_frame
-from stepwatch.detectors._sinks import Sink, diagnosis_line, read_diagnoses
+from stepwatch.detectors.analysis._analyse import DetectorConfig, Finding, analyse
+from stepwatch.detectors.frame._frame import list_jobs, read_frame
+from stepwatch.detectors.sinks._sinks import Sink, diagnosis_line, read_diagnoses
 
 _log = logging.getLogger(__name__)
 

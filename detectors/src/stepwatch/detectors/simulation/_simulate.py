@@ -29,8 +29,8 @@ import numpy as np
 from stepwatch.core._diagnosis import format_time, parse_time
 from stepwatch.core._errors import ConfigError, StepwatchError
 from stepwatch.core._schema import DIAGNOSIS_KINDS
-from stepwatch.detectors._frame import JobFrame
-from stepwatch.detectors._stats import FloatArray
+from stepwatch.detectors.frame._frame import JobFrame
+from stepwatch.detectors.stats._stats import FloatArray
 
 RANKS_PER_HOST = 8
 DEFAULT_START_UNIX_NANO = 1_795_291_200_000_000_000  # 2026-11-21T20:00:00Z, window-aligned

@@ -367,7 +367,7 @@ def read_findings(
     client: InfluxClient, job: str, *, start_unix_nano: int, end_unix_nano: int
 ) -> list[Diagnosis]:
     """Findings of ``job`` stored in ``stepwatch.diagnosis`` that overlap the range."""
-    from stepwatch.detectors._sinks import read_diagnoses
+    from stepwatch.detectors.sinks._sinks import read_diagnoses
 
     try:
         stored = read_diagnoses(client, job)

@@ -29,7 +29,7 @@ from stepwatch.core._errors import ConfigError, DeliveryError, InfluxError
 from stepwatch.core._http import HttpTransport, UrllibTransport, check_base_url, send_json
 from stepwatch.core._influx import InfluxClient, quote_ident, quote_literal
 from stepwatch.core._lineproto import encode_point
-from stepwatch.detectors._alertmanager import describe
+from stepwatch.detectors.sinks._alertmanager import describe
 
 logger = logging.getLogger(__name__)
 
