@@ -1,10 +1,11 @@
 """stepwatch.detectors.frame: one job's windows as arrays (windows × ranks × metrics)."""
 
 from stepwatch.core._facade import publish
-from stepwatch.detectors.frame._frame import JobFrame, list_jobs, read_frame
+from stepwatch.detectors.frame._frame import JobFrame, job_time_range, list_jobs, read_frame
 
 __all__ = [
     "JobFrame",
+    "job_time_range",
     "list_jobs",
     "read_frame",
 ]

@@ -377,14 +377,24 @@ def list_jobs(client: InfluxClient) -> list[str]:
 
 
 def job_time_range(client: InfluxClient, job: str) -> tuple[int, int] | None:
-    """First and last window end time of a job, or ``None`` when it has no data."""
+    """The span of a job's data: its first window's start and its last window's end.
+
+    Args:
+        client: the InfluxDB holding the job.
+        job: the ``stepwatch.job.id``.
+
+    Returns:
+        ``(start, end)`` in Unix nanoseconds, or ``None`` when the job has no windows.
+    """
     where = f"{quote_ident(_schema.JOB_ID)} = {quote_literal(job)}"
     measurement = quote_ident(_schema.STEP_DURATION)
     series = client.query(
-        f'SELECT first("count") FROM {measurement} WHERE {where}; '
+        f"SELECT min({quote_ident('start_time_unix_nano')}) FROM {measurement} WHERE {where}; "
         f'SELECT last("count") FROM {measurement} WHERE {where}'
     )
-    times = [int(item.values[0][0]) for item in series if item.values]
-    if len(times) < 2:
+    if len(series) < 2 or not series[0].values or not series[1].values:
         return None
-    return min(times), max(times)
+    first_start, last_end = series[0].values[0][1], series[1].values[0][0]
+    if first_start is None or last_end is None:
+        return None
+    return int(first_start), int(last_end)
