@@ -19,11 +19,12 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from stepwatch.app._demo import job_time_range, run_demo_job, write_outputs
+from stepwatch.app._demo import run_demo_job, write_outputs
 from stepwatch.app._demo_job import DemoJobConfig
 from stepwatch.app._stack import LocalStack
 from stepwatch.core import ManagedInfluxDB
 from stepwatch.core._diagnosis import Diagnosis
+from stepwatch.detectors.frame import job_time_range
 
 FAULT_RANK = 2
 FAULT_HOST_SUFFIX = f"-node{FAULT_RANK // 2}"

@@ -16,11 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch.app._demo import job_time_range, run_demo_job, write_outputs
+from stepwatch.app._demo import run_demo_job, write_outputs
 from stepwatch.app._demo_job import DemoJobConfig
 from stepwatch.app._stack import LocalStack
 from stepwatch.core import ManagedInfluxDB, _schema
 from stepwatch.core._influx import QuerySeries
+from stepwatch.detectors.frame import job_time_range
 from stepwatch.detectors.frame._frame import export_window_s
 from stepwatch.detectors.stats._stats import change_points, multiscale_outliers, sustained_outliers
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,9 @@ INTERVAL_S = 30
 
 
 def load_generator() -> ModuleType:
+    # generate.py imports its sibling panels.py, as when it runs as a script.
+    if str(DASHBOARDS) not in sys.path:
+        sys.path.insert(0, str(DASHBOARDS))
     spec = importlib.util.spec_from_file_location(
         "stepwatch_dashboards", DASHBOARDS / "generate.py"
     )

@@ -12,7 +12,7 @@ from typing import Any
 from stepwatch.app._demo_job import DemoJobConfig, launch
 from stepwatch.core._errors import StepwatchError
 from stepwatch.core._influx import InfluxClient, quote_ident, quote_literal, wait_until
-from stepwatch.core._schema import JOB_ID, PHASE, PHASE_DURATION, RANK, STEP_DURATION, STEP_LAST
+from stepwatch.core._schema import JOB_ID, PHASE, PHASE_DURATION, RANK, STEP_LAST
 
 logger = logging.getLogger(__name__)
 
@@ -95,23 +95,6 @@ def summarize(client: InfluxClient, job: str, *, write_bytes: int | None = None)
         last_step_by_rank=last_steps(client, job),
         write_bytes=write_bytes,
     )
-
-
-def job_time_range(client: InfluxClient, job: str) -> tuple[int, int] | None:
-    """First window start and last window end of ``job`` in Unix ns (None: no data)."""
-    series = client.query(
-        f"SELECT min({quote_ident('start_time_unix_nano')}), max({quote_ident('count')}) "
-        f"FROM {quote_ident(STEP_DURATION)} WHERE {quote_ident(JOB_ID)} = {quote_literal(job)}; "
-        f"SELECT last({quote_ident('count')}) FROM {quote_ident(STEP_DURATION)} "
-        f"WHERE {quote_ident(JOB_ID)} = {quote_literal(job)}"
-    )
-    if len(series) < 2 or not series[0].values or not series[1].values:
-        return None
-    first_start = series[0].values[0][1]
-    last_end = series[1].values[0][0]
-    if first_start is None or last_end is None:
-        return None
-    return int(first_start), int(last_end)
 
 
 def wait_for_job(

@@ -7,20 +7,23 @@ detector service, all in one process tree on loopback, stopped together.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from stepwatch.core import settings
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._influx import InfluxClient, ManagedInfluxDB
 from stepwatch.core._schema import DEFAULT_DATABASE
 
 
-def default_data_dir() -> Path:
-    """``$STEPWATCH_DATA_DIR``, else ``$XDG_DATA_HOME/stepwatch``, else ~/.local/share/stepwatch."""
-    explicit = os.environ.get("STEPWATCH_DATA_DIR")
+def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """``settings.DATA_DIR``, else ``$XDG_DATA_HOME/stepwatch``, else ~/.local/share/stepwatch."""
+    env = os.environ if environ is None else environ
+    explicit = settings.DATA_DIR.resolve(None, env)
     if explicit:
         return Path(explicit)
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    base = settings.XDG_DATA_HOME.resolve(None, env) or str(Path.home() / ".local" / "share")
     return Path(base) / "stepwatch"
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stepwatch.core import settings
 from stepwatch.core._durations import parse_duration_s
 
 
@@ -83,13 +84,15 @@ def _add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--influx-url",
-        default=os.environ.get("STEPWATCH_INFLUX_URL"),
-        help="use this InfluxDB (v1 API) instead of starting one ($STEPWATCH_INFLUX_URL)",
+        default=None,
+        help="use this InfluxDB (v1 API) instead of starting one "
+        f"(${settings.INFLUX_URL.variable})",
     )
     parser.add_argument(
         "--database",
-        default=os.environ.get("STEPWATCH_INFLUX_DATABASE", "stepwatch"),
-        help="database to write and read (default stepwatch)",
+        default=None,
+        help=f"database to write and read (${settings.INFLUX_DATABASE.variable}; "
+        f"default {settings.INFLUX_DATABASE.default})",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bridge listen address")
     parser.add_argument("--grpc-port", type=int, default=0, help="OTLP/gRPC port (0: free)")
@@ -99,11 +102,14 @@ def _add_stack_arguments(parser: argparse.ArgumentParser) -> None:
 def _stack(args: argparse.Namespace, *, detect_every_s: float | None) -> Any:
     from stepwatch.app._stack import LocalStack, default_data_dir
 
+    environ = os.environ
+    # Only an explicitly given InfluxDB replaces the managed one (the default URL would not).
+    influx_url, _ = settings.INFLUX_URL.lookup(environ)
     return LocalStack(
         args.data_dir or default_data_dir(),
-        influx_url=args.influx_url,
-        database=args.database,
-        influx_token=os.environ.get("STEPWATCH_INFLUX_TOKEN"),
+        influx_url=args.influx_url or influx_url,
+        database=settings.INFLUX_DATABASE.resolve(args.database, environ) or "stepwatch",
+        influx_token=settings.INFLUX_TOKEN.resolve(None, environ),
         host=args.host,
         grpc_port=args.grpc_port,
         http_port=args.http_port,
@@ -150,8 +156,9 @@ def _run_up(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from stepwatch.app._demo import format_summary, job_time_range, run_demo_job, write_outputs
+    from stepwatch.app._demo import format_summary, run_demo_job, write_outputs
     from stepwatch.app._demo_job import DemoJobConfig
+    from stepwatch.detectors.frame import job_time_range
 
     job = f"demo-{args.fault}-{time.strftime('%Y%m%d-%H%M%S')}"
     with _stack(args, detect_every_s=None) as stack:
