@@ -6,8 +6,12 @@ job, so what stepwatch diagnoses is what a real straggler, link or stall does to
 - ``straggler``: extra compute (matrix multiplies) in one rank's forward pass from a step on;
 - ``link``: a delay inside one rank's DDP communication hook, before its allreduce;
 - ``jit``: one long host-side stall on one rank at one step (like a JIT recompile);
+- ``stall``: one rank stops for 3 s once *between* phases (a checkpoint write, a GC pause):
+  its own phases look normal, its peers wait in their next all-reduce;
 - ``dataloader``: a slow data loader on one rank from a step on;
-- ``regression``: every rank does extra compute from a step on (job-wide slowdown).
+- ``regression``: every rank does extra compute from a step on (job-wide slowdown);
+- ``hang``: one rank blocks forever inside its data phase from a step on (a data loader that
+  never returns); the others wait in their all-reduce until the job is killed.
 """
 
 from __future__ import annotations
@@ -16,13 +20,18 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any
 
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._net import free_port
 
-FAULT_KINDS = ("none", "straggler", "link", "jit", "dataloader", "regression")
+FAULT_KINDS = ("none", "straggler", "link", "jit", "stall", "dataloader", "regression", "hang")
+#: Faults on ``fault_rank`` alone (the others are job-wide).
+RANK_FAULTS = ("straggler", "link", "jit", "stall", "dataloader", "hang")
+#: How long the ``stall`` fault stops its rank between phases.
+STALL_S = 3.0
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +134,7 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
         ddp = DistributedDataParallel(model)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         loss_fn = torch.nn.CrossEntropyLoss()
-        faulty = config.fault in ("straggler", "link", "jit", "dataloader") and (
-            rank == config.fault_rank
-        )
+        faulty = config.fault in RANK_FAULTS and rank == config.fault_rank
         monitor = StepMonitor(
             job_id=config.job_id,
             rank=rank,
@@ -166,11 +173,15 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
                     targets = torch.randint(0, 10, (config.batch_size,))
                     if config.fault == "dataloader" and faulty and active:
                         time.sleep(0.004 * config.fault_factor)
+                    if config.fault == "hang" and faulty and active:
+                        threading.Event().wait()  # never returns: the job must be killed
                 output = ddp(inputs)
                 loss = loss_fn(output, targets)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+                if config.fault == "stall" and faulty and step == config.fault_step:
+                    time.sleep(STALL_S)  # outside every phase: a checkpoint write, a GC pause
         monitor.close()
     finally:
         dist.destroy_process_group()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stepwatch.app._demo_job import FAULT_KINDS
 from stepwatch.core import settings
 from stepwatch.core._durations import parse_duration_s
 
@@ -43,7 +44,7 @@ def register(subparsers: Any) -> None:
     demo.add_argument(
         "--fault",
         default="none",
-        choices=("none", "straggler", "link", "jit", "dataloader", "regression"),
+        choices=FAULT_KINDS,
         help="inject a real fault into the job",
     )
     demo.add_argument("--fault-rank", type=int, default=2, help="the faulty rank (default 2)")
