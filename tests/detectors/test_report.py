@@ -209,18 +209,6 @@ def test_report_renders_in_headless_chromium(
     assert bytes.fromhex("f58518") in every_pixel, "no backward-phase bar rendered"
 
 
-def test_report_time_arguments() -> None:
-    from stepwatch.app._report_command import parse_moment
-
-    now = 1_800_000_000 * 10**9
-    assert parse_moment("now", argument="--to", now_unix_nano=now) == now
-    assert parse_moment("-6h", argument="--from", now_unix_nano=now) == now - 6 * 3600 * 10**9
-    assert parse_moment("now-30m", argument="--from", now_unix_nano=now) == now - 1800 * 10**9
-    assert parse_moment("2027-01-15T08:00:00Z", argument="--from", now_unix_nano=0) == now
-    with pytest.raises(ConfigError, match="--from"):
-        parse_moment("yesterday", argument="--from", now_unix_nano=now)
-
-
 def test_report_command_reports_a_missing_job(demo: tuple[InfluxClient, DemoJob]) -> None:
     client, _ = demo
     code = stepwatch_main(
