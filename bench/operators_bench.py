@@ -21,7 +21,7 @@ from tests.operators.demo_data import write_demo  # noqa: E402
 from tests.operators.test_dashboards import all_queries, interpolate  # noqa: E402
 
 from stepwatch.core import Diagnosis, ManagedInfluxDB  # noqa: E402
-from stepwatch.detectors.report._report import write_report  # noqa: E402
+from stepwatch.detectors.report import write_report  # noqa: E402
 from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink  # noqa: E402
 
 

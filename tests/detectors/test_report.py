@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 
 from stepwatch.app._cli import main as stepwatch_main
 from stepwatch.core import ConfigError, InfluxClient
-from stepwatch.detectors.report._report import (
+from stepwatch.detectors.report import write_report
+from stepwatch.detectors.report._data import (
     MAX_HEATMAP_RANKS,
     load_report_data,
     most_deviant,
     read_findings,
-    render_html,
-    write_report,
 )
+from stepwatch.detectors.report._page import render_html
 from tests.detectors.demo_data import DemoJob, write_demo
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -46,21 +46,21 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stepwatch.detectors import detect_job
-    from stepwatch.detectors.report._report import job_extent, write_report
+    from stepwatch.detectors import detect_job, write_report
+    from stepwatch.detectors.frame import job_time_range
 
     client = influx_client(args, os.environ)
     now = time.time_ns()
     first = last = now
     if args.start is None or args.end is None:
-        span = job_extent(client, args.job)
+        span = job_time_range(client, args.job)
         if span is None:
             raise ConfigError(
                 f"--job: no data for {args.job!r} in database {client.database!r} at {client.url}"
             )
         first, last = span
     start = (
-        first - 1
+        first
         if args.start is None
         else parse_moment(args.start, argument="--from", now_unix_nano=now)
     )

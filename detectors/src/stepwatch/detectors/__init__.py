@@ -31,7 +31,7 @@ if TYPE_CHECKING:
         list_jobs,
         read_frame,
     )
-    from stepwatch.detectors.report._report import write_report
+    from stepwatch.detectors.report import write_report
     from stepwatch.detectors.service._runner import (
         DetectorService,
         IncrementalDetector,
