@@ -51,10 +51,8 @@ def test_all_is_pinned() -> None:
             "read_diagnoses",
             "read_frame",
             "score",
-            "send_otlp",
             "simulate",
             "summarise",
-            "write_direct",
             "write_report",
         ]
     )

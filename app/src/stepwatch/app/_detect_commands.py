@@ -16,11 +16,23 @@ from typing import TYPE_CHECKING, Any
 from stepwatch.app._influx_options import add_influx_arguments, influx_client
 from stepwatch.app._times import parse_moment
 from stepwatch.core import settings
+from stepwatch.core._diagnosis import format_time
 from stepwatch.core._durations import parse_duration_s
 
 if TYPE_CHECKING:
     from stepwatch.core._influx import InfluxClient
     from stepwatch.core.settings import Setting
+    from stepwatch.detectors import TruthFault
+
+
+def fault_summary(fault: TruthFault) -> str:
+    """One line describing an injected fault (``stepwatch simulate`` output)."""
+    where = ",".join(str(r) for r in fault.ranks[:8]) or "all ranks"
+    if len(fault.ranks) > 8:
+        where += ",..."
+    return (
+        f"{fault.kind} x{fault.severity:.2f} on {where} from {format_time(fault.start_unix_nano)}"
+    )
 
 
 def _extra_sinks(args: argparse.Namespace, client: InfluxClient) -> list[Any]:
@@ -98,15 +110,9 @@ def _detect(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from stepwatch.app._replay import send_otlp, write_direct
     from stepwatch.core._errors import ConfigError
-    from stepwatch.detectors.simulation._simulate import (
-        Fault,
-        Topology,
-        fault_summary,
-        send_otlp,
-        simulate,
-        write_direct,
-    )
+    from stepwatch.detectors import Fault, Topology, simulate
 
     topology = Topology.parse(args.topology) if args.topology else Topology(args.ranks)
     if topology.world_size != args.ranks:
@@ -153,9 +159,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from stepwatch.core._diagnosis import Diagnosis
     from stepwatch.core._errors import ConfigError
-    from stepwatch.detectors.service._runner import detect_job_findings
-    from stepwatch.detectors.simulation._evaluate import score
-    from stepwatch.detectors.simulation._simulate import Truth
+    from stepwatch.detectors import Truth, detect_job_findings, score
 
     truth = Truth.read(args.truth)
     detected: dict[str, int] | None = None
