@@ -13,9 +13,8 @@ import sys
 import tempfile
 import time
 
-from stepwatch.detectors.analysis._analyse import analyse
-from stepwatch.detectors.simulation._evaluate import Score, score, summarise
-from stepwatch.detectors.simulation._suite import Scenario, suite
+from stepwatch.detectors import Score, analyse, score, summarise
+from stepwatch.detectors.simulation import Scenario, suite
 
 
 def run_in_memory(scenario: Scenario) -> Score:
@@ -29,9 +28,9 @@ def run_in_memory(scenario: Scenario) -> Score:
 
 
 def run_through_influx(scenarios: list[Scenario]) -> list[Score]:
+    from stepwatch.app._replay import write_direct
     from stepwatch.core import ManagedInfluxDB
-    from stepwatch.detectors.service._runner import detect_job_findings
-    from stepwatch.detectors.simulation._simulate import write_direct
+    from stepwatch.detectors import detect_job_findings
 
     results = []
     with tempfile.TemporaryDirectory() as directory, ManagedInfluxDB(directory) as server:

@@ -21,6 +21,7 @@ def test_all_is_pinned() -> None:
         "InfluxClient",
         "InfluxError",
         "InfluxUnavailableError",
+        "ManagedAlertmanager",
         "ManagedInfluxDB",
         "QuerySeries",
         "ServerStartError",

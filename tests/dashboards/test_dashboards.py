@@ -7,8 +7,6 @@ Grafana's InfluxDB datasource does it.
 from __future__ import annotations
 
 import importlib.util
-import json
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -21,25 +19,31 @@ import pytest
 from stepwatch.core import InfluxClient
 from tests.detectors.demo_data import DemoJob, write_demo
 
-DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
-INTERVAL_S = 30
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARDS = REPO / "dashboards"
 
 
-def load_generator() -> ModuleType:
-    # generate.py imports its sibling panels.py, as when it runs as a script.
-    if str(DASHBOARDS) not in sys.path:
-        sys.path.insert(0, str(DASHBOARDS))
-    spec = importlib.util.spec_from_file_location(
-        "stepwatch_dashboards", DASHBOARDS / "generate.py"
-    )
+def load(path: Path, name: str) -> ModuleType:
+    """A script of the repo (not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def committed() -> dict[str, dict[str, Any]]:
-    return {path.name: json.loads(path.read_text()) for path in DASHBOARDS.glob("*.json")}
+def load_generator() -> ModuleType:
+    # generate.py imports its sibling panels.py, as when it runs as a script.
+    if str(DASHBOARDS) not in sys.path:
+        sys.path.insert(0, str(DASHBOARDS))
+    return load(DASHBOARDS / "generate.py", "stepwatch_dashboards")
+
+
+# The queries as Grafana sends them: one copy, shared with bench/operators_bench.py.
+_queries = load(DASHBOARDS / "queries.py", "stepwatch_dashboard_queries")
+all_queries = _queries.all_queries
+committed = _queries.committed
+interpolate = _queries.interpolate
 
 
 def test_committed_json_is_what_the_generator_makes() -> None:
@@ -76,35 +80,6 @@ def test_dashboards_are_grafana_11_with_fixed_uids_vars_links_annotations() -> N
                     assert "/^$rank$/" in target["query"], (name, panel["title"])
 
 
-def grafana_regex_escape(value: str) -> str:
-    return re.sub(r"([\\^$*+?.()|{}\[\]/])", r"\\\1", value)
-
-
-def substitute(text: str, name: str, replacement: str) -> str:
-    return re.sub(rf"\${name}\b", lambda _: replacement, text)
-
-
-def interpolate(query: str, variables: dict[str, list[str]], *, start_ms: int, end_ms: int) -> str:
-    """What Grafana's InfluxDB datasource sends for ``query``.
-
-    Single-value variables are inserted as they are; multi-value/All ones regex-escaped and
-    joined as ``(a|b)``; ``$timeFilter`` is ``time >= Xms and time <= Yms``.
-    """
-    text = query.replace("$timeFilter", f"time >= {start_ms}ms and time <= {end_ms}ms")
-    text = text.replace("$__interval_ms", str(INTERVAL_S * 1000))
-    text = text.replace("$__interval", f"{INTERVAL_S}s")
-    for name, values in variables.items():
-        if name == "job":
-            replacement = values[0]
-        elif len(values) == 1:
-            replacement = grafana_regex_escape(values[0])
-        else:
-            replacement = "(" + "|".join(grafana_regex_escape(v) for v in values) + ")"
-        text = substitute(text, name, replacement)
-    assert not re.search(r"\$\w|\[\[", text), f"uninterpolated variable in {text}"
-    return text
-
-
 @pytest.fixture(scope="module")
 def demo(influxd: Any) -> Iterator[tuple[InfluxClient, DemoJob]]:
     client = influxd.client(database="operators_dashboards")
@@ -112,17 +87,6 @@ def demo(influxd: Any) -> Iterator[tuple[InfluxClient, DemoJob]]:
     now_ns = time.time_ns()
     job = write_demo(client, end_unix_nano=now_ns - now_ns % 10**9)
     yield client, job
-
-
-def all_queries() -> list[tuple[str, str, str]]:
-    found = []
-    for name, board in sorted(committed().items()):
-        for panel in board["panels"]:
-            for target in panel["targets"]:
-                found.append((name, panel["title"], target["query"]))
-        for annotation in board["annotations"]["list"]:
-            found.append((name, "annotation " + annotation["name"], annotation["target"]["query"]))
-    return found
 
 
 def test_every_query_returns_rows(demo: tuple[InfluxClient, DemoJob]) -> None:

@@ -3,7 +3,7 @@
 Per rank and window: ``WindowBuilder`` (exporters) → OTLP ``ExportMetricsServiceRequest`` →
 ``convert_request`` (otel_bridge) → ``InfluxClient.write_lines``. Device health and diagnoses
 have no producer in this path, so they are written with ``encode_point`` in exactly the
-contract layout (docs/CONTRACTS.md; gauges → field ``gauge``, counters → ``counter``).
+stored layout (docs/storage.md; gauges → field ``gauge``, counters → ``counter``).
 Findings go through the detectors' own ``InfluxDiagnosisSink`` (``stepwatch.diagnosis``).
 
 The job: 8 ranks on 2 hosts; from ``straggler_from_window`` on, rank 5's compute kernels run
@@ -19,7 +19,7 @@ import numpy as np
 
 from stepwatch.core import Diagnosis, InfluxClient
 from stepwatch.core._lineproto import encode_point
-from stepwatch.detectors.sinks._sinks import InfluxDiagnosisSink
+from stepwatch.detectors import InfluxDiagnosisSink
 
 PHASES = ("data", "forward", "backward", "optimizer", "communication")
 KERNELS = {  # (class, category): (executions per step, median duration s)

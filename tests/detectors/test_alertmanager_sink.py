@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 
-from stepwatch.core import ConfigError, Diagnosis
+from stepwatch.core import ConfigError, Diagnosis, ManagedAlertmanager
 from stepwatch.core._errors import DeliveryError
 from stepwatch.core._http import HttpResponse
 from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink, rfc3339
-
-from .conftest import ManagedAlertmanager, WebhookReceiver
+from tests.detectors.conftest import WebhookReceiver
 
 
 def finding(job: str, *, rank: int, start_s: float, end_s: float | None = None) -> Diagnosis:
@@ -60,7 +59,7 @@ def test_delivered_grouped_and_resolved(
     annotations = firing["alerts"][0]["annotations"]
     assert annotations["summary"].startswith("rank ")
     assert "var-job=" + job in annotations["dashboard_url"]
-    assert len(alertmanager.alerts(job=job)) == 2
+    assert len(alertmanager.alerts({"job": job})) == 2
     assert "since: " + rfc3339(open_findings[0].start_unix_nano) in annotations["description"]
 
     end_s = time.time()

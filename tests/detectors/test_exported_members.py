@@ -9,8 +9,9 @@ import pytest
 
 import stepwatch.detectors
 from stepwatch.app._cli import build_parser
-from stepwatch.app._detect_commands import parse_duration_s, parse_moment
+from stepwatch.app._times import parse_moment
 from stepwatch.core import ConfigError
+from stepwatch.core._durations import parse_duration_s
 from stepwatch.detectors import Fault, Topology, Truth, simulate
 
 
@@ -50,10 +51,8 @@ def test_all_is_pinned() -> None:
             "read_diagnoses",
             "read_frame",
             "score",
-            "send_otlp",
             "simulate",
             "summarise",
-            "write_direct",
             "write_report",
         ]
     )
@@ -86,16 +85,31 @@ def test_subcommands_are_registered() -> None:
         assert callable(parser.parse_args(argv).handler)
 
 
-def test_durations_and_moments() -> None:
+def test_durations() -> None:
     assert parse_duration_s("30s", argument="--every") == 30.0
     assert parse_duration_s("15m", argument="--since") == 900.0
     assert parse_duration_s("250ms", argument="--every") == 0.25
+    with pytest.raises(ConfigError, match="--every"):
+        parse_duration_s("soon", argument="--every")
+
+
+def test_moments_one_grammar_for_every_command() -> None:
+    """RFC 3339, now, now-15m, -6h and Unix nanoseconds, for detect, simulate and report."""
+    now = 1_800_000_000 * 10**9
+    assert parse_moment("now", argument="--to", now_unix_nano=now) == now
     assert parse_moment("now-1m", argument="--from", now_unix_nano=120 * 10**9) == 60 * 10**9
+    assert parse_moment("now-30m", argument="--from", now_unix_nano=now) == now - 1800 * 10**9
+    assert parse_moment("-6h", argument="--from", now_unix_nano=now) == now - 6 * 3600 * 10**9
+    assert parse_moment("-250ms", argument="--from", now_unix_nano=now) == now - 250 * 10**6
     assert parse_moment("2026-11-21T20:00:00Z", argument="--from", now_unix_nano=0) == (
         1_795_291_200 * 10**9
     )
-    with pytest.raises(ConfigError, match="--every"):
-        parse_duration_s("soon", argument="--every")
+    assert parse_moment("2027-01-15T08:00:00Z", argument="--from", now_unix_nano=0) == now
+    assert parse_moment(str(now), argument="--start", now_unix_nano=0) == now
+    with pytest.raises(ConfigError, match="--from"):
+        parse_moment("yesterday", argument="--from", now_unix_nano=now)
+    with pytest.raises(ConfigError, match="--to"):
+        parse_moment("now-soon", argument="--to", now_unix_nano=now)
 
 
 def test_fault_and_topology_parsing() -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from stepwatch.app._cli import main
+from stepwatch.app._replay import iter_line_batches, send_otlp, write_direct
 from stepwatch.core import Diagnosis, InfluxClient
 from stepwatch.core._influx import count_points
 from stepwatch.core._schema import DIAGNOSIS_MEASUREMENT
@@ -26,9 +27,7 @@ from stepwatch.detectors import (
     read_diagnoses,
     read_frame,
     simulate,
-    write_direct,
 )
-from stepwatch.detectors.simulation._simulate import iter_line_batches
 
 WINDOW_NS = 5_000_000_000
 
@@ -248,7 +247,6 @@ def test_cli_simulate_detect_evaluate(influx: InfluxClient, tmp_path: Path) -> N
 
 def test_simulated_ranks_over_otlp_through_the_bridge(influx: InfluxClient) -> None:
     from stepwatch.core._influx import wait_until
-    from stepwatch.detectors import send_otlp
     from stepwatch.otel_bridge import Bridge, InfluxV1Writer
 
     job = simulate(

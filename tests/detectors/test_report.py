@@ -19,14 +19,14 @@ from hypothesis import strategies as st
 
 from stepwatch.app._cli import main as stepwatch_main
 from stepwatch.core import ConfigError, InfluxClient
-from stepwatch.detectors.report._report import (
+from stepwatch.detectors.report import write_report
+from stepwatch.detectors.report._data import (
     MAX_HEATMAP_RANKS,
     load_report_data,
     most_deviant,
     read_findings,
-    render_html,
-    write_report,
 )
+from stepwatch.detectors.report._page import render_html
 from tests.detectors.demo_data import DemoJob, write_demo
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -207,18 +207,6 @@ def test_report_renders_in_headless_chromium(
     }
     assert bytes((253, 231, 37)) in every_pixel, "no top-of-scale heatmap cell rendered"
     assert bytes.fromhex("f58518") in every_pixel, "no backward-phase bar rendered"
-
-
-def test_report_time_arguments() -> None:
-    from stepwatch.app._report_command import parse_moment
-
-    now = 1_800_000_000 * 10**9
-    assert parse_moment("now", argument="--to", now_unix_nano=now) == now
-    assert parse_moment("-6h", argument="--from", now_unix_nano=now) == now - 6 * 3600 * 10**9
-    assert parse_moment("now-30m", argument="--from", now_unix_nano=now) == now - 1800 * 10**9
-    assert parse_moment("2027-01-15T08:00:00Z", argument="--from", now_unix_nano=0) == now
-    with pytest.raises(ConfigError, match="--from"):
-        parse_moment("yesterday", argument="--from", now_unix_nano=now)
 
 
 def test_report_command_reports_a_missing_job(demo: tuple[InfluxClient, DemoJob]) -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 
 from stepwatch.core import ConfigError
-from stepwatch.detectors import AlertmanagerSink, GrafanaAnnotationSink
-from stepwatch.detectors.sinks._sinks import sinks_from_environment
+from stepwatch.detectors.sinks import (
+    AlertmanagerSink,
+    GrafanaAnnotationSink,
+    sinks_from_environment,
+)
 
 
 def test_nothing_configured_means_no_extra_sinks() -> None:

@@ -11,63 +11,38 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from stepwatch.app._influx_options import add_influx_arguments, influx_client
+from stepwatch.app._times import parse_moment
+from stepwatch.core import settings
+from stepwatch.core._diagnosis import format_time
 from stepwatch.core._durations import parse_duration_s
 
-
-def parse_moment(text: str, *, argument: str, now_unix_nano: int) -> int:
-    """RFC 3339, ``now``, ``now-15m`` or Unix nanoseconds."""
-    from stepwatch.core._diagnosis import parse_time
-    from stepwatch.core._errors import ConfigError
-
-    text = text.strip()
-    if text == "now":
-        return now_unix_nano
-    if text.startswith("now-"):
-        return now_unix_nano - round(parse_duration_s(text[4:], argument=argument) * 1e9)
-    if text.isdigit():
-        return int(text)
-    try:
-        return parse_time(text)
-    except ValueError as exc:
-        raise ConfigError(f"{argument}: {text!r} is not a time (RFC 3339, now-15m)") from exc
-
-
-def _client(args: argparse.Namespace) -> Any:
+if TYPE_CHECKING:
     from stepwatch.core._influx import InfluxClient
+    from stepwatch.core.settings import Setting
+    from stepwatch.detectors import TruthFault
 
-    return InfluxClient(
-        args.influx_url, database=args.database, token=os.environ.get("INFLUX_TOKEN") or None
+
+def fault_summary(fault: TruthFault) -> str:
+    """One line describing an injected fault (``stepwatch simulate`` output)."""
+    where = ",".join(str(r) for r in fault.ranks[:8]) or "all ranks"
+    if len(fault.ranks) > 8:
+        where += ",..."
+    return (
+        f"{fault.kind} x{fault.severity:.2f} on {where} from {format_time(fault.start_unix_nano)}"
     )
 
 
-def _add_influx_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--influx-url",
-        default=None,
-        help="InfluxDB base URL (env STEPWATCH_INFLUX_URL, default http://127.0.0.1:8086)",
-    )
-    parser.add_argument(
-        "--database", default=None, help="database (env STEPWATCH_DATABASE, default stepwatch)"
-    )
-
-
-def _resolve_influx(args: argparse.Namespace) -> None:
-    args.influx_url = (
-        args.influx_url or os.environ.get("STEPWATCH_INFLUX_URL") or "http://127.0.0.1:8086"
-    )
-    args.database = args.database or os.environ.get("STEPWATCH_DATABASE") or "stepwatch"
-
-
-def _extra_sinks(args: argparse.Namespace) -> list[Any]:
+def _extra_sinks(args: argparse.Namespace, client: InfluxClient) -> list[Any]:
     """Alertmanager and Grafana sinks from the arguments, else the environment."""
-    from stepwatch.detectors.sinks._sinks import sinks_from_environment
+    from stepwatch.detectors.sinks import sinks_from_environment
 
     return list(
         sinks_from_environment(
             os.environ,
-            state_client=_client(args),
+            state_client=client,
             alertmanager_url=args.alertmanager_url,
             grafana_url=args.grafana_url,
             dashboard_url=args.dashboard_url,
@@ -75,19 +50,27 @@ def _extra_sinks(args: argparse.Namespace) -> list[Any]:
     )
 
 
+def _variables(*settings_used: Setting[str]) -> str:
+    """``env A or B, C`` for a help text."""
+    return "env " + ", ".join(" or ".join(setting.variables) for setting in settings_used)
+
+
 def _detect(args: argparse.Namespace) -> int:
     from stepwatch.core._errors import ConfigError
-    from stepwatch.detectors.service._runner import IncrementalDetector, detect_job
-    from stepwatch.detectors.sinks._sinks import JsonLinesSink, format_table
+    from stepwatch.detectors import IncrementalDetector, JsonLinesSink, detect_job
+    from stepwatch.detectors.sinks import format_table
 
-    _resolve_influx(args)
-    client = _client(args)
+    client = influx_client(args, os.environ)
     window_s = None if args.window is None else parse_duration_s(args.window, argument="--window")
     if args.every is not None:
         interval_s = parse_duration_s(args.every, argument="--every")
         lookback_s = parse_duration_s(args.lookback, argument="--lookback")
         detector = IncrementalDetector(
-            client, args.job, sinks=_extra_sinks(args), window_s=window_s, lookback_s=lookback_s
+            client,
+            args.job,
+            sinks=_extra_sinks(args, client),
+            window_s=window_s,
+            lookback_s=lookback_s,
         )
         # Only changes are printed (opened, then closed), so a restarted runner, which finds
         # its open findings in InfluxDB, never prints one twice.
@@ -127,15 +110,9 @@ def _detect(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from stepwatch.app._replay import send_otlp, write_direct
     from stepwatch.core._errors import ConfigError
-    from stepwatch.detectors.simulation._simulate import (
-        Fault,
-        Topology,
-        fault_summary,
-        send_otlp,
-        simulate,
-        write_direct,
-    )
+    from stepwatch.detectors import Fault, Topology, simulate
 
     topology = Topology.parse(args.topology) if args.topology else Topology(args.ranks)
     if topology.world_size != args.ranks:
@@ -168,11 +145,10 @@ def _simulate(args: argparse.Namespace) -> int:
         sent = send_otlp(job, args.endpoint)
         print(f"sent {sent} OTLP exports of job {args.job!r} to {args.endpoint}")
     elif args.write_direct:
-        _resolve_influx(args)
-        client = _client(args)
+        client = influx_client(args, os.environ)
         client.create_database()
         points = write_direct(job, client)
-        print(f"wrote {points} points of job {args.job!r} to {args.influx_url} db {args.database}")
+        print(f"wrote {points} points of job {args.job!r} to {client.url} db {client.database}")
     else:
         print("nothing sent (use --write-direct or --endpoint URL)")
     for fault in job.truth.faults:
@@ -183,9 +159,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     from stepwatch.core._diagnosis import Diagnosis
     from stepwatch.core._errors import ConfigError
-    from stepwatch.detectors.service._runner import detect_job_findings
-    from stepwatch.detectors.simulation._evaluate import score
-    from stepwatch.detectors.simulation._simulate import Truth
+    from stepwatch.detectors import Truth, detect_job_findings, score
 
     truth = Truth.read(args.truth)
     detected: dict[str, int] | None = None
@@ -198,9 +172,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"--diagnoses: cannot read {args.diagnoses}: {exc}") from exc
     else:
-        _resolve_influx(args)
         findings = detect_job_findings(
-            _client(args),
+            influx_client(args, os.environ),
             args.job or truth.job,
             start_unix_nano=truth.start_unix_nano,
             end_unix_nano=truth.end_unix_nano,
@@ -230,18 +203,25 @@ def register(subparsers: Any) -> None:
         "detect", help="diagnose a job (one shot, or incrementally with --every)"
     )
     detect.add_argument("--job", required=True, help="stepwatch.job.id to analyse")
-    detect.add_argument("--from", dest="start", help="range start (RFC 3339, now-1h)")
+    detect.add_argument("--from", dest="start", help="range start (RFC 3339, now-1h, -1h)")
     detect.add_argument("--to", dest="end", help="range end (default now)")
     detect.add_argument("--since", help="range = the last DURATION (default 15m)")
-    detect.add_argument("--json", action="store_true", help="SCHEMA.md JSON, one per line")
+    detect.add_argument("--json", action="store_true", help="JSON (docs/schema.md), one per line")
     detect.add_argument("--window", help="analysis window (default: the export window)")
     detect.add_argument("--every", help="run incrementally every DURATION (e.g. 30s)")
     detect.add_argument("--lookback", default="30m", help="range re-read each pass (--every)")
     detect.add_argument("--passes", type=int, help="stop after N passes (--every)")
-    detect.add_argument("--alertmanager-url", help="post alerts (env ALERTMANAGER_URL)")
-    detect.add_argument("--grafana-url", help="post annotations (env GRAFANA_URL, GRAFANA_TOKEN)")
-    detect.add_argument("--dashboard-url", help="link put in alerts")
-    _add_influx_arguments(detect)
+    detect.add_argument(
+        "--alertmanager-url", help=f"post alerts ({_variables(settings.ALERTMANAGER_URL)})"
+    )
+    detect.add_argument(
+        "--grafana-url",
+        help=f"post annotations ({_variables(settings.GRAFANA_URL, settings.GRAFANA_TOKEN)})",
+    )
+    detect.add_argument(
+        "--dashboard-url", help=f"link put in alerts ({_variables(settings.DASHBOARD_URL)})"
+    )
+    add_influx_arguments(detect)
     detect.set_defaults(handler=_detect)
 
     sim = subparsers.add_parser("simulate", help="simulate a job with injected faults")
@@ -263,7 +243,7 @@ def register(subparsers: Any) -> None:
     target.add_argument("--write-direct", action="store_true", help="write to InfluxDB directly")
     target.add_argument("--endpoint", help="send OTLP/HTTP to this bridge or collector URL")
     sim.add_argument("--truth", help="write the ground truth JSON here")
-    _add_influx_arguments(sim)
+    add_influx_arguments(sim)
     sim.set_defaults(handler=_simulate)
 
     evaluate = subparsers.add_parser("evaluate", help="score diagnoses against a truth file")
@@ -271,5 +251,5 @@ def register(subparsers: Any) -> None:
     evaluate.add_argument("--diagnoses", help="JSON lines from `stepwatch detect --json`")
     evaluate.add_argument("--job", help="detect over the truth's range instead (default: its job)")
     evaluate.add_argument("--json", action="store_true")
-    _add_influx_arguments(evaluate)
+    add_influx_arguments(evaluate)
     evaluate.set_defaults(handler=_evaluate)

@@ -1,29 +1,20 @@
 """``stepwatch report``: write the self-contained HTML report of one job.
 
-Imports only the standard library at module level (``stepwatch --help`` stays fast);
-configuration precedence: command-line argument > environment variable > default.
+Imports only the standard library and stepwatch.core at module level (``stepwatch --help``
+stays fast); configuration precedence: command-line argument > environment variable >
+default (:mod:`stepwatch.core.settings`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-import re
 import time
-from collections.abc import Mapping
 from typing import Any
 
+from stepwatch.app._influx_options import add_influx_arguments, influx_client
+from stepwatch.app._times import parse_moment
 from stepwatch.core._errors import ConfigError
-
-# option -> (environment variable, default); the same variables as `stepwatch bridge`.
-ENVIRONMENT: dict[str, tuple[str, str | None]] = {
-    "influx_url": ("STEPWATCH_INFLUX_URL", "http://127.0.0.1:8086"),
-    "database": ("STEPWATCH_INFLUX_DATABASE", "stepwatch"),
-    "token": ("STEPWATCH_INFLUX_TOKEN", None),
-}
-_RELATIVE = re.compile(r"^(now)?-(\d+(?:\.\d+)?)([smhd])$")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def register(subparsers: Any) -> None:
@@ -44,12 +35,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--to", dest="end", help="end: RFC 3339, relative, or now (default: its last window)"
     )
-    for option, (variable, default) in ENVIRONMENT.items():
-        parser.add_argument(
-            "--" + option.replace("_", "-"),
-            default=None,
-            help=f"[${variable}] (default: {default})",
-        )
+    add_influx_arguments(parser)
     parser.add_argument(
         "--detect",
         action="store_true",
@@ -59,64 +45,28 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(handler=run)
 
 
-def resolve(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str | None]:
-    """Argument > environment variable > default, for every option in ENVIRONMENT."""
-    options: dict[str, str | None] = {}
-    for option, (variable, default) in ENVIRONMENT.items():
-        value = getattr(args, option, None)
-        options[option] = value if value is not None else (environ.get(variable) or default)
-    return options
-
-
-def parse_moment(text: str, *, argument: str, now_unix_nano: int) -> int:
-    """RFC 3339, ``now``, or ``-6h``/``now-30m`` relative to now, as Unix nanoseconds."""
-    value = text.strip()
-    if value == "now":
-        return now_unix_nano
-    relative = _RELATIVE.match(value)
-    if relative:
-        seconds = float(relative.group(2)) * _UNIT_S[relative.group(3)]
-        return now_unix_nano - int(seconds * 1e9)
-    from stepwatch.core._diagnosis import parse_time
-
-    try:
-        return parse_time(value)
-    except ValueError as exc:
-        raise ConfigError(
-            f"{argument}: {text!r} is neither RFC 3339, 'now', nor relative like -6h"
-        ) from exc
-
-
 def run(args: argparse.Namespace) -> int:
-    from stepwatch.core._influx import InfluxClient
-    from stepwatch.detectors.report._report import job_extent, write_report
+    from stepwatch.detectors import detect_job, write_report
+    from stepwatch.detectors.frame import job_time_range
 
-    options = resolve(args, os.environ)
-    client = InfluxClient(
-        str(options["influx_url"]),
-        database=str(options["database"]),
-        token=options["token"],
-    )
+    client = influx_client(args, os.environ)
     now = time.time_ns()
     first = last = now
     if args.start is None or args.end is None:
-        extent = job_extent(client, args.job)
-        if extent is None:
+        span = job_time_range(client, args.job)
+        if span is None:
             raise ConfigError(
                 f"--job: no data for {args.job!r} in database {client.database!r} at {client.url}"
             )
-        first, last = extent
+        first, last = span
     start = (
-        first - 1
+        first
         if args.start is None
         else parse_moment(args.start, argument="--from", now_unix_nano=now)
     )
     end = last if args.end is None else parse_moment(args.end, argument="--to", now_unix_nano=now)
     findings = None
     if args.detect:
-        detect_job = getattr(importlib.import_module("stepwatch.detectors"), "detect_job", None)
-        if detect_job is None:
-            raise ConfigError("--detect: stepwatch.detectors.detect_job is not available")
         findings = list(detect_job(client, args.job, start_unix_nano=start, end_unix_nano=end))
     path = write_report(
         client,

@@ -105,7 +105,7 @@ class LocalStack:
 
     def _start_detectors(self) -> None:
         from stepwatch.detectors import DetectorService
-        from stepwatch.detectors.sinks._sinks import sinks_from_environment
+        from stepwatch.detectors.sinks import sinks_from_environment
 
         if self.client is None:
             return

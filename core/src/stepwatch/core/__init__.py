@@ -8,6 +8,7 @@ own: ``stepwatch.exporters``, ``stepwatch.otel_bridge``, ``stepwatch.detectors``
 """
 
 from stepwatch.core import settings
+from stepwatch.core._alertmanager_server import ManagedAlertmanager
 from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._errors import (
     ConfigError,
@@ -30,6 +31,7 @@ __all__ = [
     "InfluxClient",
     "InfluxError",
     "InfluxUnavailableError",
+    "ManagedAlertmanager",
     "ManagedInfluxDB",
     "QuerySeries",
     "ServerStartError",

@@ -2,10 +2,15 @@
 
 Reads windows back from InfluxDB (:func:`read_frame`), tests them coarse to fine (job-level
 change points, cross-rank robust outliers with FDR control, kernel and link localisation),
-classifies findings into the SCHEMA.md kinds (:func:`analyse`, :func:`detect_job`), runs
-incrementally and restart-safe (:class:`IncrementalDetector`, :class:`DetectorService`) and
-publishes to sinks (:class:`Sink`, :class:`InfluxDiagnosisSink`). :func:`simulate` and
-:func:`score` generate and score seeded scenarios. Needs the ``[detectors]`` extra.
+classifies findings into the kinds of docs/schema.md (:func:`analyse`, :func:`detect_job`),
+runs incrementally and restart-safe (:class:`IncrementalDetector`, :class:`DetectorService`),
+publishes to sinks (:class:`Sink`, :class:`InfluxDiagnosisSink`, :class:`AlertmanagerSink`,
+:class:`GrafanaAnnotationSink`) and writes an HTML report (:func:`write_report`).
+:func:`simulate` and :func:`score` generate and score seeded scenarios. Needs the
+``[detectors]`` extra.
+
+The rooms, each a public subpackage with more of its own: ``frame``, ``stats``,
+``analysis``, ``service``, ``sinks``, ``report``, ``simulation``.
 
 Example:
     >>> from stepwatch.detectors import Fault, diagnose, simulate
@@ -20,52 +25,39 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stepwatch.detectors.analysis._analyse import (
-        DetectorConfig,
-        Finding,
-        analyse,
-        diagnose,
-    )
-    from stepwatch.detectors.frame._frame import (
-        JobFrame,
-        list_jobs,
-        read_frame,
-    )
-    from stepwatch.detectors.report._report import write_report
-    from stepwatch.detectors.service._runner import (
+    from stepwatch.detectors.analysis import DetectorConfig, Finding, analyse, diagnose
+    from stepwatch.detectors.frame import JobFrame, list_jobs, read_frame
+    from stepwatch.detectors.report import write_report
+    from stepwatch.detectors.service import (
         DetectorService,
         IncrementalDetector,
         PassResult,
         detect_job,
         detect_job_findings,
     )
-    from stepwatch.detectors.simulation._evaluate import (
+    from stepwatch.detectors.simulation import (
+        Fault,
         FaultScore,
         Score,
-        SuiteSummary,
-        score,
-        summarise,
-    )
-    from stepwatch.detectors.simulation._simulate import (
-        Fault,
         SimulatedJob,
+        SuiteSummary,
         Topology,
         Truth,
         TruthFault,
-        send_otlp,
+        score,
         simulate,
-        write_direct,
+        summarise,
     )
-    from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink
-    from stepwatch.detectors.sinks._grafana import GrafanaAnnotationSink
-    from stepwatch.detectors.sinks._sinks import (
+    from stepwatch.detectors.sinks import (
+        AlertmanagerSink,
+        GrafanaAnnotationSink,
         InfluxDiagnosisSink,
         JsonLinesSink,
         MemorySink,
         Sink,
         read_diagnoses,
     )
-    from stepwatch.detectors.stats._stats import (
+    from stepwatch.detectors.stats import (
         ChangePoint,
         OutlierTest,
         benjamini_hochberg,
@@ -74,33 +66,34 @@ if TYPE_CHECKING:
     )
 
 # Lazy façade (PEP 562): ``import stepwatch.app._detect_commands`` (the CLI) must not pull in
-# numpy, so the public names are imported on first use from their private modules.
+# numpy, so each public name is imported on first use from its room (subpackage).
 _EXPORTS: dict[str, str] = {
     "DetectorConfig": "analysis",
     "Finding": "analysis",
     "analyse": "analysis",
     "diagnose": "analysis",
-    "FaultScore": "simulation",
-    "Score": "simulation",
-    "SuiteSummary": "simulation",
-    "score": "simulation",
-    "summarise": "simulation",
     "JobFrame": "frame",
     "list_jobs": "frame",
     "read_frame": "frame",
+    "write_report": "report",
     "DetectorService": "service",
     "IncrementalDetector": "service",
     "PassResult": "service",
     "detect_job": "service",
     "detect_job_findings": "service",
     "Fault": "simulation",
+    "FaultScore": "simulation",
+    "Score": "simulation",
     "SimulatedJob": "simulation",
+    "SuiteSummary": "simulation",
     "Topology": "simulation",
     "Truth": "simulation",
     "TruthFault": "simulation",
-    "send_otlp": "simulation",
+    "score": "simulation",
     "simulate": "simulation",
-    "write_direct": "simulation",
+    "summarise": "simulation",
+    "AlertmanagerSink": "sinks",
+    "GrafanaAnnotationSink": "sinks",
     "InfluxDiagnosisSink": "sinks",
     "JsonLinesSink": "sinks",
     "MemorySink": "sinks",
@@ -111,10 +104,6 @@ _EXPORTS: dict[str, str] = {
     "benjamini_hochberg": "stats",
     "change_points": "stats",
     "cross_rank_outliers": "stats",
-    # Sinks and the report written by the operators' side of detectors/.
-    "AlertmanagerSink": "sinks",
-    "GrafanaAnnotationSink": "sinks",
-    "write_report": "report",
 }
 
 __all__ = [
@@ -151,19 +140,17 @@ __all__ = [
     "read_diagnoses",
     "read_frame",
     "score",
-    "send_otlp",
     "simulate",
     "summarise",
-    "write_direct",
     "write_report",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    room = _EXPORTS.get(name)
+    if room is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(importlib.import_module(f"{__name__}.{room}"), name)
     globals()[name] = value
     return value
 

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from stepwatch.core._diagnosis import Diagnosis
-from stepwatch.detectors.simulation._simulate import Truth, TruthFault
+from stepwatch.detectors.simulation._truth import Truth, TruthFault
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,10 @@ import dataclasses
 import numpy as np
 
 from stepwatch.core._schema import DIAGNOSIS_KINDS
-from stepwatch.detectors.simulation._simulate import Fault, SimulatedJob, Topology, simulate
+from stepwatch.detectors.simulation._job import SimulatedJob
+from stepwatch.detectors.simulation._simulate import simulate
+from stepwatch.detectors.simulation._topology import Topology
+from stepwatch.detectors.simulation._truth import Fault
 
 FAULT_KINDS = DIAGNOSIS_KINDS
 SEVERITIES = (1.05, 1.1, 1.2, 1.5, 2.0, 3.0)

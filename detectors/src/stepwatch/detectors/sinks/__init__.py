@@ -1,4 +1,9 @@
-"""stepwatch.detectors.sinks: where findings go (InfluxDB, Alertmanager, Grafana, JSON lines)."""
+"""stepwatch.detectors.sinks: where findings go (InfluxDB, Alertmanager, Grafana, JSON lines).
+
+Every sink has ``publish(findings)`` (:class:`Sink`) and is idempotent: publishing a finding
+again never duplicates it downstream. :func:`sinks_from_environment` builds the Alertmanager
+and Grafana sinks from arguments, else :mod:`stepwatch.core.settings`.
+"""
 
 from stepwatch.core._facade import publish
 from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink
@@ -8,7 +13,9 @@ from stepwatch.detectors.sinks._sinks import (
     JsonLinesSink,
     MemorySink,
     Sink,
+    format_table,
     read_diagnoses,
+    sinks_from_environment,
 )
 
 __all__ = [
@@ -18,7 +25,9 @@ __all__ = [
     "JsonLinesSink",
     "MemorySink",
     "Sink",
+    "format_table",
     "read_diagnoses",
+    "sinks_from_environment",
 ]
 
 publish(__name__, [globals()[name] for name in __all__])

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from stepwatch.core import settings
 from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._http import HttpTransport, UrllibTransport, check_base_url, send_json
@@ -145,21 +146,22 @@ class AlertmanagerSink:
 
     @classmethod
     def from_environment(
-        cls, environ: Mapping[str, str], *, transport: HttpTransport | None = None
+        cls,
+        environ: Mapping[str, str],
+        *,
+        url: str | None = None,
+        dashboard_url: str | None = None,
+        transport: HttpTransport | None = None,
     ) -> AlertmanagerSink | None:
-        """The sink configured by ``ALERTMANAGER_URL`` (None when unset).
+        """The sink configured by ``settings.ALERTMANAGER_URL`` (None when unset).
 
-        ``STEPWATCH_ALERTMANAGER_URL`` takes precedence over the plain name;
-        ``STEPWATCH_DASHBOARD_URL`` (optional) is the Grafana dashboard alerts link to.
+        ``settings.DASHBOARD_URL`` (optional) is the Grafana dashboard alerts link to. An
+        argument given here wins over its variable.
         """
-
-        def first(*names: str) -> str:
-            return next((environ[n].strip() for n in names if environ.get(n, "").strip()), "")
-
-        url = first("STEPWATCH_ALERTMANAGER_URL", "ALERTMANAGER_URL")
+        url = settings.ALERTMANAGER_URL.resolve(url, environ)
         if not url:
             return None
-        dashboard_url = first("STEPWATCH_DASHBOARD_URL") or None
+        dashboard_url = settings.DASHBOARD_URL.resolve(dashboard_url, environ)
         return cls(url, dashboard_url=dashboard_url, transport=transport)
 
     def alert(

@@ -24,6 +24,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from stepwatch.core import settings
 from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._errors import ConfigError, DeliveryError, InfluxError
 from stepwatch.core._http import HttpTransport, UrllibTransport, check_base_url, send_json
@@ -114,34 +115,32 @@ class GrafanaAnnotationSink:
         cls,
         environ: Mapping[str, str],
         *,
+        url: str | None = None,
         state_client: InfluxClient | None = None,
         transport: HttpTransport | None = None,
     ) -> GrafanaAnnotationSink | None:
-        """The sink configured by ``GRAFANA_URL`` + ``GRAFANA_TOKEN`` (None when unset).
+        """The sink configured by ``settings.GRAFANA_URL`` + ``GRAFANA_TOKEN`` (None: no URL).
 
-        ``STEPWATCH_GRAFANA_URL``/``STEPWATCH_GRAFANA_TOKEN`` take precedence over the plain
-        names; ``STEPWATCH_GRAFANA_DASHBOARD_UID`` optionally ties annotations to a dashboard.
+        ``settings.GRAFANA_DASHBOARD_UID`` optionally ties annotations to a dashboard. A
+        ``url`` given here wins over its variable.
 
         Raises:
             ConfigError: a URL without a token (names the missing variable).
         """
-
-        def first(*names: str) -> str:
-            return next((environ[n].strip() for n in names if environ.get(n, "").strip()), "")
-
-        url = first("STEPWATCH_GRAFANA_URL", "GRAFANA_URL")
+        url = settings.GRAFANA_URL.resolve(url, environ)
         if not url:
             return None
-        token = first("STEPWATCH_GRAFANA_TOKEN", "GRAFANA_TOKEN")
+        token = settings.GRAFANA_TOKEN.resolve(None, environ)
         if not token:
             raise ConfigError(
-                "GRAFANA_TOKEN: a Grafana service-account token is required with GRAFANA_URL"
+                f"{' or '.join(settings.GRAFANA_TOKEN.variables)}: a Grafana service-account "
+                "token is required with a Grafana URL"
             )
         return cls(
             url,
             token=token,
             state_client=state_client,
-            dashboard_uid=first("STEPWATCH_GRAFANA_DASHBOARD_UID") or None,
+            dashboard_uid=settings.GRAFANA_DASHBOARD_UID.resolve(None, environ),
             transport=transport,
         )
 

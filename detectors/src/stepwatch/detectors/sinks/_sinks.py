@@ -7,7 +7,6 @@ finding again (for instance when it closes) overwrites the point instead of addi
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Protocol, TextIO
@@ -16,6 +15,8 @@ from stepwatch.core import _schema
 from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._influx import InfluxClient, quote_ident, quote_literal
 from stepwatch.core._lineproto import FieldValue, encode_point
+from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink
+from stepwatch.detectors.sinks._grafana import GrafanaAnnotationSink
 
 #: Tag and field keys of the ``stepwatch.diagnosis`` measurement.
 TAG_KIND = "kind"
@@ -141,7 +142,7 @@ def read_diagnoses(
 
 
 class JsonLinesSink:
-    """Prints each finding as SCHEMA.md JSON, once when it opens and once when it closes.
+    """Prints each finding as JSON (docs/schema.md), once when it opens and once when it closes.
 
     Args:
         stream: text stream (``sys.stdout``).
@@ -191,13 +192,9 @@ def format_row(diagnosis: Diagnosis) -> str:
 
 
 def format_table(diagnoses: Sequence[Diagnosis]) -> str:
+    """A header and one :func:`format_row` line per diagnosis (``stepwatch detect``)."""
     header = f"{'start':<20}  {'end':<20}  {'severity':<8}  {'kind':<18}  summary"
     return "\n".join([header, *(format_row(d) for d in diagnoses)])
-
-
-def dumps(diagnoses: Sequence[Diagnosis]) -> str:
-    """JSON lines of several diagnoses."""
-    return "".join(json.dumps(d.to_json_dict()) + "\n" for d in diagnoses)
 
 
 def sinks_from_environment(
@@ -210,27 +207,29 @@ def sinks_from_environment(
 ) -> list[Sink]:
     """The Alertmanager and Grafana sinks configured by arguments, else the environment.
 
-    ``ALERTMANAGER_URL`` (or ``STEPWATCH_ALERTMANAGER_URL``), ``GRAFANA_URL`` +
-    ``GRAFANA_TOKEN`` (or the ``STEPWATCH_`` names) and ``STEPWATCH_DASHBOARD_URL``; an
-    argument given here replaces its variable. Neither configured: an empty list.
+    Reads ``settings.ALERTMANAGER_URL``, ``GRAFANA_URL`` + ``GRAFANA_TOKEN``,
+    ``GRAFANA_DASHBOARD_UID`` and ``DASHBOARD_URL`` (docs/settings.md); an argument given here
+    wins over its variable. Neither configured: an empty list.
+
+    Args:
+        environ: the environment (``os.environ``).
+        state_client: where the Grafana sink remembers its annotation ids.
+        alertmanager_url: Alertmanager base URL.
+        grafana_url: Grafana base URL.
+        dashboard_url: the Grafana dashboard alerts link to.
 
     Raises:
         ConfigError: a Grafana URL without a token, or a malformed URL (names it).
     """
-    from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink
-    from stepwatch.detectors.sinks._grafana import GrafanaAnnotationSink
-
-    overrides = {
-        "STEPWATCH_ALERTMANAGER_URL": alertmanager_url,
-        "STEPWATCH_GRAFANA_URL": grafana_url,
-        "STEPWATCH_DASHBOARD_URL": dashboard_url,
-    }
-    merged = {**environ, **{key: value for key, value in overrides.items() if value}}
     sinks: list[Sink] = []
-    alertmanager = AlertmanagerSink.from_environment(merged)
+    alertmanager = AlertmanagerSink.from_environment(
+        environ, url=alertmanager_url, dashboard_url=dashboard_url
+    )
     if alertmanager is not None:
         sinks.append(alertmanager)
-    grafana = GrafanaAnnotationSink.from_environment(merged, state_client=state_client)
+    grafana = GrafanaAnnotationSink.from_environment(
+        environ, url=grafana_url, state_client=state_client
+    )
     if grafana is not None:
         sinks.append(grafana)
     return sinks

@@ -1,0 +1,182 @@
+"""Faults to inject (``KIND@STEP:RANKS[:SEVERITY]``) and the ground truth a run records."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from stepwatch.core._diagnosis import format_time, parse_time
+from stepwatch.core._errors import ConfigError
+from stepwatch.core._schema import DIAGNOSIS_KINDS
+
+_FAULT_RE = re.compile(
+    r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<ranks>[^:]*))?(?::(?P<sev>[^:]+))?$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One injected fault: ``KIND@STEP:RANKS[:SEVERITY]``.
+
+    Severity is the slowdown factor of the affected component (1.3 = 30% slower): the kernel
+    class (stragglers, regressions), the host-side compute time (masked straggler), the link
+    (link degradation), the pipeline bubble, the mean step (data-loader and JIT stalls), the
+    SM clock (GPU health, inverse). Ignored for ``rank_missing``.
+    """
+
+    kind: str
+    start_step: int
+    ranks: tuple[int, ...] = ()
+    severity: float = 1.3
+    end_step: int | None = None
+    kernel_class: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in DIAGNOSIS_KINDS:
+            raise ConfigError(f"fault: kind {self.kind!r} is not one of {DIAGNOSIS_KINDS}")
+        if self.severity <= 1.0 and self.kind != "rank_missing":
+            raise ConfigError(f"fault: severity must be > 1, got {self.severity}")
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """Parse ``KIND@STEP:RANKS[:SEVERITY]``; RANKS like ``3``, ``3,5``, ``8-15``, ``all``;
+        SEVERITY like ``1.3``, ``30%``, ``3x``."""
+        match = _FAULT_RE.match(text.strip())
+        if match is None:
+            raise ConfigError(f"fault: {text!r} is not KIND@STEP:RANKS[:SEVERITY]")
+        ranks: list[int] = []
+        for item in (match["ranks"] or "").split(","):
+            item = item.strip()
+            if not item or item == "all":
+                continue
+            if "-" in item:
+                low, high = item.split("-", 1)
+                ranks.extend(range(int(low), int(high) + 1))
+            elif item.isdigit():
+                ranks.append(int(item))
+            else:
+                raise ConfigError(f"fault: bad rank list in {text!r}")
+        severity = 1.3
+        if match["sev"]:
+            severity = _parse_severity(match["sev"], text)
+        return cls(
+            kind=match["kind"], start_step=int(match["step"]), ranks=tuple(ranks), severity=severity
+        )
+
+
+def _parse_severity(text: str, context: str) -> float:
+    try:
+        if text.endswith("%"):
+            return 1.0 + float(text[:-1]) / 100.0
+        if text.endswith("x"):
+            return float(text[:-1])
+        return float(text)
+    except ValueError as exc:
+        raise ConfigError(f"fault: bad severity in {context!r}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class TruthFault:
+    """A fault as the detectors should report it.
+
+    ``start_unix_nano`` is when the injected effect begins: the fault's step, except for
+    ``jit_stall``, whose stalls strike random steps from then on, where it is the first stall
+    (nothing is observable before it, so detection latency counts from there).
+    """
+
+    kind: str
+    ranks: tuple[int, ...]
+    hosts: tuple[str, ...]
+    phase: str | None
+    kernel_class: str | None
+    severity: float
+    start_unix_nano: int
+    end_unix_nano: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Truth:
+    """Ground truth of a simulated job (``--truth truth.json``)."""
+
+    job: str
+    world_size: int
+    topology: str
+    seed: int
+    window_s: float
+    steps_per_window: int
+    start_unix_nano: int
+    end_unix_nano: int
+    faults: tuple[TruthFault, ...]
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "world_size": self.world_size,
+            "topology": self.topology,
+            "seed": self.seed,
+            "window_s": self.window_s,
+            "steps_per_window": self.steps_per_window,
+            "start": format_time(self.start_unix_nano),
+            "end": format_time(self.end_unix_nano),
+            "start_unix_nano": self.start_unix_nano,
+            "end_unix_nano": self.end_unix_nano,
+            "faults": [
+                {
+                    "kind": fault.kind,
+                    "ranks": list(fault.ranks),
+                    "hosts": list(fault.hosts),
+                    "phase": fault.phase,
+                    "kernel_class": fault.kernel_class,
+                    "severity": fault.severity,
+                    "start": format_time(fault.start_unix_nano),
+                    "start_unix_nano": fault.start_unix_nano,
+                    "end_unix_nano": fault.end_unix_nano,
+                }
+                for fault in self.faults
+            ],
+        }
+
+    @classmethod
+    def from_json_dict(cls, data: dict[str, Any]) -> Truth:
+        try:
+            return cls(
+                job=str(data["job"]),
+                world_size=int(data["world_size"]),
+                topology=str(data["topology"]),
+                seed=int(data["seed"]),
+                window_s=float(data["window_s"]),
+                steps_per_window=int(data["steps_per_window"]),
+                start_unix_nano=int(data.get("start_unix_nano") or parse_time(data["start"])),
+                end_unix_nano=int(data.get("end_unix_nano") or parse_time(data["end"])),
+                faults=tuple(
+                    TruthFault(
+                        kind=str(item["kind"]),
+                        ranks=tuple(int(r) for r in item.get("ranks") or ()),
+                        hosts=tuple(str(h) for h in item.get("hosts") or ()),
+                        phase=item.get("phase"),
+                        kernel_class=item.get("kernel_class"),
+                        severity=float(item["severity"]),
+                        start_unix_nano=int(item["start_unix_nano"]),
+                        end_unix_nano=None
+                        if item.get("end_unix_nano") is None
+                        else int(item["end_unix_nano"]),
+                    )
+                    for item in data.get("faults", ())
+                ),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"truth: not a stepwatch ground-truth document ({exc})") from exc
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json_dict(), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, path: str | Path) -> Truth:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"truth: cannot read {path}: {exc}") from exc
+        return cls.from_json_dict(data)
