@@ -8,14 +8,9 @@ neither torch nor the OpenTelemetry SDK; they load when used.
 
 from stepwatch.exporters import kernels
 from stepwatch.exporters._auto import Instrumentation, instrument
+from stepwatch.exporters._config import ExporterConfig, resolve_exporter_config
 from stepwatch.exporters._device import CudaEventTimer, DeviceTimer
-from stepwatch.exporters._export import (
-    Exporter,
-    ExporterConfig,
-    InMemoryExporter,
-    create_exporter,
-    resolve_exporter_config,
-)
+from stepwatch.exporters._export import Exporter, InMemoryExporter, create_exporter
 from stepwatch.exporters._histogram import ExponentialHistogram, HistogramSnapshot
 from stepwatch.exporters._monitor import (
     Clock,

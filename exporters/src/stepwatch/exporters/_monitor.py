@@ -20,18 +20,14 @@ import threading
 import time
 from collections.abc import Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
+from stepwatch.core import settings
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
+from stepwatch.exporters._config import DEFAULT_TIMEOUT_S, ExporterConfig, resolve_exporter_config
 from stepwatch.exporters._device import DeviceTimer, resolve_device_timer
-from stepwatch.exporters._export import (
-    DEFAULT_TIMEOUT_S,
-    Exporter,
-    ExporterConfig,
-    create_exporter,
-    resolve_exporter_config,
-)
+from stepwatch.exporters._export import Exporter, create_exporter
 from stepwatch.exporters._window import KernelSource, KernelWindow, WindowBuilder, build_resource
 
 if TYPE_CHECKING:
@@ -42,7 +38,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("stepwatch.exporters")
 
-DEFAULT_EXPORT_INTERVAL_S: Final = 1.0
+DEFAULT_EXPORT_INTERVAL_S: Final = cast(float, settings.METRIC_EXPORT_INTERVAL_S.default)
 DEFAULT_BUFFER_STEPS: Final = 4096
 RECONNECT_AFTER_FAILURES: Final = 2
 AT_EXIT_TIMEOUT_S: Final = 2.0
@@ -737,13 +733,6 @@ def _resolve_interval(export_interval_s: float | None) -> float:
         if isinstance(export_interval_s, bool) or not export_interval_s > 0:
             raise ConfigError(f"export_interval_s must be positive, got {export_interval_s!r}")
         return float(export_interval_s)
-    raw = os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "").strip()
-    if not raw:
-        return DEFAULT_EXPORT_INTERVAL_S
-    try:
-        interval_s = float(raw) / 1000.0
-    except ValueError as exc:
-        raise ConfigError(f"OTEL_METRIC_EXPORT_INTERVAL must be milliseconds, got {raw!r}") from exc
-    if not interval_s > 0:
-        raise ConfigError(f"OTEL_METRIC_EXPORT_INTERVAL must be positive, got {raw!r}")
-    return interval_s
+    # The variable is milliseconds; the setting reads it as seconds and names a bad value.
+    interval_s, _ = settings.METRIC_EXPORT_INTERVAL_S.lookup(os.environ)
+    return DEFAULT_EXPORT_INTERVAL_S if interval_s is None else interval_s

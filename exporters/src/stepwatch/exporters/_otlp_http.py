@@ -40,11 +40,10 @@ from typing import TYPE_CHECKING, Any, Final
 from stepwatch.core import __version__
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
+from stepwatch.exporters._config import ExporterConfig
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
-
-    from stepwatch.exporters._export import ExporterConfig
 
 logger = logging.getLogger("stepwatch.exporters")
 
