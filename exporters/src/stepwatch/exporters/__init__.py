@@ -7,19 +7,14 @@ neither torch nor the OpenTelemetry SDK; they load when used.
 """
 
 from stepwatch.exporters import kernels
-from stepwatch.exporters._auto import Instrumentation, instrument
+from stepwatch.exporters._auto import Instrumentation
 from stepwatch.exporters._config import ExporterConfig, resolve_exporter_config
 from stepwatch.exporters._device import CudaEventTimer, DeviceTimer
 from stepwatch.exporters._export import Exporter, InMemoryExporter, create_exporter
 from stepwatch.exporters._histogram import ExponentialHistogram, HistogramSnapshot
-from stepwatch.exporters._monitor import (
-    Clock,
-    HealthSource,
-    MonitorStats,
-    StepMonitor,
-    SystemClock,
-)
+from stepwatch.exporters._monitor import HealthSource, MonitorStats, StepMonitor, instrument
 from stepwatch.exporters._otlp_http import OtlpHttpExporter, OtlpHttpStats
+from stepwatch.exporters._recorder import Clock, SystemClock
 from stepwatch.exporters._window import KernelSource, KernelWindow, WindowBuilder, build_resource
 from stepwatch.exporters.kernels import *  # noqa: F403  (its __all__, pinned by its own test)
 
