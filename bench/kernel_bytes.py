@@ -96,11 +96,11 @@ def _max_quantile_error(traces, windows_per_trace) -> float:  # type: ignore[no-
 
 
 def _one_window(trace):  # type: ignore[no-untyped-def]
-    from stepwatch.exporters._window import WindowBuilder, build_resource
-    from stepwatch.exporters.kernels import (
+    from stepwatch.exporters import WindowBuilder, build_resource
+    from stepwatch.exporters.kernels import KernelSummariser
+    from stepwatch.exporters.kernels._ingest import (
         DEFAULT_KERNEL_MAX_SCALE,
         DEFAULT_KERNEL_MAX_SIZE,
-        KernelSummariser,
     )
 
     resource = build_resource(job_id="bench", rank=0, world_size=1, host_name="node-0")
