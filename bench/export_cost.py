@@ -31,20 +31,10 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+# bench/ is sys.path[0] when this runs as a script: the same counting writer as overhead.py.
+from overhead import CountingWriter
+
 PHASES = ("data", "forward", "backward", "optimizer", "communication")
-
-
-class CountingWriter:
-    """A bridge LineWriter that only counts."""
-
-    def __init__(self) -> None:
-        self.lines = 0
-
-    def write_lines(self, lines: Any) -> None:
-        self.lines += len(lines)
-
-    def close(self) -> None:
-        return None
 
 
 def _window_values(rng: random.Random, kernel_classes: int) -> tuple[list[Any], Any]:

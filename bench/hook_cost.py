@@ -10,7 +10,7 @@ Arms (``plain`` is the reference; the others are reported as the difference to i
 
 - ``all``: what ``monitor.instrument(model, optimizer)`` installs by default, with the monitor
   recording the steps (its buffer is drained between blocks, outside the timing);
-- ``all@REV`` (``--baseline-rev REV``): the same with ``exporters/_auto.py`` as of git ``REV``
+- ``all@REV`` (``--baseline-rev REV``): the same with ``_auto.py`` as of git ``REV``
   (the state before an optimisation), so that before and after are measured in one run;
 - ``all-X``: ``all`` without component ``X`` (the cost of ``X`` in context is ``all - all-X``);
 - ``X``: component ``X`` alone (``fwd_pre``, ``fwd_post``: forward hook including the mark of
@@ -104,11 +104,18 @@ def _hook_dict_post(module: Any, args: Any, output: Any) -> None:
     output.grad_fn._register_hook_dict(output)
 
 
+_AUTO_PATH = "exporters/src/stepwatch/exporters/_auto.py"
+
+
 def _load_auto_at(rev: str) -> ModuleType:
-    """``exporters/_auto.py`` as of git ``rev``, imported as a separate module."""
+    """``_auto.py`` as of git ``rev``, imported as a separate module.
+
+    The revision must hook a monitor through its ``StepRecorder`` (``install_hooks``), as the
+    monitor here does: from the layout renovation on.
+    """
     root = Path(__file__).resolve().parent.parent
     source = subprocess.run(
-        ["git", "show", f"{rev}:exporters/_auto.py"],
+        ["git", "show", f"{rev}:{_AUTO_PATH}"],
         cwd=root,
         check=True,
         capture_output=True,
@@ -116,8 +123,21 @@ def _load_auto_at(rev: str) -> ModuleType:
     ).stdout
     module = ModuleType("stepwatch_baseline_auto")
     sys.modules[module.__name__] = module
-    exec(compile(source, f"{rev}:exporters/_auto.py", "exec"), module.__dict__)
+    exec(compile(source, f"{rev}:{_AUTO_PATH}", "exec"), module.__dict__)
     return module
+
+
+def _install(auto: ModuleType, recorder: Any, model: Any, optimizer: Any) -> Any:
+    """What ``monitor.instrument(model, optimizer)`` installs, with ``auto``'s hooks."""
+    return auto.install_hooks(
+        recorder,
+        model,
+        optimizer,
+        comm_hook=None,
+        comm_state=None,
+        time_communication=True,
+        collective_timing=False,
+    )
 
 
 class Bench:
@@ -174,14 +194,15 @@ class Bench:
         model, optimizer, monitor = self.model, self.optimizer, self.monitor
         handles: list[Any] = []
         instrumentation: Any = None
+        recorder = monitor._recorder
         if arm == "all":
-            instrumentation = _auto.instrument(monitor, model, optimizer)
+            instrumentation = _install(_auto, recorder, model, optimizer)
         elif arm == "all@base":
             if self.baseline is None:
                 raise RuntimeError("no baseline")
-            instrumentation = self.baseline.instrument(monitor, model, optimizer)
+            instrumentation = _install(self.baseline, recorder, model, optimizer)
         elif arm.startswith("all-") or arm in COMPONENTS:
-            state = _auto._AutoState(monitor)
+            state = _auto._AutoState(recorder)
             wanted = set(COMPONENTS) - {arm[4:]} if arm.startswith("all-") else {arm}
             handles = _install_components(state, model, optimizer, wanted)
         elif arm != "plain":
@@ -208,9 +229,9 @@ class Bench:
             for handle in handles:
                 handle.remove()
             # Close any auto step left open so that arms start alike.
-            monitor._step_depth = 0
-            monitor._auto_step_open = False
-            monitor._explicit_steps = False
+            recorder.step_depth = 0
+            recorder._auto_step_open = False
+            recorder.explicit_steps = False
             monitor.export_now()
 
     def run_block(self, steps: int) -> tuple[float, float]:

@@ -33,6 +33,19 @@ def _trace_files(source: Path, scratch: Path) -> list[Path]:
     return sorted(p for p in scratch.rglob("*.json*") if p.is_file())
 
 
+def _windows(trace, world_size: int, **options):  # type: ignore[no-untyped-def]
+    """The trace's windows as rank ``trace.rank`` of a bench job (``options``: trace_windows')."""
+    return trace_windows(
+        trace,
+        job_id="bench",
+        rank=trace.rank or 0,
+        world_size=trace.world_size or world_size,
+        time_offset_ns=0,
+        host_name="node-0",
+        **options,
+    )
+
+
 def _encoder():  # type: ignore[no-untyped-def]
     from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
 
@@ -96,11 +109,11 @@ def _max_quantile_error(traces, windows_per_trace) -> float:  # type: ignore[no-
 
 
 def _one_window(trace):  # type: ignore[no-untyped-def]
-    from stepwatch.exporters._window import WindowBuilder, build_resource
-    from stepwatch.exporters.kernels import (
+    from stepwatch.exporters import WindowBuilder, build_resource
+    from stepwatch.exporters.kernels import KernelSummariser
+    from stepwatch.exporters.kernels._ingest import (
         DEFAULT_KERNEL_MAX_SCALE,
         DEFAULT_KERNEL_MAX_SIZE,
-        KernelSummariser,
     )
 
     resource = build_resource(job_id="bench", rank=0, world_size=1, host_name="node-0")
@@ -214,15 +227,7 @@ def _variants_table(traces) -> None:  # type: ignore[no-untyped-def]
             ({"kernel_significant_bits": 53}, exact_requests),
             ({"kernel_min_max": True}, min_max_requests),
         ):
-            for window in trace_windows(
-                trace,
-                job_id="bench",
-                rank=trace.rank or 0,
-                world_size=trace.world_size or len(traces),
-                time_offset_ns=0,
-                host_name="node-0",
-                **options,
-            ):
+            for window in _windows(trace, len(traces), **options):
                 target.append(encode_metrics(window.metrics))
 
     def mean_gzip(items, *mutations) -> float:  # type: ignore[no-untyped-def]
@@ -316,17 +321,7 @@ def main(argv: list[str]) -> int:
         otlp, zipped, line, series, kernel_only, no_desc = [], [], [], [], [], []
         all_windows = []
         for trace in traces:
-            windows = trace_windows(
-                trace,
-                job_id="bench",
-                rank=trace.rank or 0,
-                world_size=trace.world_size or len(traces),
-                time_offset_ns=0,
-                host_name="node-0",
-                top_k=top_k,
-                max_scale=scale,
-                max_size=max_size,
-            )
+            windows = _windows(trace, len(traces), top_k=top_k, max_scale=scale, max_size=max_size)
             all_windows.append(windows)
             for window in windows:
                 request = encode_metrics(window.metrics)

@@ -199,7 +199,8 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from stepwatch.exporters import StepMonitor, TorchProfilerSource
+    from stepwatch.exporters import StepMonitor
+    from stepwatch.exporters.kernels import TorchProfilerSource
 
     torch.set_num_threads(1)
     world_size = options["ranks"]

@@ -245,7 +245,7 @@ def test_two_rank_gloo_ddp_auto_mode(tmp_path: Path) -> None:
 
 
 def test_real_torch_profiler_kernel_source_feeds_the_window() -> None:
-    from stepwatch.exporters import TorchProfilerSource
+    from stepwatch.exporters.kernels import TorchProfilerSource
 
     exporter = InMemoryExporter()
     source = TorchProfilerSource(active_steps=2, period_steps=4)

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.core import ConfigError
-from stepwatch.exporters import ExponentialHistogram
 from stepwatch.exporters._histogram import (
     FLOAT_BITS,
     MAX_SCALE,
     MIN_SCALE,
+    ExponentialHistogram,
     lower_boundary,
     map_to_index,
     round_significant,

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from stepwatch.core import _schema
-from stepwatch.exporters import InMemoryExporter, StepMonitor
-from stepwatch.exporters._window import build_resource
+from stepwatch.exporters import InMemoryExporter, StepMonitor, build_resource
 from stepwatch.exporters.kernels import GpuReading, HealthSampler, XidEvent
 
 

@@ -27,13 +27,16 @@ from hypothesis import strategies as st
 
 from stepwatch.core import ConfigError, __version__
 from stepwatch.exporters import (
+    KernelWindow,
     OtlpHttpExporter,
+    WindowBuilder,
     _otlp_http,
+    build_resource,
     create_exporter,
     resolve_exporter_config,
 )
-from stepwatch.exporters._otlp_http import _RequestEncoder, resolve_proxy, retry_after_s
-from stepwatch.exporters._window import KernelWindow, WindowBuilder, build_resource
+from stepwatch.exporters._http_connection import resolve_proxy, retry_after_s
+from stepwatch.exporters._otlp_protobuf import RequestEncoder
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.common")
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import (
@@ -787,7 +790,7 @@ def _metrics_data(draw: st.DrawFn) -> MetricsData:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(metrics_data=_metrics_data())
 def test_direct_encoding_is_byte_identical_to_the_sdk(metrics_data: MetricsData) -> None:
-    encoder = _RequestEncoder()
+    encoder = RequestEncoder()
     direct = encoder.encode(metrics_data)
     assert direct is not None
     assert direct == encode_metrics(metrics_data).SerializeToString()
@@ -799,7 +802,7 @@ def test_direct_encoding_of_real_windows_and_the_fallback() -> None:
     sdk_only = _exporter("http://127.0.0.1:4318/v1/metrics", direct_encoding=False)
     for seed in range(5):
         window = _window(seed)
-        assert _RequestEncoder().encode(window) is not None
+        assert RequestEncoder().encode(window) is not None
         assert exporter.serialize(window) == encode_metrics(window).SerializeToString()
         assert sdk_only.serialize(window) == exporter.serialize(window)
     # Explicit-bucket histograms are not written directly: the SDK encodes them.
@@ -841,5 +844,5 @@ def test_direct_encoding_of_real_windows_and_the_fallback() -> None:
             )
         ]
     )
-    assert _RequestEncoder().encode(explicit) is None
+    assert RequestEncoder().encode(explicit) is None
     assert exporter.serialize(explicit) == encode_metrics(explicit).SerializeToString()

@@ -1,4 +1,4 @@
-"""WindowBuilder and build_resource: the OTLP shape of one window, exactly as SCHEMA.md says."""
+"""WindowBuilder and build_resource: the OTLP shape of one window, as docs/schema.md says."""
 
 from __future__ import annotations
 

@@ -19,14 +19,13 @@ from pathlib import Path
 import pytest
 
 from stepwatch.exporters.kernels import (
-    MEMCPY_KIND_NAMES,
     ActivityRecord,
     CuptiSource,
     KernelEvent,
     KernelSummariser,
-    activity_to_record,
     classify_kernel,
 )
+from stepwatch.exporters.kernels._cupti import MEMCPY_KIND_NAMES, activity_to_record
 
 _KINDS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
 

@@ -16,7 +16,7 @@ import pytest
 
 from stepwatch.core import InfluxClient
 from stepwatch.core._influx import quote_literal
-from stepwatch.exporters._export import create_exporter, resolve_exporter_config
+from stepwatch.exporters import create_exporter, resolve_exporter_config
 from stepwatch.exporters.kernels import classify_kernel, ingest_traces, read_trace
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer
 

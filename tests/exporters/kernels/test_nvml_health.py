@@ -10,7 +10,7 @@ from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import e
 from opentelemetry.sdk.metrics.export import AggregationTemporality, MetricsData
 
 from stepwatch.core import _schema
-from stepwatch.exporters._window import build_resource
+from stepwatch.exporters import build_resource
 from stepwatch.exporters.kernels import GpuReading, HealthSampler, XidEvent
 from stepwatch.otel_bridge import convert_request
 

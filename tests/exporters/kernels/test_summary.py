@@ -9,14 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters._window import KernelWindow
-from stepwatch.exporters.kernels import (
-    KernelEvent,
-    KernelSummariser,
-    busy_ns,
-    quantised_seconds,
-    step_idle_s,
-)
+from stepwatch.exporters import KernelWindow
+from stepwatch.exporters.kernels import KernelEvent, KernelSummariser
+from stepwatch.exporters.kernels._summary import busy_ns, quantised_seconds, step_idle_s
 
 intervals = st.lists(
     st.tuples(st.integers(0, 1000), st.integers(0, 200)).map(lambda t: (t[0], t[0] + t[1])),

@@ -587,7 +587,7 @@ def test_kineto_log_lines_are_silenced_unless_the_user_set_the_level(preset: str
 
     code = (
         "import os, torch\n"
-        "from stepwatch.exporters import TorchProfilerSource\n"
+        "from stepwatch.exporters.kernels import TorchProfilerSource\n"
         "source = TorchProfilerSource(active_steps=2, period_steps=3)\n"
         "for step in range(9):\n"
         "    torch.ones(4) @ torch.ones(4)\n"

@@ -9,12 +9,8 @@ from pathlib import Path
 import pytest
 
 from stepwatch.core._errors import TraceFormatError
-from stepwatch.exporters.kernels import (
-    parse_trace,
-    phase_of_annotation,
-    rank_from_file_name,
-    read_trace,
-)
+from stepwatch.exporters.kernels import parse_trace, read_trace
+from stepwatch.exporters.kernels._trace import phase_of_annotation, rank_from_file_name
 
 
 def test_dlrm_rank0_fixture(dlrm_rank0: Path) -> None:

@@ -84,7 +84,7 @@ def _progress(message: str) -> None:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from stepwatch.exporters._export import create_exporter, resolve_exporter_config
+    from stepwatch.exporters import create_exporter, resolve_exporter_config
     from stepwatch.exporters.kernels import ingest_traces
 
     origin = parse_time_origin(args.time_origin) if args.time_origin is not None else None

@@ -63,10 +63,13 @@ hook ~7-10 µs (DDP); optimizer hooks and the hooks' own code a few µs. Hence:
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Final
+import logging
+from typing import Any, Final
 
-if TYPE_CHECKING:
-    from stepwatch.exporters._monitor import StepMonitor
+from stepwatch.core._errors import ConfigError
+from stepwatch.exporters._recorder import StepRecorder
+
+logger = logging.getLogger("stepwatch.exporters")
 
 
 class Instrumentation:
@@ -100,16 +103,16 @@ class Instrumentation:
 class _AutoState:
     """Hook callbacks; they run on the training thread except the comm completion callbacks.
 
-    The per-step hooks read the clock once each and touch the monitor only through its
-    training-thread methods; whatever can be looked up once (the clock function, torch's
-    ``Tensor`` type and grad-mode query, the bound backward-start callback) is, at set-up.
+    The per-step hooks read the clock once each and reach the monitor only through its
+    :class:`~stepwatch.exporters._recorder.StepRecorder` (its documented interface); whatever
+    can be looked up once (the clock function, torch's ``Tensor`` type and grad-mode query, the
+    bound backward-start callback) is, at set-up.
     """
 
-    def __init__(self, monitor: StepMonitor) -> None:
+    def __init__(self, recorder: StepRecorder) -> None:
         import torch
 
-        self.monitor = monitor
-        self.clock = monitor._clock
+        self.recorder = recorder
         self.enabled = True
         self.forward_depth = 0
         self.forward_start_ns = 0
@@ -127,7 +130,7 @@ class _AutoState:
         # returns, so by optimizer.step() (where they are read and cleared) nothing appends.
         self.comm_starts_ns: list[int] = []
         self.comm_ends_ns: list[int] = []
-        self.clock_ns = _fast_monotonic_ns(self.clock)
+        self.clock_ns = recorder.clock_ns
         self.last_gradient_ns: int | None = None  # exposed-wait timing (no comm hook)
         self._tensor_type = torch.Tensor
         self._grad_enabled = torch.is_grad_enabled
@@ -152,19 +155,19 @@ class _AutoState:
             now = self.clock_ns()
             if self.in_backward or self.last_gradient_ns is not None:
                 self._end_backward(now)  # gradient accumulation: the previous micro-batch ended
-            monitor = self.monitor
-            if not monitor._explicit_steps:
-                if monitor._step_depth == 0:
-                    monitor._begin_step(explicit=False, now_ns=now)
+            recorder = self.recorder
+            if not recorder.explicit_steps:
+                if recorder.step_depth == 0:
+                    recorder.begin_step(explicit=False, now_ns=now)
                 data_start = self.data_start_ns
                 if data_start is not None:
-                    monitor._add_phase_ns("data", now - data_start)
+                    recorder.add_phase_ns("data", now - data_start)
                     self.data_start_ns = None
             self.forward_depth += 1
             if self.forward_depth == 1:
                 self.forward_start_ns = now
         except Exception:
-            self.monitor._misuse("auto", "auto-mode forward pre-hook failed", exc_info=True)
+            self.recorder.misuse("auto", "auto-mode forward pre-hook failed", exc_info=True)
 
     def forward_post(self, module: Any, args: Any, output: Any) -> None:
         if not self.enabled:
@@ -176,7 +179,7 @@ class _AutoState:
                     self.forward_depth = depth - 1
                 return
             self.forward_depth = 0
-            self.monitor._add_phase_ns("forward", self.clock_ns() - self.forward_start_ns)
+            self.recorder.add_phase_ns("forward", self.clock_ns() - self.forward_start_ns)
             if not self._grad_enabled():
                 return
             tensor = (
@@ -205,7 +208,7 @@ class _AutoState:
             else:  # a tensor subclass that overrides torch functions decides itself
                 self.backward_handle = tensor.register_hook(self._on_backward_start)
         except Exception:
-            self.monitor._misuse("auto", "auto-mode forward hook failed", exc_info=True)
+            self.recorder.misuse("auto", "auto-mode forward hook failed", exc_info=True)
 
     def backward_start(self, grad: Any) -> None:
         # A tensor hook on the model's output: the gradient has reached the model.
@@ -215,7 +218,7 @@ class _AutoState:
             self.backward_start_ns = self.clock_ns()
             self.in_backward = True
         except Exception:
-            self.monitor._misuse("auto", "auto-mode backward hook failed", exc_info=True)
+            self.recorder.misuse("auto", "auto-mode backward hook failed", exc_info=True)
 
     def _end_backward(self, now_ns: int) -> None:
         """Close an open backward phase at the next hook on the training thread.
@@ -225,15 +228,15 @@ class _AutoState:
         engine callback, keeps Python out of the autograd engine's final callbacks, which
         measurably slowed DDP steps (about 5% on the CPU/gloo overhead bench).
         """
-        monitor = self.monitor
+        recorder = self.recorder
         if self.in_backward:
             self.in_backward = False
-            monitor._add_phase_ns("backward", now_ns - self.backward_start_ns)
+            recorder.add_phase_ns("backward", now_ns - self.backward_start_ns)
         last_gradient = self.last_gradient_ns
         if last_gradient is not None:
             self.last_gradient_ns = None
             if now_ns > last_gradient:
-                monitor._add_phase_ns("communication", now_ns - last_gradient)
+                recorder.add_phase_ns("communication", now_ns - last_gradient)
 
     def last_gradient(self, parameter: Any) -> None:
         # A post-accumulate-grad hook on the parameter whose gradient comes last.
@@ -248,31 +251,31 @@ class _AutoState:
             if self.in_backward or self.last_gradient_ns is not None:
                 self._end_backward(now)
         except Exception:
-            self.monitor._misuse("auto", "auto-mode optimizer pre-hook failed", exc_info=True)
+            self.recorder.misuse("auto", "auto-mode optimizer pre-hook failed", exc_info=True)
 
     def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.enabled:
             return
         try:
             now = self.clock_ns()
-            monitor = self.monitor
+            recorder = self.recorder
             start = self.optimizer_start_ns
             if start is not None:
-                monitor._add_phase_ns("optimizer", now - start)
+                recorder.add_phase_ns("optimizer", now - start)
                 self.optimizer_start_ns = None
             starts = self.comm_starts_ns
             if starts:
                 ends = self.comm_ends_ns
-                monitor._add_phase_ns("communication", _union_ns(starts, ends))
+                recorder.add_phase_ns("communication", _union_ns(starts, ends))
                 starts.clear()
                 ends.clear()
-            if not monitor._explicit_steps and monitor._step_depth > 0:
+            if not recorder.explicit_steps and recorder.step_depth > 0:
                 # One clock read: this step's end is the next one's start and the data start.
-                monitor._end_step(explicit=False, now_ns=now)
-                monitor._begin_step(explicit=False, now_ns=now)
+                recorder.end_step(explicit=False, now_ns=now)
+                recorder.begin_step(explicit=False, now_ns=now)
                 self.data_start_ns = now
         except Exception:
-            self.monitor._misuse("auto", "auto-mode optimizer hook failed", exc_info=True)
+            self.recorder.misuse("auto", "auto-mode optimizer hook failed", exc_info=True)
 
     def timed_comm_hook(self, inner: Any) -> Any:
         """Your DDP comm hook ``inner``, with its collective timed from issue to completion."""
@@ -356,17 +359,6 @@ def _first_value(completed: Any) -> Any:
     return completed.value()[0]
 
 
-def _fast_monotonic_ns(clock: Any) -> Any:
-    """``clock.monotonic_ns``, or the C function itself when it is the system clock."""
-    import time
-
-    from stepwatch.exporters._monitor import SystemClock
-
-    if type(clock) is SystemClock:
-        return time.perf_counter_ns
-    return clock.monotonic_ns
-
-
 def _union_ns(starts_ns: list[int], ends_ns: list[int]) -> int:
     """Length of the union of intervals known only by their start and end times.
 
@@ -438,46 +430,22 @@ def _first_grad_tensor(output: Any, tensor_type: Any) -> Any:
     return None
 
 
-def instrument(
-    monitor: StepMonitor,
+def install_hooks(
+    recorder: StepRecorder,
     model: Any,
     optimizer: Any,
     *,
-    comm_hook: Any = None,
-    comm_state: Any = None,
-    time_communication: bool = True,
-    collective_timing: bool = False,
+    comm_hook: Any,
+    comm_state: Any,
+    time_communication: bool,
+    collective_timing: bool,
 ) -> Instrumentation:
-    """Install auto-mode hooks on ``model`` and ``optimizer`` (see the module docstring).
-
-    Args:
-        monitor: The monitor receiving the phases.
-        model: A ``torch.nn.Module`` (a ``DistributedDataParallel`` also gets comm timing).
-        optimizer: A ``torch.optim.Optimizer``.
-        comm_hook: Your own DDP comm hook ``hook(state, bucket) -> Future``; it is registered
-            wrapped by the timing hook (DDP accepts one comm hook, so pass it here instead of
-            calling ``register_comm_hook`` yourself). Default: the standard allreduce hook.
-        comm_state: State passed to ``comm_hook`` (default: the DDP process group).
-        time_communication: Time a DDP model's communication (see the module docstring).
-            ``False`` reports no communication phase.
-        collective_timing: Without ``comm_hook``, time every bucket's collective from issue
-            to completion with a timed copy of DDP's allreduce as a Python comm hook, instead
-            of the exposed wait with no comm hook. Any Python comm hook costs more than DDP's
-            built-in C++ allreduce: DDP calls into Python per bucket, the completion callback
-            takes the GIL on the comm library's thread, and averaging the bucket is one more
-            pass over the gradients (``bench/overhead.py --mode collective`` measures it):
-            noise on a GPU, several percent of a CPU step.
-
-    Returns:
-        A handle whose ``remove()`` detaches the hooks.
+    """Install auto-mode hooks feeding ``recorder`` (the options: ``StepMonitor.instrument``).
 
     Raises:
-        ConfigError: ``model`` or ``optimizer`` is not a torch module / optimizer (raised at
-            set-up, before training).
+        ConfigError: ``model`` or ``optimizer`` is not a torch module / optimizer, or
+            ``comm_state`` is not a process group where one is needed.
     """
-    from stepwatch.core._errors import ConfigError
-    from stepwatch.exporters._monitor import logger
-
     try:
         import torch
     except ImportError as exc:
@@ -489,7 +457,7 @@ def instrument(
         raise ConfigError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    state = _AutoState(monitor)
+    state = _AutoState(recorder)
     handles = [
         model.register_forward_pre_hook(state.forward_pre),
         # always_call: a forward that raises still closes the phase (else it stays open forever).

@@ -11,67 +11,40 @@ logged (rate-limited) and counted in :attr:`StepMonitor.stats`.
 from __future__ import annotations
 
 import atexit
-import collections
-import contextlib
 import dataclasses
+import importlib.util
 import logging
 import os
 import threading
 import time
 from collections.abc import Mapping
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 
+from stepwatch.core import settings
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
+from stepwatch.exporters._auto import Instrumentation, install_hooks
+from stepwatch.exporters._config import DEFAULT_TIMEOUT_S, ExporterConfig, resolve_exporter_config
 from stepwatch.exporters._device import DeviceTimer, resolve_device_timer
-from stepwatch.exporters._export import (
-    DEFAULT_TIMEOUT_S,
-    Exporter,
-    ExporterConfig,
-    create_exporter,
-    resolve_exporter_config,
-)
+from stepwatch.exporters._export import Exporter, create_exporter
+from stepwatch.exporters._recorder import Clock, StepRecord, StepRecorder, SystemClock
 from stepwatch.exporters._window import KernelSource, KernelWindow, WindowBuilder, build_resource
+from stepwatch.exporters.kernels._nvml import HealthSampler
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricsData
     from opentelemetry.sdk.resources import Resource
 
-    from stepwatch.exporters._auto import Instrumentation
+    from stepwatch.exporters._recorder import _NullContext, _PhaseContext, _StepContext
 
 logger = logging.getLogger("stepwatch.exporters")
 
-DEFAULT_EXPORT_INTERVAL_S: Final = 1.0
+DEFAULT_EXPORT_INTERVAL_S: Final = cast(float, settings.METRIC_EXPORT_INTERVAL_S.default)
 DEFAULT_BUFFER_STEPS: Final = 4096
 RECONNECT_AFTER_FAILURES: Final = 2
 AT_EXIT_TIMEOUT_S: Final = 2.0
-MAX_PHASE_NAME_LENGTH: Final = 64
-MAX_PHASE_NAMES: Final = 256
 _LOG_INTERVAL_S: Final = 60.0
 _YIELD_EVERY_STEPS: Final = 16
-
-
-class Clock(Protocol):
-    """Time source of a monitor (injected; tests pass a fake that implements it)."""
-
-    def monotonic_ns(self) -> int:
-        """A monotonic timestamp in nanoseconds, for durations."""
-
-    def time_ns(self) -> int:
-        """Wall time, Unix epoch nanoseconds, for window bounds."""
-
-
-class SystemClock:
-    """``time.perf_counter_ns`` for durations, ``time.time_ns`` for the wall-clock anchor."""
-
-    def monotonic_ns(self) -> int:
-        """``time.perf_counter_ns()``."""
-        return time.perf_counter_ns()
-
-    def time_ns(self) -> int:
-        """``time.time_ns()``."""
-        return time.time_ns()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,93 +70,6 @@ class MonitorStats:
     misuse: int
     observations_overflowed: int
     observations_rejected: int
-
-
-class _NullContext:
-    """Returned for unusable phase names: does nothing."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        return None
-
-
-_NULL_CONTEXT: Final = _NullContext()
-
-
-class _StepContext:
-    __slots__ = ("_monitor",)
-
-    def __init__(self, monitor: StepMonitor) -> None:
-        self._monitor = monitor
-
-    def __enter__(self) -> None:
-        self._monitor._begin_step(explicit=True)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._monitor._end_step(explicit=True)
-
-
-class _PhaseContext:
-    __slots__ = ("_clock", "_depth", "_device", "_monitor", "_name", "_start_mark", "_start_ns")
-
-    def __init__(self, monitor: StepMonitor, name: str) -> None:
-        self._monitor = monitor
-        self._clock = monitor._clock
-        self._name = name
-        self._depth = 0
-        self._start_ns = 0
-        self._device = monitor._device_timer
-        self._start_mark: Any = None
-
-    def __enter__(self) -> None:
-        try:
-            if self._depth == 0:
-                self._start_ns = self._clock.monotonic_ns()
-                if self._device is not None:
-                    self._start_mark = self._device.mark()
-            self._depth += 1
-        except Exception:
-            self._monitor._misuse("clock", "the clock raised in phase(); phase ignored")
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        try:
-            if self._depth <= 0:
-                return
-            self._depth -= 1
-            if self._depth == 0:
-                monitor = self._monitor
-                monitor._add_phase_ns(self._name, self._clock.monotonic_ns() - self._start_ns)
-                if self._device is not None and self._start_mark is not None:
-                    intervals = monitor._device_phases.setdefault(self._name, [])
-                    intervals.append((self._start_mark, self._device.mark()))
-                    self._start_mark = None
-        except Exception:
-            self._monitor._misuse("clock", "the clock raised in phase(); phase ignored")
-
-
-# Device marks of one step: (step start, step end, phase name -> [(start, end), ...]).
-_DeviceMarks = tuple[Any, Any, dict[str, list[tuple[Any, Any]]]]
-# One finished step: (index, start monotonic ns, end monotonic ns, phase name -> ns, device).
-_StepRecord = tuple[int, int, int, dict[str, int], _DeviceMarks | None]
 
 
 class StepMonitor:
@@ -308,22 +194,18 @@ class StepMonitor:
         self._wall_anchor_ns = self._clock.time_ns()
         self._log = RateLimitedLog(logger, _LOG_INTERVAL_S)
 
-        # Training-thread state.
-        self._buffer: collections.deque[_StepRecord] = collections.deque()
-        self._buffer_steps = buffer_steps
-        self._step_context = _StepContext(self)
-        self._phase_contexts: dict[str, _PhaseContext] = {}
-        self._phases_ns: dict[str, int] = {}
-        self._device_phases: dict[str, list[tuple[Any, Any]]] = {}
-        self._step_start_mark: Any = None
-        self._step_depth = 0
-        self._step_start_ns = 0
-        self._step_index = 0
-        self._explicit_steps = False
-        self._auto_step_open = False
-        self._steps_recorded = 0
-        self._buffer_dropped = 0
-        self._misuse_count = 0
+        # Training-thread state: the recorder (handed to auto-mode hooks too). step() and
+        # phase() return its contexts with no call in between.
+        self._recorder = StepRecorder(
+            clock=self._clock,
+            device_timer=self._device_timer,
+            kernel_source=kernel_source,
+            buffer_steps=buffer_steps,
+            log=self._log,
+        )
+        self._buffer = self._recorder.buffer
+        self._step_context = self._recorder.step_context
+        self._phase_contexts = self._recorder.phase_contexts
 
         # Export-thread state.
         self._export_lock = threading.Lock()
@@ -360,97 +242,7 @@ class StepMonitor:
         context = self._phase_contexts.get(name)
         if context is not None:
             return context
-        return self._new_phase_context(name)
-
-    def _new_phase_context(self, name: object) -> _PhaseContext | _NullContext:
-        try:
-            if not isinstance(name, str) or not name or len(name) > MAX_PHASE_NAME_LENGTH:
-                self._misuse("phase-name", "phase(%r): not a short non-empty string; ignored", name)
-                return _NULL_CONTEXT
-            if len(self._phase_contexts) >= MAX_PHASE_NAMES:
-                self._misuse(
-                    "phase-cap",
-                    "more than %d phase names; %r folded into 'other'",
-                    MAX_PHASE_NAMES,
-                    name,
-                )
-                name = "other"
-                existing = self._phase_contexts.get(name)
-                if existing is not None:
-                    return existing
-            context = _PhaseContext(self, name)
-            self._phase_contexts[name] = context
-            return context
-        except Exception:
-            return _NULL_CONTEXT
-
-    def _add_phase_ns(self, name: str, elapsed_ns: int) -> None:
-        phases = self._phases_ns
-        phases[name] = phases.get(name, 0) + elapsed_ns
-
-    def _begin_step(self, *, explicit: bool, now_ns: int | None = None) -> None:
-        """Open a step (``now_ns``: its start, already read from the monitor's clock)."""
-        try:
-            if explicit:
-                self._explicit_steps = True
-                if self._auto_step_open:
-                    # Auto mode opened a step (a forward before the first monitor.step()):
-                    # the loop marks steps itself, so that step is abandoned, not nested.
-                    self._auto_step_open = False
-                    self._step_depth = 0
-            elif self._step_depth == 0:
-                self._auto_step_open = True
-            self._step_depth += 1
-            if self._step_depth > 1:
-                self._misuse("nested-step", "step() entered inside a step; inner step ignored")
-                return
-            self._step_start_ns = self._clock.monotonic_ns() if now_ns is None else now_ns
-            if self._device_timer is not None:
-                self._step_start_mark = self._device_timer.mark()
-        except Exception:
-            self._misuse("clock", "the clock raised in step(); step ignored")
-
-    def _end_step(self, *, explicit: bool, now_ns: int | None = None) -> None:
-        """Close a step and record it (``now_ns``: its end, already read from the clock)."""
-        try:
-            if self._step_depth <= 0:
-                self._misuse("unbalanced-step", "step end without a step start; ignored")
-                return
-            self._step_depth -= 1
-            if self._step_depth > 0:
-                return
-            self._auto_step_open = False
-            end_ns = self._clock.monotonic_ns() if now_ns is None else now_ns
-            phases = self._phases_ns
-            self._phases_ns = {}
-            device: _DeviceMarks | None = None
-            if self._device_timer is not None:
-                device_phases = self._device_phases
-                self._device_phases = {}
-                start_mark, self._step_start_mark = self._step_start_mark, None
-                if start_mark is not None:
-                    device = (start_mark, self._device_timer.mark(), device_phases)
-            index = self._step_index
-            self._step_index = index + 1
-            self._steps_recorded += 1
-            buffer = self._buffer
-            if len(buffer) < self._buffer_steps:
-                buffer.append((index, self._step_start_ns, end_ns, phases, device))
-            else:
-                self._buffer_dropped += 1
-                self._log.warning(
-                    "buffer-full", "step buffer full (%d steps); step dropped", self._buffer_steps
-                )
-            source = self._kernel_source
-            if source is not None:
-                source.on_step_end(index)
-        except Exception:
-            self._misuse("step-end", "recording a step failed; step ignored", exc_info=True)
-
-    def _misuse(self, key: str, message: str, *args: object, exc_info: bool = False) -> None:
-        self._misuse_count += 1
-        with contextlib.suppress(Exception):
-            self._log.warning(key, message, *args, exc_info=exc_info)
+        return self._recorder.new_phase_context(name)
 
     # ------------------------------------------------------------------ auto mode
     def instrument(
@@ -465,12 +257,37 @@ class StepMonitor:
     ) -> Instrumentation:
         """Time forward, backward, optimizer and DDP communication with hooks (no code changes).
 
-        See :func:`stepwatch.exporters.instrument` for the details.
-        """
-        from stepwatch.exporters._auto import instrument
+        The phases and where each starts and ends are in the ``stepwatch.exporters._auto``
+        module docstring. :meth:`close` removes the hooks. Also callable as a function,
+        ``stepwatch.exporters.instrument(monitor, model, optimizer, ...)``.
 
-        instrumentation = instrument(
-            self,
+        Args:
+            model: A ``torch.nn.Module`` (a ``DistributedDataParallel`` also gets comm timing).
+            optimizer: A ``torch.optim.Optimizer``.
+            comm_hook: Your own DDP comm hook ``hook(state, bucket) -> Future``; it is
+                registered wrapped by the timing hook (DDP accepts one comm hook, so pass it
+                here instead of calling ``register_comm_hook`` yourself). Default: the
+                standard allreduce hook.
+            comm_state: State passed to ``comm_hook`` (default: the DDP process group).
+            time_communication: Time a DDP model's communication (see the module docstring).
+                ``False`` reports no communication phase.
+            collective_timing: Without ``comm_hook``, time every bucket's collective from
+                issue to completion with a timed copy of DDP's allreduce as a Python comm hook,
+                instead of the exposed wait with no comm hook. Any Python comm hook costs more
+                than DDP's built-in C++ allreduce: DDP calls into Python per bucket, the
+                completion callback takes the GIL on the comm library's thread, and averaging
+                the bucket is one more pass over the gradients (``bench/overhead.py --mode
+                collective`` measures it): noise on a GPU, several percent of a CPU step.
+
+        Returns:
+            A handle whose ``remove()`` detaches the hooks.
+
+        Raises:
+            ConfigError: ``model`` or ``optimizer`` is not a torch module / optimizer (raised at
+                set-up, before training).
+        """
+        instrumentation = install_hooks(
+            self._recorder,
             model,
             optimizer,
             comm_hook=comm_hook,
@@ -554,7 +371,7 @@ class StepMonitor:
                 return False
 
     def _export_locked(self, timeout_s: float | None) -> bool:
-        records: list[_StepRecord] = []
+        records: list[StepRecord] = []
         buffer = self._buffer
         timer = self._device_timer
         while buffer:
@@ -644,12 +461,12 @@ class StepMonitor:
     def stats(self) -> MonitorStats:
         """Counters since construction (a consistent-enough snapshot; never raises)."""
         return MonitorStats(
-            steps_recorded=self._steps_recorded,
+            steps_recorded=self._recorder.steps_recorded,
             steps_exported=self._steps_exported,
-            steps_dropped=self._buffer_dropped + self._export_dropped,
+            steps_dropped=self._recorder.buffer_dropped + self._export_dropped,
             windows_exported=self._windows_exported,
             export_failures=self._export_failures,
-            misuse=self._misuse_count,
+            misuse=self._recorder.misuse_count,
             observations_overflowed=self._builder.overflow_observations,
             observations_rejected=self._builder.rejected_observations,
         )
@@ -699,12 +516,7 @@ class StepMonitor:
     def __enter__(self) -> StepMonitor:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
         self.close()
 
 
@@ -722,12 +534,8 @@ def _resolve_health(health: HealthSource | bool | None, resource: Resource) -> H
     if health is False:
         return None
     if health is None or health is True:
-        import importlib.util
-
         if health is None and importlib.util.find_spec("pynvml") is None:
             return None
-        from stepwatch.exporters.kernels import HealthSampler
-
         return HealthSampler(resource)
     return health
 
@@ -737,13 +545,10 @@ def _resolve_interval(export_interval_s: float | None) -> float:
         if isinstance(export_interval_s, bool) or not export_interval_s > 0:
             raise ConfigError(f"export_interval_s must be positive, got {export_interval_s!r}")
         return float(export_interval_s)
-    raw = os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "").strip()
-    if not raw:
-        return DEFAULT_EXPORT_INTERVAL_S
-    try:
-        interval_s = float(raw) / 1000.0
-    except ValueError as exc:
-        raise ConfigError(f"OTEL_METRIC_EXPORT_INTERVAL must be milliseconds, got {raw!r}") from exc
-    if not interval_s > 0:
-        raise ConfigError(f"OTEL_METRIC_EXPORT_INTERVAL must be positive, got {raw!r}")
-    return interval_s
+    # The variable is milliseconds; the setting reads it as seconds and names a bad value.
+    interval_s, _ = settings.METRIC_EXPORT_INTERVAL_S.lookup(os.environ)
+    return DEFAULT_EXPORT_INTERVAL_S if interval_s is None else interval_s
+
+
+#: ``instrument(monitor, model, optimizer, ...)``: :meth:`StepMonitor.instrument` as a function.
+instrument = StepMonitor.instrument

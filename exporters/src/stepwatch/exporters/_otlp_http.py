@@ -18,33 +18,25 @@ never past the export's deadline; any other status fails at once.
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import dataclasses
-import email.utils
-import http.client
 import logging
-import math
 import random
-import socket
-import ssl
-import struct
 import threading
 import time
 import urllib.parse
-import urllib.request
 import zlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from stepwatch.core import __version__
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
+from stepwatch.exporters._config import ExporterConfig
+from stepwatch.exporters._http_connection import Answer, PostConnection, TlsFiles, retry_after_s
+from stepwatch.exporters._otlp_protobuf import RequestEncoder
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricExportResult, MetricsData
-
-    from stepwatch.exporters._export import ExporterConfig
 
 logger = logging.getLogger("stepwatch.exporters")
 
@@ -57,9 +49,6 @@ _JITTER: Final = 0.5  # each backoff is scaled by uniform(1 - _JITTER, 1 + _JITT
 _LOG_INTERVAL_S: Final = 60.0
 _MAX_DISTINCT_MESSAGES: Final = 256
 _MAX_LOGGED_BODY_CHARS: Final = 300
-# A kept-alive connection the server has since closed fails on first use with one of these;
-# the request never reached a live server, so it is resent at once on a fresh connection.
-_STALE_ERRORS: Final = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,99 +89,6 @@ def _log_for(endpoint: str) -> RateLimitedLog:
         if log is None:
             log = _LOGS[endpoint] = RateLimitedLog(logger, _LOG_INTERVAL_S)
         return log
-
-
-@dataclasses.dataclass(frozen=True)
-class _Proxy:
-    host: str
-    port: int
-    authorization: str | None
-    source: str
-
-
-@dataclasses.dataclass(frozen=True)
-class _Answer:
-    status: int
-    reason: str
-    headers: http.client.HTTPMessage
-    body: bytes
-
-
-def _proxies_from(environ: Mapping[str, str]) -> dict[str, str]:
-    """``urllib.request.getproxies_environment`` for an explicit mapping (lowercase wins)."""
-    proxies: dict[str, str] = {}
-    for name, value in environ.items():
-        if value and name.lower().endswith("_proxy") and name != name.lower():
-            proxies[name[:-6].lower()] = value
-    for name, value in environ.items():
-        if name.lower().endswith("_proxy") and name == name.lower():
-            if value:
-                proxies[name[:-6]] = value
-            else:
-                proxies.pop(name[:-6], None)
-    if "REQUEST_METHOD" in environ:  # CGI: HTTP_PROXY may come from a request header
-        proxies.pop("http", None)
-    return proxies
-
-
-def resolve_proxy(endpoint: str, *, environ: Mapping[str, str] | None = None) -> str | None:
-    """The proxy URL ``requests`` would have used for ``endpoint``, or None for a direct link.
-
-    ``<scheme>_proxy`` then ``all_proxy`` (either case, lowercase first), unless the host
-    matches ``no_proxy`` (``urllib.request.proxy_bypass_environment`` semantics).
-
-    Args:
-        endpoint: The OTLP endpoint URL.
-        environ: The environment to read (``urllib.request.getproxies()`` when omitted).
-    """
-    proxies = urllib.request.getproxies() if environ is None else _proxies_from(environ)
-    parsed = urllib.parse.urlsplit(endpoint)
-    host = parsed.hostname or ""
-    target = f"{host}:{parsed.port}" if parsed.port else host
-    if urllib.request.proxy_bypass_environment(target, proxies):  # type: ignore[attr-defined]
-        return None
-    return proxies.get(parsed.scheme) or proxies.get("all")
-
-
-def _parse_proxy(url: str) -> _Proxy:
-    source = url
-    if "://" not in url:
-        url = "http://" + url
-    parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme != "http" or not parsed.hostname:
-        raise ConfigError(
-            f"proxy {source!r} (from *_proxy environment variables): only http:// proxies "
-            "are supported; set no_proxy for the OTLP endpoint's host to bypass it"
-        )
-    authorization = None
-    if parsed.username is not None:
-        credentials = (
-            f"{urllib.parse.unquote(parsed.username)}:{urllib.parse.unquote(parsed.password or '')}"
-        )
-        authorization = "Basic " + base64.b64encode(credentials.encode()).decode("ascii")
-    return _Proxy(parsed.hostname, parsed.port or 80, authorization, source)
-
-
-def retry_after_s(value: str | None, *, now_unix_s: float | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delay-seconds or HTTP-date), or None.
-
-    RFC 9110 section 10.2.3. A date in the past gives ``0.0``; an unparsable value gives None.
-    """
-    if value is None:
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        pass
-    else:
-        return max(seconds, 0.0) if math.isfinite(seconds) else None
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    now = time.time() if now_unix_s is None else now_unix_s
-    return max(when.timestamp() - now, 0.0)
 
 
 def _status_message(body: bytes, content_type: str) -> str:
@@ -302,12 +198,8 @@ class OtlpHttpExporter:
             ) from exc
 
         self._encode = encode_metrics
-        self._direct = _RequestEncoder() if direct_encoding else None
+        self._direct = RequestEncoder() if direct_encoding else None
         self.endpoint = endpoint
-        self._https = parsed.scheme == "https"
-        self._host = parsed.hostname
-        self._port = parsed.port or (443 if self._https else 80)
-        self._path = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
         self._compression = compression
         self._gzip_level = gzip_level
         self._timeout_s = float(timeout_s)
@@ -317,39 +209,26 @@ class OtlpHttpExporter:
 
         request_headers = {str(k): str(v) for k, v in (headers or {}).items()}
         reserved = {"content-type", "content-encoding", "content-length", "host"}
-        self._headers = {k: v for k, v in request_headers.items() if k.lower() not in reserved}
-        self._headers.setdefault("User-Agent", USER_AGENT)
-        self._headers["Content-Type"] = "application/x-protobuf"
+        request_headers = {k: v for k, v in request_headers.items() if k.lower() not in reserved}
+        request_headers.setdefault("User-Agent", USER_AGENT)
+        request_headers["Content-Type"] = "application/x-protobuf"
         if compression != "none":
-            self._headers["Content-Encoding"] = compression
+            request_headers["Content-Encoding"] = compression
 
-        proxy_url = resolve_proxy(endpoint, environ=environ)
-        self._proxy = _parse_proxy(proxy_url) if proxy_url else None
-        self._ssl_context = (
-            _ssl_context(certificate_file, client_key_file, client_certificate_file)
-            if self._https
-            else None
-        )
-        if self._proxy is not None and not self._https:
-            # Plain HTTP through a proxy: the request line carries the absolute URI (RFC 9112
-            # section 3.2.2) and the proxy forwards it.
-            self._path = urllib.parse.urlunsplit(
-                (parsed.scheme, parsed.netloc, parsed.path or "/", parsed.query, "")
-            )
-            if self._proxy.authorization:
-                self._headers["Proxy-Authorization"] = self._proxy.authorization
-
-        self._lock = threading.Lock()  # one export at a time; guards the connection
-        self._connection: http.client.HTTPConnection | None = None
         self._shutdown = threading.Event()
+        self._connection = PostConnection(
+            endpoint,
+            headers=request_headers,
+            stop=self._shutdown,
+            tls=TlsFiles(certificate_file, client_key_file, client_certificate_file),
+            environ=environ,
+        )
+        self._lock = threading.Lock()  # one export at a time; guards the connection
         self._log = _log_for(endpoint)
         self._seen_messages: set[str] = set()
         self._exports = 0
         self._failures = 0
-        self._requests = 0
         self._retries = 0
-        self._reconnects = 0
-        self._body_bytes = 0
         self._rejected = 0
 
     @classmethod
@@ -374,10 +253,10 @@ class OtlpHttpExporter:
         return OtlpHttpStats(
             exports=self._exports,
             failures=self._failures,
-            requests=self._requests,
+            requests=self._connection.requests,
             retries=self._retries,
-            reconnects=self._reconnects,
-            body_bytes=self._body_bytes,
+            reconnects=self._connection.reconnects,
+            body_bytes=self._connection.body_bytes,
             rejected_data_points=self._rejected,
         )
 
@@ -467,7 +346,7 @@ class OtlpHttpExporter:
             while True:
                 if self._shutdown.is_set():
                     return False
-                answer, error = self._attempt(body, deadline)
+                answer, error = self._connection.attempt(body, deadline)
                 wait_s: float
                 if answer is not None:
                     if 200 <= answer.status < 300:
@@ -523,84 +402,7 @@ class OtlpHttpExporter:
         base = min(self._initial_backoff_s * 2.0**attempt, self._max_backoff_s)
         return base * self._rng.uniform(1.0 - _JITTER, 1.0 + _JITTER)
 
-    def _attempt(self, body: bytes, deadline: float) -> tuple[_Answer | None, Exception | None]:
-        """One POST, plus one immediate resend when a kept-alive connection was stale."""
-        reused = self._connection is not None and self._connection.sock is not None
-        try:
-            return self._post(body, deadline), None
-        except (*_STALE_ERRORS, http.client.BadStatusLine) as exc:
-            self._close_connection()
-            if not reused or self._shutdown.is_set() or deadline <= time.monotonic():
-                return None, exc
-            self._reconnects += 1
-            logger.debug("kept-alive OTLP connection was stale (%r); resending", exc)
-        except (OSError, http.client.HTTPException) as exc:
-            self._close_connection()
-            return None, exc
-        try:
-            return self._post(body, deadline), None
-        except (OSError, http.client.HTTPException) as exc:
-            self._close_connection()
-            return None, exc
-
-    def _post(self, body: bytes, deadline: float) -> _Answer:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the export deadline passed")
-        connection = self._connection
-        if connection is None:
-            connection = self._connection = self._new_connection(remaining)
-        connection.timeout = remaining
-        if connection.sock is None:
-            connection.connect()
-            if connection.sock is not None:
-                # http.client writes the headers and the body in two sends: without
-                # TCP_NODELAY the body may wait for the delayed ACK of the headers (Nagle).
-                connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        else:
-            connection.sock.settimeout(remaining)
-        self._requests += 1
-        self._body_bytes += len(body)
-        connection.request("POST", self._path, body=body, headers=self._headers)
-        response = connection.getresponse()
-        answer = _Answer(
-            status=response.status,
-            reason=response.reason,
-            headers=response.headers,
-            body=response.read(),  # read it all, or the connection cannot be reused
-        )
-        if response.will_close:
-            self._close_connection()
-        return answer
-
-    def _new_connection(self, timeout_s: float) -> http.client.HTTPConnection:
-        proxy = self._proxy
-        connection: http.client.HTTPConnection
-        if self._https:
-            if proxy is None:
-                connection = http.client.HTTPSConnection(
-                    self._host, self._port, timeout=timeout_s, context=self._ssl_context
-                )
-            else:  # CONNECT through the proxy, then TLS to the endpoint inside the tunnel
-                connection = http.client.HTTPSConnection(
-                    proxy.host, proxy.port, timeout=timeout_s, context=self._ssl_context
-                )
-                tunnel_headers = (
-                    {"Proxy-Authorization": proxy.authorization} if proxy.authorization else None
-                )
-                connection.set_tunnel(self._host, self._port, headers=tunnel_headers)
-        elif proxy is None:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
-        else:
-            connection = http.client.HTTPConnection(proxy.host, proxy.port, timeout=timeout_s)
-        return connection
-
-    def _close_connection(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            connection.close()
-
-    def _partial_success(self, answer: _Answer) -> None:
+    def _partial_success(self, answer: Answer) -> None:
         """Log a 2xx answer's ``partial_success`` (once per distinct message, rate-limited)."""
         if not answer.body or "protobuf" not in answer.headers.get("Content-Type", "protobuf"):
             return
@@ -644,15 +446,11 @@ class OtlpHttpExporter:
         self._shutdown.set()
         timeout_s = max(timeout_millis / 1000.0, 0.0)
         if not self._lock.acquire(timeout=min(timeout_s, 0.05)):
-            connection = self._connection
-            sock = connection.sock if connection is not None else None
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+            self._connection.interrupt()
             if not self._lock.acquire(timeout=timeout_s):
                 return  # the export thread closes its connection when it sees the flag
         try:
-            self._close_connection()
+            self._connection.close()
         finally:
             self._lock.release()
 
@@ -663,302 +461,3 @@ class OtlpHttpExporter:
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         """Nothing is buffered: True."""
         return True
-
-
-def _ssl_context(
-    certificate_file: str | None, client_key_file: str | None, client_certificate_file: str | None
-) -> ssl.SSLContext:
-    """``ssl.create_default_context`` with the configured CA bundle and client certificate."""
-    try:
-        context = ssl.create_default_context(cafile=certificate_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"certificate_file {certificate_file!r} is unusable: {exc}") from exc
-    if client_certificate_file is not None:
-        try:
-            context.load_cert_chain(client_certificate_file, keyfile=client_key_file)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(
-                f"client_certificate_file {client_certificate_file!r} / client_key_file "
-                f"{client_key_file!r} are unusable: {exc}"
-            ) from exc
-    elif client_key_file is not None:
-        raise ConfigError("client_key_file needs client_certificate_file")
-    return context
-
-
-# ---------------------------------------------------------------------- direct protobuf encoding
-#
-# The SDK's encode_metrics builds one protobuf object per data point, attribute and value
-# through the Python API (~0.3-1 ms per window), then serialises it. stepwatch windows use a
-# handful of message types, so ``encode_request`` writes the same bytes directly: fields in
-# ascending field-number order, proto3 defaults omitted, ``optional`` and ``oneof`` fields
-# written when set, exactly as upb serialises the SDK's messages (the test suite compares the
-# two byte for byte on random windows). Anything it does not handle (exemplars, explicit
-# histograms, nested attribute values, out-of-range numbers) makes it return None and the
-# caller uses the SDK encoder. Field numbers: opentelemetry-proto, metrics/v1/metrics.proto and
-# common/v1/common.proto; wire format: https://protobuf.dev/programming-guides/encoding/
-
-_pack_double = struct.Struct("<d").pack
-_pack_fixed64 = struct.Struct("<Q").pack
-_pack_sfixed64 = struct.Struct("<q").pack
-_ONE_BYTE = tuple(bytes((value,)) for value in range(128))
-_INT64_MIN = -(1 << 63)
-_INT64_MAX = (1 << 63) - 1
-_INT32_MIN = -(1 << 31)
-_INT32_MAX = (1 << 31) - 1
-_UINT32_MAX = (1 << 32) - 1
-
-
-class _Unsupported(Exception):
-    """The direct encoder does not handle this input: use the SDK's."""
-
-
-def _varint(value: int) -> bytes:
-    if 0 <= value < 0x80:
-        return _ONE_BYTE[value]
-    if value < 0:
-        value &= 0xFFFF_FFFF_FFFF_FFFF  # int64: two's complement, ten bytes
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _sint32(value: int) -> bytes:
-    if not _INT32_MIN <= value <= _INT32_MAX:
-        raise _Unsupported("sint32 out of range")
-    return _varint((value << 1) ^ (value >> 31))
-
-
-def _length_delimited(tag: bytes, payload: bytes) -> bytes:
-    return tag + _varint(len(payload)) + payload
-
-
-def _any_value(value: object) -> bytes:
-    """An ``AnyValue`` message body (``_encode_value`` in the SDK)."""
-    if value is None:
-        return b""
-    if isinstance(value, bool):
-        return b"\x10\x01" if value else b"\x10\x00"
-    if isinstance(value, str):
-        return _length_delimited(b"\x0a", value.encode("utf-8"))
-    if isinstance(value, int):
-        if not _INT64_MIN <= value <= _INT64_MAX:
-            raise _Unsupported("int64 out of range")
-        return b"\x18" + _varint(value)
-    if isinstance(value, float):
-        return b"\x21" + _pack_double(value)
-    if isinstance(value, bytes):
-        return _length_delimited(b"\x3a", value)
-    raise _Unsupported(f"attribute value of type {type(value).__name__}")
-
-
-def _attributes(tag: bytes, attributes: Mapping[str, object] | None) -> bytes:
-    """Repeated ``KeyValue`` fields under ``tag``."""
-    if not attributes:
-        return b""
-    parts = []
-    for key, value in attributes.items():
-        if not isinstance(key, str):
-            raise _Unsupported("attribute key is not a string")
-        encoded_key = _length_delimited(b"\x0a", key.encode("utf-8")) if key else b""
-        parts.append(
-            _length_delimited(tag, encoded_key + _length_delimited(b"\x12", _any_value(value)))
-        )
-    return b"".join(parts)
-
-
-class _AttributeCache:
-    """Encoded point attributes, remembered when every value is a string (the usual case).
-
-    Windows repeat the same few attribute sets (one per phase, kernel class) every second.
-    Only all-string sets are cached: ``1``, ``True`` and ``1.0`` are equal dictionary keys
-    but encode differently.
-    """
-
-    _MAX_ENTRIES: Final = 4096
-
-    def __init__(self) -> None:
-        self._encoded: dict[tuple[bytes, tuple[tuple[str, object], ...]], bytes] = {}
-
-    def __call__(self, tag: bytes, attributes: Mapping[str, object] | None) -> bytes:
-        if not attributes:
-            return b""
-        items = tuple(attributes.items())
-        for _, value in items:
-            if type(value) is not str:
-                return _attributes(tag, attributes)
-        key = (tag, items)
-        encoded = self._encoded.get(key)
-        if encoded is None:
-            if len(self._encoded) >= self._MAX_ENTRIES:
-                self._encoded.clear()
-            encoded = self._encoded[key] = _attributes(tag, attributes)
-        return encoded
-
-
-def _string(tag: bytes, value: str | None) -> bytes:
-    return _length_delimited(tag, value.encode("utf-8")) if value else b""
-
-
-def _fixed64(tag: bytes, value: int) -> bytes:
-    return tag + _pack_fixed64(value) if value else b""
-
-
-def _exponential_point(point: Any, attributes: _AttributeCache) -> bytes:
-    if point.exemplars:
-        raise _Unsupported("exemplars")
-    parts = [
-        attributes(b"\x0a", point.attributes),
-        _fixed64(b"\x11", point.start_time_unix_nano),
-        _fixed64(b"\x19", point.time_unix_nano),
-        _fixed64(b"\x21", point.count),
-    ]
-    if point.sum is not None:
-        parts.append(b"\x29" + _pack_double(point.sum))
-    if point.scale:
-        parts.append(b"\x30" + _sint32(point.scale))
-    parts.append(_fixed64(b"\x39", point.zero_count))
-    for tag, buckets in ((b"\x42", point.positive), (b"\x4a", point.negative)):
-        counts = buckets.bucket_counts
-        if counts:
-            body = b"\x08" + _sint32(buckets.offset) if buckets.offset else b""
-            packed = bytes(counts) if max(counts) < 0x80 else b"".join(map(_varint, counts))
-            body += _length_delimited(b"\x12", packed)
-            parts.append(_length_delimited(tag, body))
-    if point.flags:
-        if not 0 <= point.flags <= _UINT32_MAX:
-            raise _Unsupported("flags out of range")
-        parts.append(b"\x50" + _varint(point.flags))
-    if point.min is not None:
-        parts.append(b"\x61" + _pack_double(point.min))
-    if point.max is not None:
-        parts.append(b"\x69" + _pack_double(point.max))
-    return b"".join(parts)
-
-
-def _number_point(point: Any, attributes: _AttributeCache, *, with_start: bool) -> bytes:
-    if point.exemplars:
-        raise _Unsupported("exemplars")
-    parts = [
-        _fixed64(b"\x11", point.start_time_unix_nano) if with_start else b"",
-        _fixed64(b"\x19", point.time_unix_nano),
-    ]
-    value = point.value
-    if isinstance(value, int):
-        if not _INT64_MIN <= value <= _INT64_MAX:
-            raise _Unsupported("int64 out of range")
-        parts.append(b"\x31" + _pack_sfixed64(value))
-    elif isinstance(value, float):
-        parts.append(b"\x21" + _pack_double(value))
-    else:
-        raise _Unsupported(f"value of type {type(value).__name__}")
-    parts.append(attributes(b"\x3a", point.attributes))
-    return b"".join(parts)
-
-
-def _metric(metric: Any, types: Any, attributes: _AttributeCache) -> bytes:
-    parts = [
-        _string(b"\x0a", metric.name),
-        _string(b"\x12", metric.description),
-        _string(b"\x1a", metric.unit),
-    ]
-    data = metric.data
-    points = data.data_points
-    if isinstance(data, types.ExponentialHistogram):
-        if points:
-            body = b"".join(
-                _length_delimited(b"\x0a", _exponential_point(point, attributes))
-                for point in points
-            )
-            temporality = int(data.aggregation_temporality)
-            body += b"\x10" + _varint(temporality) if temporality else b""
-            parts.append(_length_delimited(b"\x52", body))
-    elif isinstance(data, types.Sum):
-        if points:
-            body = b"".join(
-                _length_delimited(b"\x0a", _number_point(point, attributes, with_start=True))
-                for point in points
-            )
-            temporality = int(data.aggregation_temporality)
-            body += b"\x10" + _varint(temporality) if temporality else b""
-            body += b"\x18\x01" if data.is_monotonic else b""
-            parts.append(_length_delimited(b"\x3a", body))
-    elif isinstance(data, types.Gauge):
-        if points:
-            body = b"".join(
-                _length_delimited(b"\x0a", _number_point(point, attributes, with_start=False))
-                for point in points
-            )
-            parts.append(_length_delimited(b"\x2a", body))
-    else:
-        raise _Unsupported(f"metric data of type {type(data).__name__}")
-    return b"".join(parts)
-
-
-def _scope(scope: Any) -> bytes:
-    if scope is None:
-        raise _Unsupported("no instrumentation scope")
-    return (
-        _string(b"\x0a", scope.name)
-        + _string(b"\x12", scope.version)
-        + _attributes(b"\x1a", scope.attributes)
-    )
-
-
-class _RequestEncoder:
-    """``encode_metrics(data).SerializeToString()``, written directly (see above).
-
-    Caches the encoded resource: a monitor sends the same one every window.
-    """
-
-    def __init__(self) -> None:
-        from opentelemetry.sdk.metrics import export as types
-
-        self._types = types
-        self._attributes = _AttributeCache()
-        self._resource_cache: tuple[object, bytes] = (None, b"")
-
-    def encode(self, metrics_data: MetricsData) -> bytes | None:
-        """The serialised ``ExportMetricsServiceRequest``, or None when unsupported."""
-        try:
-            return self._encode(metrics_data)
-        except (_Unsupported, struct.error, AttributeError, TypeError, ValueError):
-            return None
-
-    def _resource_body(self, resource: Any) -> bytes:
-        cached_resource, encoded = self._resource_cache  # one tuple: safe across threads
-        if cached_resource is not resource:
-            encoded = _attributes(b"\x0a", resource.attributes)
-            self._resource_cache = (resource, encoded)
-        return encoded
-
-    def _encode(self, metrics_data: MetricsData) -> bytes:
-        types = self._types
-        # Mirror encode_metrics: resources and scopes are dict keys (equal ones merge, the
-        # later scope's metrics replacing the earlier's), schema URLs come from the SDK
-        # Resource and InstrumentationScope objects.
-        by_resource: dict[Any, dict[Any, list[bytes]]] = {}
-        for resource_metrics in metrics_data.resource_metrics:
-            scopes: dict[Any, list[bytes]] = {}
-            by_resource[resource_metrics.resource] = scopes
-            for scope_metrics in resource_metrics.scope_metrics:
-                scopes[scope_metrics.scope] = [
-                    _length_delimited(b"\x12", _metric(metric, types, self._attributes))
-                    for metric in scope_metrics.metrics
-                ]
-        out = []
-        for resource, scopes in by_resource.items():
-            body = [_length_delimited(b"\x0a", self._resource_body(resource))]
-            for scope, metrics in scopes.items():
-                scope_body = (
-                    _length_delimited(b"\x0a", _scope(scope))
-                    + b"".join(metrics)
-                    + _string(b"\x1a", scope.schema_url)
-                )
-                body.append(_length_delimited(b"\x12", scope_body))
-            body.append(_string(b"\x1a", resource.schema_url))
-            out.append(_length_delimited(b"\x0a", b"".join(body)))
-        return b"".join(out)

@@ -14,7 +14,7 @@ one ``stepwatch.step.duration`` series, one ``stepwatch.step.last`` series, one
 are folded into ``other`` and counted in :attr:`WindowBuilder.overflow_observations`.
 
 Bytes on the wire (bench/kernel_bytes.py: under 1 KB gzipped per rank per step on the DLRM
-trace, every kernel class and every SCHEMA.md attribute kept): kernel histograms carry no
+trace, every kernel class and every docs/schema.md attribute kept): kernel histograms carry no
 ``min``/``max`` (OTLP makes both optional; see :data:`DEFAULT_KERNEL_MIN_MAX`), their ``sum``
 carries 12 significant bits, metrics and kernel points are ordered so deflate finds repeats
 close by, and the scope has no version. Nothing else is approximated; buckets and counts are
@@ -100,20 +100,20 @@ def build_resource(
     pp_rank: int | None = None,
     service_name: str = "stepwatch",
 ) -> Resource:
-    """The OTel resource of one rank of one job, with exactly the attributes of SCHEMA.md.
+    """The OTel resource of one rank of one job, with exactly the attributes of docs/schema.md.
 
     The resource is built directly (not with ``Resource.create``) so no SDK default or
     ``OTEL_RESOURCE_ATTRIBUTES`` key sneaks in: every key is one the bridge turns into a tag.
 
     Args:
-        job_id: The training run (``stepwatch.job.id``).
-        rank: Global rank.
-        world_size: Number of ranks.
-        host_name: Node name; ``socket.gethostname()`` when omitted.
-        local_rank: Rank within the node.
-        dp_rank: Data-parallel coordinate.
-        tp_rank: Tensor-parallel coordinate.
-        pp_rank: Pipeline-parallel coordinate.
+        job_id: ``stepwatch.job.id``, the training run; not empty.
+        rank: ``stepwatch.rank``, the global rank, below ``world_size``.
+        world_size: ``stepwatch.world_size``, at least 1.
+        host_name: ``host.name`` (``socket.gethostname()`` when None).
+        local_rank: ``stepwatch.local_rank``, sent when given (so are the next three).
+        dp_rank: ``stepwatch.dp_rank``, the data-parallel coordinate.
+        tp_rank: ``stepwatch.tp_rank``, the tensor-parallel coordinate.
+        pp_rank: ``stepwatch.pp_rank``, the pipeline-parallel coordinate.
         service_name: ``service.name``.
 
     Returns:

@@ -53,6 +53,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from stepwatch.core import settings
 from stepwatch.core._errors import ConfigError
 from stepwatch.exporters._window import KernelWindow
 from stepwatch.exporters.kernels._summary import (
@@ -130,12 +131,14 @@ class TorchProfilerBackend:
 
         if self._quiet_kineto:
             self._quiet_kineto = False  # once: never touch the environment again
-            if "KINETO_LOG_LEVEL" not in os.environ:
-                os.environ["KINETO_LOG_LEVEL"] = KINETO_LOG_LEVEL_QUIET
+            variable = settings.KINETO_LOG_LEVEL.variable
+            if variable not in os.environ:  # set, even empty, it is the user's choice
+                os.environ[variable] = KINETO_LOG_LEVEL_QUIET
                 _log.info(
-                    "KINETO_LOG_LEVEL=%s: Kineto's per-cycle log lines silenced (set "
-                    "KINETO_LOG_LEVEL to keep them)",
+                    "%s=%s: Kineto's per-cycle log lines silenced (set %s to keep them)",
+                    variable,
                     KINETO_LOG_LEVEL_QUIET,
+                    variable,
                 )
 
         self._profile = profile(activities=[ProfilerActivity.CPU])

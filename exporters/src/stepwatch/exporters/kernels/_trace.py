@@ -93,12 +93,6 @@ class KinetoTrace:
     device_kind: str
     host_name: str | None = None
 
-    def to_unix_nano(self, trace_ns: int) -> int | None:
-        """Unix-epoch nanoseconds of a trace time when the trace carries its base time."""
-        if self.base_time_unix_nano is None:
-            return None
-        return self.base_time_unix_nano + trace_ns
-
 
 def rank_from_file_name(path: str | Path) -> int | None:
     """The rank in a file name such as ``rank-3.json.gz`` or ``worker3_step_12.json``."""

@@ -1,0 +1,278 @@
+"""The training thread's side of a monitor: steps and phases into a bounded buffer of records.
+
+A :class:`StepRecorder` belongs to one :class:`~stepwatch.exporters.StepMonitor`, which hands
+it to whatever times steps and phases on the training thread: its own ``step()`` and
+``phase()`` contexts and the auto-mode hooks (``_auto``). Those use only the small interface
+below; the export thread only drains :attr:`StepRecorder.buffer` and reads the counters.
+
+The hot path reads a monotonic clock and appends one finished-step record to a deque: no lock,
+no SDK call, no allocation beyond the record. Nothing raises: misuse is logged (rate-limited)
+and counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any, Final, Protocol
+
+from stepwatch.core._ratelog import RateLimitedLog
+from stepwatch.exporters._device import DeviceTimer
+from stepwatch.exporters._window import KernelSource
+
+MAX_PHASE_NAME_LENGTH: Final = 64
+MAX_PHASE_NAMES: Final = 256
+
+# Device marks of one step: (step start, step end, phase name -> [(start, end), ...]).
+DeviceMarks = tuple[Any, Any, dict[str, list[tuple[Any, Any]]]]
+# One finished step: (index, start monotonic ns, end monotonic ns, phase name -> ns, device).
+StepRecord = tuple[int, int, int, dict[str, int], DeviceMarks | None]
+
+
+class Clock(Protocol):
+    """Time source of a monitor (injected; tests pass a fake that implements it)."""
+
+    def monotonic_ns(self) -> int:
+        """A monotonic timestamp in nanoseconds, for durations."""
+
+    def time_ns(self) -> int:
+        """Wall time, Unix epoch nanoseconds, for window bounds."""
+
+
+class SystemClock:
+    """``time.perf_counter_ns`` for durations, ``time.time_ns`` for the wall-clock anchor."""
+
+    def monotonic_ns(self) -> int:
+        """``time.perf_counter_ns()``."""
+        return time.perf_counter_ns()
+
+    def time_ns(self) -> int:
+        """``time.time_ns()``."""
+        return time.time_ns()
+
+
+class _NullContext:
+    """Returned for unusable phase names: does nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        return None
+
+
+_NULL_CONTEXT: Final = _NullContext()
+
+
+class _StepContext:
+    __slots__ = ("_recorder",)
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        self._recorder = recorder
+
+    def __enter__(self) -> None:
+        self._recorder.begin_step(explicit=True)
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        self._recorder.end_step(explicit=True)
+
+
+class _PhaseContext:
+    __slots__ = ("_clock", "_depth", "_device", "_name", "_recorder", "_start_mark", "_start_ns")
+
+    def __init__(self, recorder: StepRecorder, name: str) -> None:
+        self._recorder = recorder
+        self._clock = recorder.clock
+        self._name = name
+        self._depth = 0
+        self._start_ns = 0
+        self._device = recorder.device_timer
+        self._start_mark: Any = None
+
+    def __enter__(self) -> None:
+        try:
+            if self._depth == 0:
+                self._start_ns = self._clock.monotonic_ns()
+                if self._device is not None:
+                    self._start_mark = self._device.mark()
+            self._depth += 1
+        except Exception:
+            self._recorder.misuse("clock", "the clock raised in phase(); phase ignored")
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        try:
+            if self._depth <= 0:
+                return
+            self._depth -= 1
+            if self._depth == 0:
+                recorder = self._recorder
+                recorder.add_phase_ns(self._name, self._clock.monotonic_ns() - self._start_ns)
+                if self._device is not None and self._start_mark is not None:
+                    intervals = recorder._device_phases.setdefault(self._name, [])
+                    intervals.append((self._start_mark, self._device.mark()))
+                    self._start_mark = None
+        except Exception:
+            self._recorder.misuse("clock", "the clock raised in phase(); phase ignored")
+
+
+def fast_monotonic_ns(clock: Clock) -> Callable[[], int]:
+    """``clock.monotonic_ns``, or the C function itself when it is the system clock."""
+    if type(clock) is SystemClock:
+        return time.perf_counter_ns
+    return clock.monotonic_ns
+
+
+class StepRecorder:
+    """Opens and closes steps, adds phase time, and buffers each finished step (training thread).
+
+    The interface for what times the training thread (auto-mode hooks included); every call is
+    cheap and never raises:
+
+    - :meth:`begin_step` / :meth:`end_step` (``explicit=False`` for auto mode, with the time
+      already read from :attr:`clock_ns`), :meth:`add_phase_ns`, :meth:`misuse`;
+    - :attr:`explicit_steps` (the loop marks steps itself with ``monitor.step()``) and
+      :attr:`step_depth` (a step is open when positive): read, never written, by hooks.
+
+    Args:
+        clock: The monitor's clock.
+        device_timer: Device-side timing of steps and phases, or None (host clock only).
+        kernel_source: Told the index of every finished step, or None.
+        buffer_steps: Most finished steps waiting for export; more are dropped and counted.
+        log: The monitor's rate-limited log.
+
+    Attributes:
+        clock: The monitor's clock.
+        clock_ns: ``clock.monotonic_ns`` (``time.perf_counter_ns`` itself for the system clock).
+        device_timer: As given.
+        buffer: Finished steps, oldest first; the export thread pops from the left.
+        steps_recorded: Steps finished and put in the buffer.
+        buffer_dropped: Steps dropped because the buffer was full.
+        misuse_count: Calls ignored for bad usage.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        device_timer: DeviceTimer | None,
+        kernel_source: KernelSource | None,
+        buffer_steps: int,
+        log: RateLimitedLog,
+    ) -> None:
+        self.clock = clock
+        self.clock_ns = fast_monotonic_ns(clock)
+        self.device_timer = device_timer
+        self._kernel_source = kernel_source
+        self._log = log
+        self.buffer: collections.deque[StepRecord] = collections.deque()
+        self._buffer_steps = buffer_steps
+        self.step_context = _StepContext(self)
+        self.phase_contexts: dict[str, _PhaseContext] = {}
+        self._phases_ns: dict[str, int] = {}
+        self._device_phases: dict[str, list[tuple[Any, Any]]] = {}
+        self._step_start_mark: Any = None
+        self.step_depth = 0
+        self._step_start_ns = 0
+        self._step_index = 0
+        self.explicit_steps = False
+        self._auto_step_open = False
+        self.steps_recorded = 0
+        self.buffer_dropped = 0
+        self.misuse_count = 0
+
+    def new_phase_context(self, name: object) -> _PhaseContext | _NullContext:
+        """The context of a phase name not seen yet (validated, capped, remembered)."""
+        try:
+            if not isinstance(name, str) or not name or len(name) > MAX_PHASE_NAME_LENGTH:
+                self.misuse("phase-name", "phase(%r): not a short non-empty string; ignored", name)
+                return _NULL_CONTEXT
+            if len(self.phase_contexts) >= MAX_PHASE_NAMES:
+                self.misuse(
+                    "phase-cap",
+                    "more than %d phase names; %r folded into 'other'",
+                    MAX_PHASE_NAMES,
+                    name,
+                )
+                name = "other"
+                existing = self.phase_contexts.get(name)
+                if existing is not None:
+                    return existing
+            context = _PhaseContext(self, name)
+            self.phase_contexts[name] = context
+            return context
+        except Exception:
+            return _NULL_CONTEXT
+
+    def add_phase_ns(self, name: str, elapsed_ns: int) -> None:
+        """Add ``elapsed_ns`` to phase ``name`` of the current (or next) step."""
+        phases = self._phases_ns
+        phases[name] = phases.get(name, 0) + elapsed_ns
+
+    def begin_step(self, *, explicit: bool, now_ns: int | None = None) -> None:
+        """Open a step (``now_ns``: its start, already read from the monitor's clock)."""
+        try:
+            if explicit:
+                self.explicit_steps = True
+                if self._auto_step_open:
+                    # Auto mode opened a step (a forward before the first monitor.step()):
+                    # the loop marks steps itself, so that step is abandoned, not nested.
+                    self._auto_step_open = False
+                    self.step_depth = 0
+            elif self.step_depth == 0:
+                self._auto_step_open = True
+            self.step_depth += 1
+            if self.step_depth > 1:
+                self.misuse("nested-step", "step() entered inside a step; inner step ignored")
+                return
+            self._step_start_ns = self.clock.monotonic_ns() if now_ns is None else now_ns
+            if self.device_timer is not None:
+                self._step_start_mark = self.device_timer.mark()
+        except Exception:
+            self.misuse("clock", "the clock raised in step(); step ignored")
+
+    def end_step(self, *, explicit: bool, now_ns: int | None = None) -> None:
+        """Close a step and record it (``now_ns``: its end, already read from the clock)."""
+        try:
+            if self.step_depth <= 0:
+                self.misuse("unbalanced-step", "step end without a step start; ignored")
+                return
+            self.step_depth -= 1
+            if self.step_depth > 0:
+                return
+            self._auto_step_open = False
+            end_ns = self.clock.monotonic_ns() if now_ns is None else now_ns
+            phases = self._phases_ns
+            self._phases_ns = {}
+            device: DeviceMarks | None = None
+            if self.device_timer is not None:
+                device_phases = self._device_phases
+                self._device_phases = {}
+                start_mark, self._step_start_mark = self._step_start_mark, None
+                if start_mark is not None:
+                    device = (start_mark, self.device_timer.mark(), device_phases)
+            index = self._step_index
+            self._step_index = index + 1
+            self.steps_recorded += 1
+            buffer = self.buffer
+            if len(buffer) < self._buffer_steps:
+                buffer.append((index, self._step_start_ns, end_ns, phases, device))
+            else:
+                self.buffer_dropped += 1
+                self._log.warning(
+                    "buffer-full", "step buffer full (%d steps); step dropped", self._buffer_steps
+                )
+            source = self._kernel_source
+            if source is not None:
+                source.on_step_end(index)
+        except Exception:
+            self.misuse("step-end", "recording a step failed; step ignored", exc_info=True)
+
+    def misuse(self, key: str, message: str, *args: object, exc_info: bool = False) -> None:
+        """Count a call ignored for bad usage and log it (rate-limited per ``key``)."""
+        self.misuse_count += 1
+        with contextlib.suppress(Exception):
+            self._log.warning(key, message, *args, exc_info=exc_info)
