@@ -247,7 +247,7 @@ def _kernel_source(config: DemoJobConfig) -> Any:
     if not config.collect_kernels:
         return None
     try:
-        from stepwatch.exporters.kernels import TorchProfilerSource  # type: ignore[attr-defined]
+        from stepwatch.exporters.kernels import TorchProfilerSource
     except ImportError:
         logger.warning("kernel collection requested but stepwatch.exporters.kernels is missing")
         return None
