@@ -10,18 +10,16 @@ Example:
     []
 """
 
-from stepwatch.otel_bridge._cardinality import CardinalityGuard
-from stepwatch.otel_bridge._convert import (
-    QUANTILES,
-    TAG_ALLOWLIST,
+from stepwatch.otel_bridge._buckets import (
     Buckets,
-    Conversion,
-    convert_request,
     explicit_buckets,
     exponential_buckets,
     format_bound,
     nearest_rank_quantile,
 )
+from stepwatch.otel_bridge._cardinality import CardinalityGuard
+from stepwatch.otel_bridge._convert import TAG_ALLOWLIST, Conversion, convert_request
+from stepwatch.otel_bridge._fields import QUANTILES
 from stepwatch.otel_bridge._metrics import BridgeMetrics
 from stepwatch.otel_bridge._server import Bridge
 from stepwatch.otel_bridge._spool import DiskSpool, MemorySpool, SpoolAppend

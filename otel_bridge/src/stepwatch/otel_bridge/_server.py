@@ -26,17 +26,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from stepwatch.core import _schema
 from stepwatch.core._errors import ConfigError, ServerStartError
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
-from stepwatch.otel_bridge._convert import (
-    MAX_DURATION_S,
-    REASON_CARDINALITY,
-    REASON_DUPLICATE_RANK,
-    TAG_ALLOWLIST,
-    convert_to_points,
-)
+from stepwatch.otel_bridge._convert import MAX_DURATION_S, TAG_ALLOWLIST, convert_to_points
 from stepwatch.otel_bridge._decode import JSON, RequestError, decode_body, media_type
 from stepwatch.otel_bridge._forwarder import Forwarder
 from stepwatch.otel_bridge._identity import RankIdentityGuard, Verdict
 from stepwatch.otel_bridge._metrics import BridgeMetrics
+from stepwatch.otel_bridge._reasons import REASON_CARDINALITY, REASON_DUPLICATE_RANK
 from stepwatch.otel_bridge._spool import DiskSpool, MemorySpool, OverflowPolicy, Spool
 from stepwatch.otel_bridge._writers import LineWriter
 
