@@ -150,8 +150,7 @@ def auth_token(options: Mapping[str, str | None], environ: Mapping[str, str]) ->
 
 def run_bridge(args: argparse.Namespace) -> int:
     from stepwatch.core._influx import InfluxClient
-    from stepwatch.otel_bridge._server import Bridge
-    from stepwatch.otel_bridge._writers import InfluxV1Writer, InfluxV2Writer, LineWriter
+    from stepwatch.otel_bridge import Bridge, InfluxV1Writer, InfluxV2Writer, LineWriter
 
     environ = dict(os.environ)
     options = resolve(args, environ)

@@ -10,6 +10,7 @@ Example:
     []
 """
 
+from stepwatch.otel_bridge._bridge import Bridge
 from stepwatch.otel_bridge._buckets import (
     Buckets,
     explicit_buckets,
@@ -21,7 +22,6 @@ from stepwatch.otel_bridge._cardinality import CardinalityGuard
 from stepwatch.otel_bridge._convert import TAG_ALLOWLIST, Conversion, convert_request
 from stepwatch.otel_bridge._fields import QUANTILES
 from stepwatch.otel_bridge._metrics import BridgeMetrics
-from stepwatch.otel_bridge._server import Bridge
 from stepwatch.otel_bridge._spool import DiskSpool, MemorySpool, SpoolAppend
 from stepwatch.otel_bridge._writers import InfluxV1Writer, InfluxV2Writer, LineWriter
 
