@@ -18,8 +18,11 @@ from stepwatch.core import ConfigError, InfluxClient, settings
 from stepwatch.core._influx import count_points, wait_until
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer, convert_request
 from tests.otel_bridge.otlp_requests import (
+    PROTO,
+    SECOND,
     T0,
     T1,
+    FixedClock,
     RecordingWriter,
     counter,
     explicit_histogram,
@@ -28,19 +31,6 @@ from tests.otel_bridge.otlp_requests import (
     post,
     request,
 )
-
-SECOND = 1_000_000_000
-PROTO = {"Content-Type": "application/x-protobuf"}
-
-
-class FixedClock:
-    """A receive-time clock the test moves by hand."""
-
-    def __init__(self, now_unix_nano: int) -> None:
-        self.now_unix_nano = now_unix_nano
-
-    def __call__(self) -> int:
-        return self.now_unix_nano
 
 
 def summary(name: str, *, count: int, total: float, unit: str = "s") -> metrics_pb2.Metric:
