@@ -32,7 +32,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-EXPORT_PATH = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
+from bench.bridge_clients import grpc_sender, post_metrics  # noqa: E402
+
 OK_HTTP = {200, 400, 413, 415}
 OK_GRPC = {"OK", "INVALID_ARGUMENT"}
 
@@ -359,8 +360,6 @@ def run_fuzz(
     bridge: Any, *, cases: int, seed: int, timeout_s: float = 10.0, progress: bool = False
 ) -> FuzzResult:
     """Send ``cases`` mutated requests to a started Bridge; classify every answer."""
-    import grpc
-
     result = FuzzResult()
     failures: list[str] = []
     previous_hook = threading.excepthook
@@ -370,31 +369,22 @@ def run_fuzz(
 
     threading.excepthook = hook
     connection = http.client.HTTPConnection("127.0.0.1", bridge.http_port, timeout=timeout_s)
-    channel = grpc.insecure_channel(bridge.grpc_endpoint)
-    export = channel.unary_unary(EXPORT_PATH)
+    export, close_channel = grpc_sender(bridge.grpc_endpoint, timeout_s=timeout_s)
     started = time.perf_counter()
     try:
         for transport, description, headers, body in fuzz_cases(seed, cases):
             result.cases += 1
             if transport == "grpc":
-                try:
-                    export(body, timeout=timeout_s)
-                    code = "OK"
-                except grpc.RpcError as exc:
-                    code = exc.code().name
+                answer, _ = export(body)
+                code = answer.removeprefix("grpc:")
                 if code == "DEADLINE_EXCEEDED":
                     result.hangs += 1
                 elif code not in OK_GRPC:
                     result.crashes.append(f"{description}: gRPC {code}")
-                result.answers[f"grpc:{code}"] += 1
+                result.answers[answer] += 1
                 continue
             try:
-                connection.request("POST", "/v1/metrics", body=body, headers=headers)
-                response = connection.getresponse()
-                response.read()
-                status = response.status
-                if response.getheader("Connection", "").lower() == "close":
-                    connection.close()
+                status, _ = post_metrics(connection, body, headers)
             except TimeoutError:
                 result.hangs += 1
                 connection.close()
@@ -412,7 +402,7 @@ def run_fuzz(
     finally:
         result.seconds = time.perf_counter() - started
         connection.close()
-        channel.close()
+        close_channel()
         threading.excepthook = previous_hook
     result.handler_exceptions = len(failures)
     result.crashes.extend(failures[:20])

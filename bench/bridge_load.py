@@ -21,11 +21,9 @@ Bounded in count and time; prints its figures.
 from __future__ import annotations
 
 import argparse
-import http.client
 import math
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -40,7 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-EXPORT_PATH = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
+from bench.bridge_clients import ACCEPTED, grpc_sender, http_sender, quantile, rss_mib  # noqa: E402
+
 T0 = 1_790_000_000_000_000_000
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
 
@@ -120,60 +119,23 @@ class Client(threading.Thread):
         self.accepted_bodies: list[bytes] = []
 
     def run(self) -> None:
-        if self.transport == "grpc":
-            self._run_grpc()
-        else:
-            self._run_http()
-
-    def _run_http(self) -> None:
-        host, port = self.endpoint.rsplit(":", 1)
-        connection = http.client.HTTPConnection(host, int(port), timeout=30)
-        headers = {"Content-Type": "application/x-protobuf"}
-        for body in self.bodies:
-            if time.monotonic() > self.deadline:
-                break
-            while time.monotonic() <= self.deadline:
-                started = time.perf_counter()
-                try:
-                    connection.request("POST", "/v1/metrics", body=body, headers=headers)
-                    response = connection.getresponse()
-                    response.read()
-                    status = response.status
-                    if response.getheader("Connection", "").lower() == "close":
-                        connection.close()
-                except (OSError, http.client.HTTPException):
-                    connection.close()
-                    status = 0
-                self.latencies_s.append(time.perf_counter() - started)
-                self.codes[f"http:{status}"] += 1
-                if status == 200:
-                    self.accepted_bodies.append(body)
+        sender = grpc_sender if self.transport == "grpc" else http_sender
+        send, close = sender(self.endpoint)
+        try:
+            for body in self.bodies:
+                if time.monotonic() > self.deadline:
                     break
-                time.sleep(0.05)  # a real exporter backs off (Retry-After is 1 s)
-        connection.close()
-
-    def _run_grpc(self) -> None:
-        import grpc
-
-        channel = grpc.insecure_channel(self.endpoint)
-        export = channel.unary_unary(EXPORT_PATH)
-        for body in self.bodies:
-            if time.monotonic() > self.deadline:
-                break
-            while time.monotonic() <= self.deadline:
-                started = time.perf_counter()
-                try:
-                    export(body, timeout=30)
-                    code = "OK"
-                except grpc.RpcError as exc:
-                    code = exc.code().name
-                self.latencies_s.append(time.perf_counter() - started)
-                self.codes[f"grpc:{code}"] += 1
-                if code == "OK":
-                    self.accepted_bodies.append(body)
-                    break
-                time.sleep(0.05)
-        channel.close()
+                while time.monotonic() <= self.deadline:
+                    started = time.perf_counter()
+                    code, _ = send(body)
+                    self.latencies_s.append(time.perf_counter() - started)
+                    self.codes[code] += 1
+                    if code in ACCEPTED:
+                        self.accepted_bodies.append(body)
+                        break
+                    time.sleep(0.05)  # a real exporter backs off (Retry-After is 1 s)
+        finally:
+            close()
 
 
 def scrape(metrics_url: str) -> dict[str, float]:
@@ -185,13 +147,6 @@ def scrape(metrics_url: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
     return values
-
-
-def rss_mib(pid: int) -> tuple[float, float]:
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
-    hwm = int(re.search(r"VmHWM:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
-    return rss / 1024, hwm / 1024
 
 
 def start_bridge(
@@ -249,13 +204,6 @@ def run_clients(
     for thread in threads:
         thread.join(seconds + 120)
     return threads
-
-
-def quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,12 +28,10 @@ in count and time; stops every process it started.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import math
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -49,10 +47,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-EXPORT_PATH = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
+from bench.bridge_clients import (  # noqa: E402
+    ACCEPTED,
+    Sender,
+    cpu_seconds,
+    grpc_sender,
+    http_sender,
+    quantile,
+    rss_mib,
+)
+
 PHASES = ("data", "forward", "backward", "optimizer", "communication")
 RANKS_PER_NODE = 8
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # A Python bridge process is bound to about one core by the GIL; plan it at 60 % so bursts
 # (ranks exporting in phase), spool replay after an InfluxDB outage and retries fit.
 BRIDGE_UTILISATION = 0.6
@@ -150,18 +156,6 @@ class BridgeProcess:
         return final
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime + stime
-
-
-def rss_mib(pid: int) -> tuple[float, float]:
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
-    hwm = int(re.search(r"VmHWM:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
-    return rss / 1024, hwm / 1024
-
-
 # -- the simulated ranks ---------------------------------------------------------------------------
 
 
@@ -171,7 +165,7 @@ def first_window(rng: random.Random, *, rank: int, ranks: int, kernels: int, end
         encode_metrics,
     )
 
-    from stepwatch.exporters._window import KernelWindow, WindowBuilder, build_resource
+    from stepwatch.exporters import KernelWindow, WindowBuilder, build_resource
 
     builder = WindowBuilder(
         build_resource(
@@ -251,41 +245,14 @@ class Client(threading.Thread):
         self.rejected_points = 0
 
     def run(self) -> None:
-        if self.transport == "grpc":
-            import grpc
+        sender = grpc_sender if self.transport == "grpc" else http_sender
+        export, close = sender(self.endpoint)
+        try:
+            self._loop(export)
+        finally:
+            close()
 
-            channel = grpc.insecure_channel(self.endpoint)
-            export = channel.unary_unary(EXPORT_PATH)
-
-            def call(body: bytes) -> tuple[str, bytes]:
-                try:
-                    return "grpc:OK", export(body, timeout=30)
-                except grpc.RpcError as exc:
-                    return f"grpc:{exc.code().name}", b""
-
-            self._loop(call)
-            channel.close()
-        else:
-            host, port = self.endpoint.rsplit(":", 1)
-            connection = http.client.HTTPConnection(host, int(port), timeout=30)
-            headers = {"Content-Type": "application/x-protobuf"}
-
-            def call(body: bytes) -> tuple[str, bytes]:
-                try:
-                    connection.request("POST", "/v1/metrics", body=body, headers=headers)
-                    response = connection.getresponse()
-                    answer = response.read()
-                    if response.getheader("Connection", "").lower() == "close":
-                        connection.close()
-                    return f"http:{response.status}", answer
-                except (OSError, http.client.HTTPException):
-                    connection.close()
-                    return "http:error", b""
-
-            self._loop(call)
-            connection.close()
-
-    def _loop(self, call: Any) -> None:
+    def _loop(self, export: Sender) -> None:
         from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
             ExportMetricsServiceResponse,
         )
@@ -297,23 +264,16 @@ class Client(threading.Thread):
             self.lags_s.append(max(0.0, -delay))
             while time.monotonic() < self.stop_at:
                 started = time.perf_counter()
-                code, answer = call(send.body)
+                code, answer = export(send.body)
                 self.latencies_s.append(time.perf_counter() - started)
                 self.codes[code] += 1
-                if code in ("http:200", "grpc:OK"):
+                if code in ACCEPTED:
                     reply = ExportMetricsServiceResponse.FromString(answer)
                     rejected = reply.partial_success.rejected_data_points
                     self.rejected_points += rejected
                     self.accepted_points += send.points - rejected
                     break
                 time.sleep(1.0)  # Retry-After / RetryInfo is 1 s
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def directory_bytes(path: Path, pattern: str = "*") -> int:

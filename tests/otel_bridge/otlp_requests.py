@@ -18,6 +18,8 @@ from stepwatch.core import InfluxError, InfluxUnavailableError
 
 T0 = 1_795_000_000_000_000_000
 T1 = T0 + 10_000_000_000
+SECOND = 1_000_000_000
+PROTO = {"Content-Type": "application/x-protobuf"}
 
 AttrValue = str | int | float | bool
 
@@ -62,6 +64,40 @@ def request(
     return message
 
 
+def _histogram_point(
+    point: metrics_pb2.HistogramDataPoint | metrics_pb2.ExponentialHistogramDataPoint,
+    attrs: Mapping[str, AttrValue] | None,
+    time_unix_nano: int,
+    *,
+    total: float,
+    minimum: float | None,
+    maximum: float | None,
+) -> None:
+    """What every histogram point here carries: attributes, window, sum, min and max if given."""
+    point.attributes.extend(attributes(attrs or {}))
+    point.start_time_unix_nano = T0
+    point.time_unix_nano = time_unix_nano
+    point.sum = total
+    if minimum is not None:
+        point.min = minimum
+    if maximum is not None:
+        point.max = maximum
+
+
+def _number_point(
+    point: metrics_pb2.NumberDataPoint,
+    value: float | int,
+    attrs: Mapping[str, AttrValue] | None,
+    time_unix_nano: int,
+) -> None:
+    point.attributes.extend(attributes(attrs or {}))
+    point.time_unix_nano = time_unix_nano
+    if isinstance(value, int):
+        point.as_int = value
+    else:
+        point.as_double = value
+
+
 def explicit_histogram(
     name: str,
     *,
@@ -78,17 +114,10 @@ def explicit_histogram(
     metric = metrics_pb2.Metric(name=name, unit=unit)
     metric.histogram.aggregation_temporality = metrics_pb2.AGGREGATION_TEMPORALITY_DELTA
     point = metric.histogram.data_points.add()
-    point.attributes.extend(attributes(attrs or {}))
-    point.start_time_unix_nano = T0
-    point.time_unix_nano = time_unix_nano
+    _histogram_point(point, attrs, time_unix_nano, total=total, minimum=minimum, maximum=maximum)
     point.count = sum(counts) if count is None else count
-    point.sum = total
     point.explicit_bounds.extend(bounds)
     point.bucket_counts.extend(counts)
-    if minimum is not None:
-        point.min = minimum
-    if maximum is not None:
-        point.max = maximum
     return metric
 
 
@@ -112,11 +141,8 @@ def exponential_histogram(
     metric = metrics_pb2.Metric(name=name, unit=unit)
     metric.exponential_histogram.aggregation_temporality = metrics_pb2.AGGREGATION_TEMPORALITY_DELTA
     point = metric.exponential_histogram.data_points.add()
-    point.attributes.extend(attributes(attrs or {}))
-    point.start_time_unix_nano = T0
-    point.time_unix_nano = time_unix_nano
+    _histogram_point(point, attrs, time_unix_nano, total=total, minimum=minimum, maximum=maximum)
     point.count = sum(counts) + zero_count + sum(negative_counts)
-    point.sum = total
     point.scale = scale
     point.zero_count = zero_count
     point.zero_threshold = zero_threshold
@@ -124,10 +150,6 @@ def exponential_histogram(
     point.positive.bucket_counts.extend(counts)
     point.negative.offset = negative_offset
     point.negative.bucket_counts.extend(negative_counts)
-    if minimum is not None:
-        point.min = minimum
-    if maximum is not None:
-        point.max = maximum
     return metric
 
 
@@ -140,13 +162,7 @@ def gauge(
     unit: str = "1",
 ) -> metrics_pb2.Metric:
     metric = metrics_pb2.Metric(name=name, unit=unit)
-    point = metric.gauge.data_points.add()
-    point.attributes.extend(attributes(attrs or {}))
-    point.time_unix_nano = time_unix_nano
-    if isinstance(value, int):
-        point.as_int = value
-    else:
-        point.as_double = value
+    _number_point(metric.gauge.data_points.add(), value, attrs, time_unix_nano)
     return metric
 
 
@@ -162,13 +178,8 @@ def counter(
     metric.sum.is_monotonic = monotonic
     metric.sum.aggregation_temporality = metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE
     point = metric.sum.data_points.add()
-    point.attributes.extend(attributes(attrs or {}))
     point.start_time_unix_nano = T0
-    point.time_unix_nano = time_unix_nano
-    if isinstance(value, int):
-        point.as_int = value
-    else:
-        point.as_double = value
+    _number_point(point, value, attrs, time_unix_nano)
     return metric
 
 
@@ -201,6 +212,16 @@ def window_request(
         for phase in phases
     )
     return request(metrics, rank_resource(job, rank, world_size))
+
+
+class FixedClock:
+    """A receive-time clock the test moves by hand."""
+
+    def __init__(self, now_unix_nano: int) -> None:
+        self.now_unix_nano = now_unix_nano
+
+    def __call__(self) -> int:
+        return self.now_unix_nano
 
 
 class RecordingWriter:

@@ -14,7 +14,10 @@ from stepwatch.core import ConfigError, InfluxClient
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer, convert_request
 from stepwatch.otel_bridge._identity import RankIdentityGuard, Verdict
 from tests.otel_bridge.otlp_requests import (
+    PROTO,
+    SECOND,
     T1,
+    FixedClock,
     RecordingWriter,
     gauge,
     post,
@@ -22,19 +25,6 @@ from tests.otel_bridge.otlp_requests import (
     request,
     window_request,
 )
-
-SECOND = 1_000_000_000
-PROTO = {"Content-Type": "application/x-protobuf"}
-
-
-class FixedClock:
-    """A receive-time clock the test moves by hand."""
-
-    def __init__(self, now_unix_nano: int) -> None:
-        self.now_unix_nano = now_unix_nano
-
-    def __call__(self) -> int:
-        return self.now_unix_nano
 
 
 def producer(host: str, *, job: str = "j", rank: str = "0", **extra: str) -> dict[str, str]:

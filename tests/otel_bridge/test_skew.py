@@ -13,13 +13,16 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from stepwatch.app._bridge_command import _seconds
-from stepwatch.core import ConfigError, InfluxClient
+from stepwatch.app._bridge_command import register, resolve
+from stepwatch.core import ConfigError, InfluxClient, settings
 from stepwatch.core._influx import count_points, wait_until
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer, convert_request
 from tests.otel_bridge.otlp_requests import (
+    PROTO,
+    SECOND,
     T0,
     T1,
+    FixedClock,
     RecordingWriter,
     counter,
     explicit_histogram,
@@ -28,19 +31,6 @@ from tests.otel_bridge.otlp_requests import (
     post,
     request,
 )
-
-SECOND = 1_000_000_000
-PROTO = {"Content-Type": "application/x-protobuf"}
-
-
-class FixedClock:
-    """A receive-time clock the test moves by hand."""
-
-    def __init__(self, now_unix_nano: int) -> None:
-        self.now_unix_nano = now_unix_nano
-
-    def __call__(self) -> int:
-        return self.now_unix_nano
 
 
 def summary(name: str, *, count: int, total: float, unit: str = "s") -> metrics_pb2.Metric:
@@ -261,22 +251,57 @@ def test_bounds_must_be_positive(option: str) -> None:
         Bridge(RecordingWriter(), **{option: 0.0})  # type: ignore[arg-type]
 
 
+def cli_options(argv: list[str], environ: dict[str, str]) -> dict[str, object]:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return resolve(parser.parse_args(["bridge", *argv]), environ)
+
+
 def test_cli_seconds_zero_means_no_limit() -> None:
-    assert _seconds({"max_past_skew_s": "604800"}, "max_past_skew_s") == 604_800.0
-    assert _seconds({"max_past_skew_s": "0"}, "max_past_skew_s") is None
+    from stepwatch.app._bridge_command import _limit
+
+    option = settings.BRIDGE_MAX_PAST_SKEW_S
+    assert _limit(cli_options(["--max-past-skew-s", "604800"], {}), option) == 604_800.0
+    assert _limit(cli_options(["--max-past-skew-s", "0"], {}), option) is None
+    assert _limit(cli_options([], {}), option) is None  # the default: no limit
     with pytest.raises(ConfigError, match="--max-past-skew-s"):
-        _seconds({"max_past_skew_s": "-1"}, "max_past_skew_s")
+        _limit(cli_options(["--max-past-skew-s", "-1"], {}), option)
     with pytest.raises(ConfigError, match="--max-duration-s"):
-        _seconds({"max_duration_s": "a day"}, "max_duration_s")
+        cli_options(["--max-duration-s", "a day"], {})
+    with pytest.raises(ConfigError, match=option.variable):
+        cli_options([], {option.variable: "a week"})
 
 
 def test_cli_options_reach_the_bridge() -> None:
-    from stepwatch.app._bridge_command import register, resolve
+    from stepwatch.app._bridge_command import _limit
+
+    options = cli_options(
+        ["--max-past-skew-s", "604800", "--max-duration-s", "0"],
+        {settings.BRIDGE_MAX_FUTURE_SKEW_S.variable: "60"},
+    )
+    assert options["max_past_skew_s"] == 604_800.0
+    assert options["max_future_skew_s"] == 60.0
+    assert _limit(options, settings.BRIDGE_MAX_DURATION_S) is None
+
+
+def test_cli_precedence_argument_then_variable_then_alias_then_default() -> None:
+    database = settings.INFLUX_DATABASE
+    both = {database.variables[0]: "primary", database.variables[1]: "alias"}
+    assert cli_options(["--database", "argument"], both)["database"] == "argument"
+    assert cli_options([], both)["database"] == "primary"
+    assert cli_options([], {database.variables[1]: "alias"})["database"] == "alias"
+    assert cli_options([], {})["database"] == database.default
+    assert cli_options([], {})["grpc_port"] == 4317
+
+
+def test_cli_help_shows_each_variable_and_default(capsys: pytest.CaptureFixture[str]) -> None:
+    from stepwatch.app._bridge_command import OPTIONS
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    args = parser.parse_args(["bridge", "--max-past-skew-s", "604800", "--max-duration-s", "0"])
-    options = resolve(args, {"STEPWATCH_BRIDGE_MAX_FUTURE_SKEW_S": "60"})
-    assert options["max_past_skew_s"] == "604800"
-    assert options["max_future_skew_s"] == "60"
-    assert _seconds(options, "max_duration_s") is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bridge", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for setting, _ in OPTIONS:
+        default = "unset" if setting.default is None else str(setting.default)
+        assert f"{' or '.join(setting.variables)}; {default}]" in text, setting.name

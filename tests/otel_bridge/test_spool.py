@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from stepwatch.core import ConfigError, ManagedInfluxDB
 from stepwatch.core._influx import count_points, wait_until
 from stepwatch.otel_bridge import Bridge, BridgeMetrics, DiskSpool, InfluxV1Writer, MemorySpool
 from stepwatch.otel_bridge._forwarder import Forwarder
+from stepwatch.otel_bridge._spool import Spool
 from tests.otel_bridge.otlp_requests import RecordingWriter, post, window_request
 
 
@@ -60,10 +62,24 @@ def test_spool_config_errors(tmp_path: Path) -> None:
         MemorySpool(max_bytes=10, overflow="sideways")  # type: ignore[arg-type]
 
 
+def bridge_forwarder(
+    writer: RecordingWriter, *, spool: Spool, metrics: BridgeMetrics, **options: float
+) -> Forwarder:
+    """A Forwarder with a default Bridge's delivery options, but for ``options``."""
+    parameters = inspect.signature(Forwarder).parameters
+    bridge_defaults = inspect.signature(Bridge).parameters
+    delivery = {
+        name: options.get(name, bridge_defaults[name].default)
+        for name, parameter in parameters.items()
+        if parameter.kind is parameter.KEYWORD_ONLY and name in bridge_defaults
+    }
+    return Forwarder(writer, spool=spool, metrics=metrics, **delivery)
+
+
 def test_forwarder_spools_then_replays_in_order_exactly_once() -> None:
     writer = RecordingWriter()
     metrics = BridgeMetrics()
-    forwarder = Forwarder(
+    forwarder = bridge_forwarder(
         writer,
         spool=MemorySpool(max_bytes=1 << 20),
         metrics=metrics,
@@ -96,7 +112,7 @@ def test_forwarder_counts_refused_batches_as_dropped() -> None:
     writer = RecordingWriter()
     writer.refuse = True
     metrics = BridgeMetrics()
-    forwarder = Forwarder(
+    forwarder = bridge_forwarder(
         writer, spool=MemorySpool(max_bytes=1000), metrics=metrics, flush_interval_s=0.01
     )
     forwarder.start()

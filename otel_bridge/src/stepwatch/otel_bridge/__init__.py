@@ -10,29 +10,18 @@ Example:
     []
 """
 
+from stepwatch.core._facade import publish
+from stepwatch.otel_bridge._bridge import Bridge
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
-from stepwatch.otel_bridge._convert import (
-    QUANTILES,
-    TAG_ALLOWLIST,
-    Buckets,
-    Conversion,
-    convert_request,
-    explicit_buckets,
-    exponential_buckets,
-    format_bound,
-    nearest_rank_quantile,
-)
+from stepwatch.otel_bridge._convert import TAG_ALLOWLIST, Conversion, convert_request
 from stepwatch.otel_bridge._metrics import BridgeMetrics
-from stepwatch.otel_bridge._server import Bridge
 from stepwatch.otel_bridge._spool import DiskSpool, MemorySpool, SpoolAppend
 from stepwatch.otel_bridge._writers import InfluxV1Writer, InfluxV2Writer, LineWriter
 
 __all__ = [
-    "QUANTILES",
     "TAG_ALLOWLIST",
     "Bridge",
     "BridgeMetrics",
-    "Buckets",
     "CardinalityGuard",
     "Conversion",
     "DiskSpool",
@@ -42,8 +31,6 @@ __all__ = [
     "MemorySpool",
     "SpoolAppend",
     "convert_request",
-    "explicit_buckets",
-    "exponential_buckets",
-    "format_bound",
-    "nearest_rank_quantile",
 ]
+
+publish(__name__, [globals()[name] for name in __all__])

@@ -42,6 +42,8 @@ class Forwarder:
         retry_backoff_s: first retry delay; doubles per retry, and for spool replay up to
             ``max_backoff_s``.
         clock: monotonic clock (seconds); injected for tests.
+
+    The defaults are :class:`~stepwatch.otel_bridge.Bridge`'s, its only builder.
     """
 
     def __init__(
@@ -50,12 +52,12 @@ class Forwarder:
         *,
         spool: Spool,
         metrics: BridgeMetrics,
-        max_queue_lines: int = 200_000,
-        batch_max_lines: int = 5_000,
-        flush_interval_s: float = 0.2,
-        max_retries: int = 2,
-        retry_backoff_s: float = 0.1,
-        max_backoff_s: float = 5.0,
+        max_queue_lines: int,
+        batch_max_lines: int,
+        flush_interval_s: float,
+        max_retries: int,
+        retry_backoff_s: float,
+        max_backoff_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (

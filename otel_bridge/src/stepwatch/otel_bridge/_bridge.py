@@ -1,0 +1,262 @@
+"""The bridge: OTLP/gRPC and OTLP/HTTP receivers feeding one forwarder to InfluxDB.
+
+Who does what: each receiver (``_grpc_receiver``, ``_http_receiver``) speaks its protocol and
+hands decoded requests to the shared :class:`Intake` (authorise, convert, guard, queue); the
+:class:`Forwarder` batches, writes, retries and spools. :class:`Bridge` builds them from one
+set of arguments, starts and stops them in order, and says where they listen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stepwatch.core._errors import ConfigError
+from stepwatch.otel_bridge._cardinality import CardinalityGuard
+from stepwatch.otel_bridge._convert import MAX_DURATION_S, TAG_ALLOWLIST
+from stepwatch.otel_bridge._forwarder import Forwarder
+from stepwatch.otel_bridge._grpc_receiver import GrpcReceiver
+from stepwatch.otel_bridge._http_receiver import HTTP_PATH, HttpReceiver
+from stepwatch.otel_bridge._identity import RankIdentityGuard
+from stepwatch.otel_bridge._intake import ClockSkew, Intake, Outcome, ReceiverContext
+from stepwatch.otel_bridge._metrics import BridgeMetrics
+from stepwatch.otel_bridge._spool import DiskSpool, MemorySpool, OverflowPolicy, Spool
+from stepwatch.otel_bridge._writers import LineWriter
+
+if TYPE_CHECKING:
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+
+_log = logging.getLogger("stepwatch.otel_bridge")
+
+
+def _read_secret(path: str | os.PathLike[str], argument: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{argument}: cannot read {path}: {exc}") from exc
+
+
+class Bridge:
+    """An in-process OTLP → InfluxDB bridge (gRPC and HTTP receivers, forwarder, /metrics).
+
+    Args:
+        writer: where batches go (:class:`InfluxV1Writer`, :class:`InfluxV2Writer`).
+        host: interface to listen on; loopback by default.
+        grpc_port: OTLP/gRPC port (0: a free one; None: no gRPC receiver).
+        http_port: OTLP/HTTP port, also serving ``/metrics`` and ``/healthz`` (0: a free one).
+        registry: prometheus ``CollectorRegistry`` for the bridge's metrics (fresh when None).
+        tag_allowlist: attribute keys stored as tags.
+        spool_dir: directory of the disk spool; in memory when None.
+        spool_max_bytes: bound on the spool.
+        spool_overflow: ``drop_oldest`` or ``drop_newest`` when the spool is full.
+        max_queue_lines: in-memory queue bound; beyond it requests get 429/RESOURCE_EXHAUSTED.
+        batch_max_lines: points per InfluxDB write.
+        flush_interval_s: longest a point waits for its batch.
+        max_retries: quick retries before a batch is spooled.
+        retry_backoff_s: first retry delay (doubles, up to ``max_backoff_s`` for replay).
+        max_backoff_s: longest delay between spool replay attempts.
+        max_request_bytes: largest request body (after decompression); larger is 413.
+        max_series_per_measurement: cardinality guard per (job, measurement); None disables.
+        max_series_per_rank: cardinality guard per (job, measurement, rank): one producer
+            flooding new tag values is stopped here long before the per-measurement cap.
+        auth_token: when set, both receivers require ``Authorization: Bearer <token>``.
+        tls_cert_file: PEM certificate; with ``tls_key_file`` both receivers use TLS.
+        tls_key_file: PEM private key.
+        reuse_port: set SO_REUSEPORT so several bridge processes can share the ports.
+        grpc_workers: gRPC handler threads.
+        grpc_max_concurrent_rpcs: RPCs admitted at once (running or waiting for a worker);
+            beyond it gRPC itself answers RESOURCE_EXHAUSTED *without* RetryInfo, which
+            OTLP clients do not retry, so keep it above the number of concurrent exporters.
+        max_concurrent_requests: OTLP/HTTP requests processed at once; beyond it 503 +
+            ``Retry-After`` (with the queue bound this bounds the bridge's memory).
+        retry_after_s: the ``Retry-After`` / RetryInfo delay under backpressure.
+        max_future_skew_s: points stamped further than this ahead of the receive time are
+            rejected (``clock_skew``); None accepts any future time.
+        max_past_skew_s: points stamped further than this behind the receive time are
+            rejected (``clock_skew``); None (the default: backfills and replays are
+            legitimate) accepts any past time. Production sites set e.g. 7 days.
+        max_duration_s: duration histograms whose max or mean exceed this are rejected
+            (``implausible_duration``); None disables the check.
+        duplicate_rank_takeover_s: a second producer of a live (job, rank) is rejected
+            (``duplicate_rank``) until the first has been silent this long; None disables the
+            duplicate-rank guard (docs/storage.md, "Duplicate ranks").
+        clock_unix_nano: the receive-time clock (injected in tests).
+    """
+
+    def __init__(
+        self,
+        writer: LineWriter,
+        *,
+        host: str = "127.0.0.1",
+        grpc_port: int | None = 0,
+        http_port: int | None = 0,
+        registry: Any = None,
+        tag_allowlist: frozenset[str] = TAG_ALLOWLIST,
+        spool_dir: str | os.PathLike[str] | None = None,
+        spool_max_bytes: int = 256 * 1024 * 1024,
+        spool_overflow: OverflowPolicy = "drop_oldest",
+        max_queue_lines: int = 200_000,
+        batch_max_lines: int = 5_000,
+        flush_interval_s: float = 0.2,
+        max_retries: int = 2,
+        retry_backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+        max_request_bytes: int = 16 * 1024 * 1024,
+        max_series_per_measurement: int | None = 2_000_000,
+        max_series_per_rank: int = 1024,
+        auth_token: str | None = None,
+        tls_cert_file: str | os.PathLike[str] | None = None,
+        tls_key_file: str | os.PathLike[str] | None = None,
+        reuse_port: bool = False,
+        grpc_workers: int = 8,
+        grpc_max_concurrent_rpcs: int = 256,
+        max_concurrent_requests: int = 64,
+        retry_after_s: int = 1,
+        max_future_skew_s: float | None = 600.0,
+        max_past_skew_s: float | None = None,
+        max_duration_s: float | None = MAX_DURATION_S,
+        duplicate_rank_takeover_s: float | None = 30.0,
+        clock_unix_nano: Callable[[], int] = time.time_ns,
+    ) -> None:
+        for name, port in (("grpc_port", grpc_port), ("http_port", http_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ConfigError(f"{name}: {port} is not a TCP port")
+        if http_port is None and grpc_port is None:
+            raise ConfigError("grpc_port, http_port: at least one receiver is needed")
+        if max_request_bytes <= 0:
+            raise ConfigError(f"max_request_bytes: must be positive, got {max_request_bytes}")
+        if retry_after_s <= 0:
+            raise ConfigError(f"retry_after_s: must be positive, got {retry_after_s}")
+        if (tls_cert_file is None) != (tls_key_file is None):
+            raise ConfigError("tls_cert_file, tls_key_file: give both or neither")
+        self.host = host
+        self.metrics = BridgeMetrics(registry)
+        self._requested_grpc_port = grpc_port
+        self._requested_http_port = http_port
+        tls: tuple[bytes, bytes] | None = None
+        tls_files = None
+        if tls_cert_file is not None and tls_key_file is not None:
+            tls_files = (tls_cert_file, tls_key_file)
+            tls = (
+                _read_secret(tls_cert_file, "tls_cert_file"),
+                _read_secret(tls_key_file, "tls_key_file"),
+            )
+        self._tls = tls is not None
+        if spool_dir is None:  # a writer may carry the site's spool directory
+            spool_dir = getattr(writer, "spool_dir", None)
+        spool: Spool
+        if spool_dir is None:
+            spool = MemorySpool(max_bytes=spool_max_bytes, overflow=spool_overflow)
+        else:
+            spool = DiskSpool(spool_dir, max_bytes=spool_max_bytes, overflow=spool_overflow)
+        self.forwarder = Forwarder(
+            writer,
+            spool=spool,
+            metrics=self.metrics,
+            max_queue_lines=max_queue_lines,
+            batch_max_lines=batch_max_lines,
+            flush_interval_s=flush_interval_s,
+            max_retries=max_retries,
+            retry_backoff_s=retry_backoff_s,
+            max_backoff_s=max_backoff_s,
+        )
+        self.guard = (
+            None
+            if max_series_per_measurement is None
+            else CardinalityGuard(
+                max_series=max_series_per_measurement, max_series_per_rank=max_series_per_rank
+            )
+        )
+        self.identity = (
+            None
+            if duplicate_rank_takeover_s is None
+            else RankIdentityGuard(takeover_after_s=duplicate_rank_takeover_s)
+        )
+        self.intake = Intake(
+            self.forwarder,
+            metrics=self.metrics,
+            guard=self.guard,
+            identity=self.identity,
+            tag_allowlist=tag_allowlist,
+            max_duration_s=max_duration_s,
+            skew=ClockSkew(max_past_s=max_past_skew_s, max_future_s=max_future_skew_s),
+            auth_token=auth_token,
+            clock_unix_nano=clock_unix_nano,
+        )
+        context = ReceiverContext(
+            self.intake, self.metrics, max_request_bytes, retry_after_s, reuse_port
+        )
+        self._grpc = GrpcReceiver(
+            context, workers=grpc_workers, max_concurrent_rpcs=grpc_max_concurrent_rpcs, tls=tls
+        )
+        self._http = HttpReceiver(
+            context, max_concurrent_requests=max_concurrent_requests, tls_files=tls_files
+        )
+        self.grpc_port: int | None = None
+        self.http_port: int | None = None
+
+    def __repr__(self) -> str:  # never show the token
+        return f"Bridge(host={self.host!r}, grpc_port={self.grpc_port}, http_port={self.http_port})"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._tls else "http"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"{self.scheme}://{self._url_host}:{self.http_port}/metrics"
+
+    @property
+    def http_url(self) -> str:
+        """The OTLP/HTTP metrics endpoint."""
+        return f"{self.scheme}://{self._url_host}:{self.http_port}{HTTP_PATH}"
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return f"{self._url_host}:{self.grpc_port}"
+
+    @property
+    def _url_host(self) -> str:
+        return f"[{self.host}]" if ":" in self.host else self.host
+
+    def start(self) -> Bridge:
+        """Bind the ports and start serving; returns self."""
+        self.forwarder.start()
+        try:
+            if self._requested_http_port is not None:
+                self.http_port = self._http.start(self.host, self._requested_http_port)
+            if self._requested_grpc_port is not None:
+                self.grpc_port = self._grpc.start(f"{self._url_host}:{self._requested_grpc_port}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, *, timeout_s: float = 10.0) -> None:
+        """Stop accepting, flush the queue (to InfluxDB or the spool), release the ports."""
+        self._grpc.stop(timeout_s=timeout_s)
+        self._http.stop(timeout_s=timeout_s)
+        self.forwarder.stop(timeout_s=timeout_s)
+        spool = self.forwarder.spool
+        if isinstance(spool, MemorySpool) and spool.batches:
+            lost = spool.lines
+            _log.warning("bridge stopped with %d points in its memory spool: lost", lost)
+            self.metrics.dropped.labels(reason="shutdown").inc(lost)
+            while (head := spool.peek()) is not None:
+                spool.remove(head[0])
+
+    def __enter__(self) -> Bridge:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def ingest(self, request: ExportMetricsServiceRequest) -> Outcome:
+        """Convert, guard and queue one request, as the receivers do (in-process producers)."""
+        return self.intake.ingest(request)

@@ -1,0 +1,227 @@
+"""One OTLP data point → its InfluxDB fields (the field table of docs/storage.md).
+
+Field names follow the OpenTelemetry Collector's influxdb exporter (``otel2influx``, schema
+``telegraf-prometheus-v1``); stepwatch adds ``mean``, ``min``, ``max``, the quantiles of
+:data:`QUANTILES` and ``start_time_unix_nano``. A point that cannot be stored raises
+:class:`Rejected` with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+from stepwatch.core._lineproto import FieldValue
+from stepwatch.otel_bridge._buckets import (
+    Buckets,
+    explicit_buckets,
+    exponential_buckets,
+    format_bound,
+    nearest_rank_quantile,
+    populated_edges,
+)
+from stepwatch.otel_bridge._reasons import (
+    REASON_BUCKET_LAYOUT,
+    REASON_COUNT_MISMATCH,
+    REASON_IMPLAUSIBLE_DURATION,
+    REASON_NEGATIVE_DURATION,
+    REASON_NO_VALUE,
+    REASON_NON_FINITE,
+    Rejected,
+)
+
+if TYPE_CHECKING:
+    from opentelemetry.proto.metrics.v1.metrics_pb2 import (
+        ExponentialHistogramDataPoint,
+        HistogramDataPoint,
+        NumberDataPoint,
+        SummaryDataPoint,
+    )
+
+    DataPoint = (
+        NumberDataPoint | HistogramDataPoint | ExponentialHistogramDataPoint | SummaryDataPoint
+    )
+
+QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
+"""The quantile fields derived from every histogram (docs/storage.md, "Derived quantiles")."""
+
+
+def point_fields(
+    kind: str,
+    point: DataPoint,
+    *,
+    monotonic: bool,
+    duration: bool,
+    max_duration_s: float | None,
+) -> dict[str, FieldValue]:
+    """The fields of one data point of a metric of ``kind`` (``Metric.WhichOneof("data")``).
+
+    Args:
+        kind: ``gauge``, ``sum``, ``histogram``, ``exponential_histogram`` or ``summary``.
+        point: the data point.
+        monotonic: a ``sum`` is monotonic (stored as ``counter``, else ``gauge``).
+        duration: the metric measures durations (no negative values).
+        max_duration_s: a duration whose max or mean exceeds this is implausible; None: any.
+
+    Raises:
+        Rejected: the point cannot be stored; ``reason`` says why.
+    """
+    if kind == "gauge":
+        fields = _number_fields(point, "gauge")  # type: ignore[arg-type]
+    elif kind == "sum":
+        fields = _number_fields(point, "counter" if monotonic else "gauge")  # type: ignore[arg-type]
+    elif kind == "histogram":
+        fields = _histogram_fields(point, duration=duration)  # type: ignore[arg-type]
+    elif kind == "exponential_histogram":
+        fields = _exponential_fields(point, duration=duration)  # type: ignore[arg-type]
+    else:
+        fields = _summary_fields(point, duration=duration)  # type: ignore[arg-type]
+    if duration and max_duration_s is not None:
+        _plausible(fields, max_duration_s)
+    return fields
+
+
+def _plausible(fields: Mapping[str, FieldValue], max_duration_s: float) -> None:
+    """A duration histogram/summary's max and mean stay within ``max_duration_s``.
+
+    The sum alone is not checked: a cumulative histogram's sum grows with the run.
+    """
+    count, total = fields.get("count"), fields.get("sum")
+    mean = total / count if isinstance(total, float) and isinstance(count, float) and count else 0.0
+    maximum = fields.get("max")  # summaries carry neither max nor mean: the mean is computed
+    if mean > max_duration_s or (isinstance(maximum, float) and maximum > max_duration_s):
+        raise Rejected(REASON_IMPLAUSIBLE_DURATION)
+
+
+def _finite(*values: float) -> None:
+    if not all(math.isfinite(value) for value in values):
+        raise Rejected(REASON_NON_FINITE)
+
+
+def _number_fields(point: NumberDataPoint, field: str) -> dict[str, FieldValue]:
+    kind = point.WhichOneof("value")
+    if kind is None:
+        raise Rejected(REASON_NO_VALUE)
+    value = float(point.as_int) if kind == "as_int" else point.as_double
+    _finite(value)
+    fields: dict[str, FieldValue] = {field: value}
+    if point.start_time_unix_nano:
+        fields["start_time_unix_nano"] = int(point.start_time_unix_nano)
+    return fields
+
+
+class _Head(NamedTuple):
+    """A histogram's ``count``/``sum``/``mean``/``min``/``max`` fields, and the ``min`` and
+    ``max`` that bound its quantiles (known exactly for one observation)."""
+
+    fields: dict[str, FieldValue]
+    minimum: float | None
+    maximum: float | None
+
+
+def _histogram_head(
+    point: HistogramDataPoint | ExponentialHistogramDataPoint, *, duration: bool
+) -> _Head:
+    count = int(point.count)
+    fields: dict[str, FieldValue] = {"count": float(count)}
+    minimum = point.min if point.HasField("min") else None
+    maximum = point.max if point.HasField("max") else None
+    if point.HasField("sum"):
+        _finite(point.sum)
+        if duration and point.sum < 0:
+            raise Rejected(REASON_NEGATIVE_DURATION)
+        fields["sum"] = point.sum
+        if count > 0:
+            fields["mean"] = point.sum / count
+        if count == 1:
+            # One observation is its own sum: min and max are optional in OTLP and stepwatch's
+            # kernel histograms leave them out, but they are known exactly here.
+            minimum = point.sum if minimum is None else minimum
+            maximum = point.sum if maximum is None else maximum
+    for name, value in (("min", minimum), ("max", maximum)):
+        if value is not None:
+            _finite(value)
+            if duration and value < 0:
+                raise Rejected(REASON_NEGATIVE_DURATION)
+            fields[name] = value
+    if minimum is not None and maximum is not None and minimum > maximum and count > 0:
+        raise Rejected(REASON_BUCKET_LAYOUT)
+    return _Head(fields, minimum, maximum)
+
+
+def _add_buckets(
+    head: _Head, buckets: Buckets, start_time_unix_nano: int, *, sparse: bool = False
+) -> dict[str, FieldValue]:
+    """The head's fields plus one cumulative count per bound, ``+Inf`` and the quantiles."""
+    fields, minimum, maximum = head
+    keep = populated_edges(buckets) if sparse else range(len(buckets.uppers))
+    for index in keep:
+        upper = buckets.uppers[index]
+        key = "+Inf" if math.isinf(upper) else format_bound(upper)
+        fields[key] = float(buckets.cumulative[index])
+    if not buckets.uppers or not math.isinf(buckets.uppers[-1]):
+        fields["+Inf"] = fields["count"]
+    for name, quantile in QUANTILES:
+        value = nearest_rank_quantile(buckets, quantile, minimum=minimum, maximum=maximum)
+        if value is not None:
+            fields[name] = value
+    if start_time_unix_nano:
+        fields["start_time_unix_nano"] = start_time_unix_nano
+    return fields
+
+
+def _histogram_fields(point: HistogramDataPoint, *, duration: bool) -> dict[str, FieldValue]:
+    head = _histogram_head(point, duration=duration)
+    counts = list(point.bucket_counts)
+    if not counts:  # a histogram without buckets: count/sum/min/max only
+        if point.explicit_bounds:
+            raise Rejected(REASON_BUCKET_LAYOUT)
+        fields = head.fields
+        if point.start_time_unix_nano:
+            fields["start_time_unix_nano"] = int(point.start_time_unix_nano)
+        return fields
+    buckets = explicit_buckets(list(point.explicit_bounds), counts)
+    if buckets.cumulative[-1] != point.count:
+        raise Rejected(REASON_COUNT_MISMATCH)
+    if duration and point.count > 0 and buckets.uppers[0] < 0 and buckets.cumulative[0] > 0:
+        raise Rejected(REASON_NEGATIVE_DURATION)
+    return _add_buckets(head, buckets, int(point.start_time_unix_nano))
+
+
+def _exponential_fields(
+    point: ExponentialHistogramDataPoint, *, duration: bool
+) -> dict[str, FieldValue]:
+    head = _histogram_head(point, duration=duration)
+    negative_counts = list(point.negative.bucket_counts)
+    if not any(negative_counts):
+        negative_counts = []  # SDKs send an empty negative range as zeros; no "-1" fields
+    if duration and negative_counts:
+        raise Rejected(REASON_NEGATIVE_DURATION)
+    buckets = exponential_buckets(
+        int(point.scale),
+        positive_offset=int(point.positive.offset),
+        positive_counts=list(point.positive.bucket_counts),
+        negative_offset=int(point.negative.offset),
+        negative_counts=negative_counts,
+        zero_count=int(point.zero_count),
+        zero_threshold=float(point.zero_threshold),
+    )
+    if buckets.cumulative[-1] != point.count:
+        raise Rejected(REASON_COUNT_MISMATCH)
+    return _add_buckets(head, buckets, int(point.start_time_unix_nano), sparse=True)
+
+
+def _summary_fields(point: SummaryDataPoint, *, duration: bool) -> dict[str, FieldValue]:
+    _finite(point.sum)
+    if duration and point.sum < 0:
+        raise Rejected(REASON_NEGATIVE_DURATION)
+    fields: dict[str, FieldValue] = {"count": float(point.count), "sum": point.sum}
+    for item in point.quantile_values:
+        _finite(item.quantile, item.value)
+        if not 0.0 <= item.quantile <= 1.0:
+            raise Rejected(REASON_BUCKET_LAYOUT)
+        fields[format_bound(item.quantile)] = item.value
+    if point.start_time_unix_nano:
+        fields["start_time_unix_nano"] = int(point.start_time_unix_nano)
+    return fields

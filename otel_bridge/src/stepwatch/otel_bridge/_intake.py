@@ -1,0 +1,202 @@
+"""The ingest path both receivers share: authorise, convert, guard, queue one request.
+
+A receiver decodes a request and hands it to :meth:`Intake.ingest`; the :class:`Outcome` says
+whether it was queued (the receiver answers 200 / OK, with ``partial_success`` counting the
+points refused) or not (429 / RESOURCE_EXHAUSTED: the producer retries). Whatever decides
+what is accepted, and so what "accepted" promises, lives here; delivery is the forwarder's.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+from stepwatch.core import _schema
+from stepwatch.core._errors import ConfigError
+from stepwatch.otel_bridge._cardinality import CardinalityGuard
+from stepwatch.otel_bridge._convert import convert_to_points
+from stepwatch.otel_bridge._forwarder import Forwarder
+from stepwatch.otel_bridge._identity import RankIdentityGuard, Verdict
+from stepwatch.otel_bridge._metrics import BridgeMetrics
+from stepwatch.otel_bridge._reasons import REASON_CARDINALITY, REASON_DUPLICATE_RANK
+
+if TYPE_CHECKING:
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+        ExportMetricsServiceResponse,
+    )
+
+_log = logging.getLogger("stepwatch.otel_bridge")
+_QUEUE_FULL = "bridge queue full, retry later"
+
+
+class Outcome(NamedTuple):
+    """What ingesting one request did."""
+
+    accepted: bool  # False: over capacity, retry later
+    rejected_points: int
+    message: str
+
+    def response(self) -> ExportMetricsServiceResponse:
+        """The OTLP answer to an accepted request (``partial_success`` when points were refused)."""
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+            ExportMetricsServiceResponse,
+        )
+
+        response = ExportMetricsServiceResponse()
+        if self.rejected_points:
+            response.partial_success.rejected_data_points = self.rejected_points
+            response.partial_success.error_message = self.message
+        return response
+
+
+class ReceiverContext(NamedTuple):
+    """What the OTLP/gRPC and OTLP/HTTP receivers share."""
+
+    intake: Intake  # where decoded requests go
+    metrics: BridgeMetrics  # requests{protocol, code}; the HTTP receiver also serves /metrics
+    max_request_bytes: int  # largest body or message, also after decompression
+    retry_after_s: int  # the Retry-After / RetryInfo delay under backpressure
+    reuse_port: bool  # SO_REUSEPORT, so several bridge processes share the ports
+
+
+class ClockSkew(NamedTuple):
+    """How far a point's ``time_unix_nano`` may lie from the receive time (None: any)."""
+
+    max_past_s: float | None
+    max_future_s: float | None
+
+    def bounds_unix_nano(self, now_unix_nano: int) -> tuple[int, int] | None:
+        """The accepted ``(earliest, latest)`` around ``now_unix_nano``; None: no bound."""
+        if self.max_future_s is None and self.max_past_s is None:
+            return None
+        earliest = 0 if self.max_past_s is None else now_unix_nano - int(self.max_past_s * 1e9)
+        latest = (
+            2**64 if self.max_future_s is None else now_unix_nano + int(self.max_future_s * 1e9)
+        )
+        return earliest, latest
+
+
+class Intake:
+    """Admits decoded requests into the forwarder's queue, all of a request's points or none.
+
+    Args:
+        forwarder: the queue accepted lines go to.
+        metrics: the bridge's metrics (received, rejected, dropped attributes, conflicts).
+        guard: the cardinality guard; None: no guard.
+        identity: the duplicate-rank guard; None: no guard.
+        tag_allowlist: attribute keys stored as tags.
+        max_duration_s: duration histograms whose max or mean exceed this are rejected.
+        skew: points further from the receive time are rejected (``clock_skew``).
+        auth_token: when set, requests must carry ``Authorization: Bearer <token>``.
+        clock_unix_nano: the receive-time clock.
+
+    Each is documented, with its default, on :class:`~stepwatch.otel_bridge.Bridge`.
+    """
+
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        *,
+        metrics: BridgeMetrics,
+        guard: CardinalityGuard | None,
+        identity: RankIdentityGuard | None,
+        tag_allowlist: frozenset[str],
+        max_duration_s: float | None,
+        skew: ClockSkew,
+        auth_token: str | None,
+        clock_unix_nano: Callable[[], int],
+    ) -> None:
+        if auth_token is not None and not auth_token.strip():
+            raise ConfigError("auth_token: must not be empty")
+        for name, bound in (
+            ("max_future_skew_s", skew.max_future_s),
+            ("max_past_skew_s", skew.max_past_s),
+            ("max_duration_s", max_duration_s),
+        ):
+            if bound is not None and not bound > 0:
+                raise ConfigError(f"{name}: must be positive or None, got {bound}")
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.guard = guard
+        self.identity = identity
+        self.tag_allowlist = frozenset(tag_allowlist)
+        self.max_duration_s = max_duration_s
+        self.skew = skew
+        self.clock_unix_nano = clock_unix_nano
+        self._logged_conflicts: set[tuple[str, str]] = set()
+        self._auth = None if auth_token is None else f"Bearer {auth_token.strip()}".encode()
+
+    def authorized(self, header: str | bytes | None) -> bool:
+        """The ``Authorization`` header (or gRPC metadata) matches the token, if one is set."""
+        if self._auth is None:
+            return True
+        if header is None:
+            return False
+        value = header.encode("latin-1", "replace") if isinstance(header, str) else header
+        return hmac.compare_digest(value.strip(), self._auth)
+
+    def ingest(self, request: ExportMetricsServiceRequest) -> Outcome:
+        """Convert, guard and queue one request."""
+        if self.forwarder.full:  # refuse before spending CPU on a request we cannot queue
+            return Outcome(False, 0, _QUEUE_FULL)
+        now_unix_nano = self.clock_unix_nano()
+        batch = convert_to_points(
+            request,
+            tag_allowlist=self.tag_allowlist,
+            max_duration_s=self.max_duration_s,
+            time_bounds_unix_nano=self.skew.bounds_unix_nano(now_unix_nano),
+            resource_check=None if self.identity is None else self._identity_check(now_unix_nano),
+        )
+        points = batch.points
+        rejected = batch.rejected
+        if self.guard is not None and points:
+            points, refused = self.guard.filter(points)
+            if refused:
+                rejected[REASON_CARDINALITY] += refused
+        lines = [point.encode() for point in points]
+        if not self.forwarder.offer(lines):
+            return Outcome(False, 0, _QUEUE_FULL)
+        total_rejected = sum(rejected.values())
+        self.metrics.received.inc(len(lines) + total_rejected)
+        for reason, count in rejected.items():
+            self.metrics.rejected.labels(reason=reason).inc(count)
+        if batch.dropped_attributes:
+            self.metrics.attributes_dropped.inc(batch.dropped_attributes)
+        message = ""
+        if total_rejected:
+            message = "rejected data points: " + ", ".join(
+                f"{reason}={count}" for reason, count in sorted(rejected.items())
+            )
+        return Outcome(True, total_rejected, message)
+
+    def _identity_check(self, now_unix_nano: int) -> Callable[[Mapping[str, str]], str | None]:
+        guard = self.identity
+        if guard is None:  # pragma: no cover - only called with a guard
+            raise RuntimeError("no duplicate-rank guard")
+
+        def check(attributes: Mapping[str, str]) -> str | None:
+            verdict = guard.observe(attributes, now_unix_nano=now_unix_nano)
+            if verdict is Verdict.TAKEOVER:
+                self.metrics.rank_conflicts.labels(outcome="taken_over").inc()
+                return None
+            if verdict is not Verdict.CONFLICT:
+                return None
+            self.metrics.rank_conflicts.labels(outcome="rejected").inc()
+            key = (attributes.get(_schema.JOB_ID, ""), attributes.get(_schema.RANK, ""))
+            if key not in self._logged_conflicts:  # once per (job, rank): exporters repeat
+                if len(self._logged_conflicts) >= 4096:
+                    self._logged_conflicts.clear()
+                self._logged_conflicts.add(key)
+                _log.warning(
+                    "duplicate rank: job %s rank %s claimed by %s while %s is live; rejected",
+                    key[0],
+                    key[1],
+                    "/".join(attributes.get(name, "") for name in guard.identity_keys).rstrip("/"),
+                    "/".join(guard.owner(*key) or ()).rstrip("/"),
+                )
+            return REASON_DUPLICATE_RANK
+
+        return check
