@@ -76,7 +76,7 @@ def _max_quantile_error(traces, windows_per_trace) -> float:  # type: ignore[no-
     """Worst relative error of the bridge's p50/p90/p99 estimate vs the exact nearest rank."""
     import math
 
-    from stepwatch.otel_bridge import exponential_buckets, nearest_rank_quantile
+    from stepwatch.otel_bridge._buckets import exponential_buckets, nearest_rank_quantile
 
     worst = 0.0
     for trace, windows in zip(traces, windows_per_trace, strict=True):

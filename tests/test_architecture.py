@@ -129,7 +129,7 @@ def test_one_import_name_per_module() -> None:
     """From the repo root, the folders are not packages: only ``stepwatch.*`` imports."""
     code = (
         "import importlib, sys\n"
-        "names = ['exporters._monitor', 'otel_bridge._server', 'detectors._frame',"
+        "names = ['exporters._monitor', 'otel_bridge._bridge', 'detectors._frame',"
         " 'core._errors', 'app._cli']\n"
         "ok = []\n"
         "for name in names:\n"

@@ -23,7 +23,7 @@ from opentelemetry.sdk.metrics.export import (
 from stepwatch.core import ConfigError, _schema
 from stepwatch.exporters import KernelWindow, WindowBuilder, build_resource
 from stepwatch.exporters._window import SCOPE_NAME
-from stepwatch.otel_bridge import exponential_buckets, nearest_rank_quantile
+from stepwatch.otel_bridge._buckets import exponential_buckets, nearest_rank_quantile
 
 GOLDEN = Path(__file__).with_name("test_window_golden.json")
 START = 1_795_000_000_000_000_000
