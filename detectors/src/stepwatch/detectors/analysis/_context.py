@@ -159,6 +159,7 @@ class Context(Basis):
 
     @classmethod
     def with_metrics(cls, basis: Basis, metrics: Metrics) -> Context:
+        """``basis`` with the flags of its cross-rank tests."""
         fields = {field.name: getattr(basis, field.name) for field in dataclasses.fields(basis)}
         return cls(**fields, metrics=metrics)
 
