@@ -23,7 +23,8 @@ from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._errors import ConfigError, StepwatchError
 from stepwatch.core._influx import InfluxClient
 from stepwatch.core._lineproto import encode_point
-from stepwatch.detectors.analysis._analyse import DetectorConfig, Finding, analyse
+from stepwatch.detectors.analysis._analyse import Finding, analyse
+from stepwatch.detectors.analysis._config import DetectorConfig
 from stepwatch.detectors.frame._frame import list_jobs, read_frame
 from stepwatch.detectors.sinks._sinks import Sink, diagnosis_line, read_diagnoses
 

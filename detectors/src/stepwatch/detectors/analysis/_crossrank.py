@@ -1,0 +1,260 @@
+"""L2: every rank against its peers, per metric, at several time scales; one-off stalls.
+
+The metrics are step, device idle, each phase, ``arrival`` (time outside the collective),
+each kernel category, burstiness (longest / mean), each compute class's share of compute
+time and the SM clock. Each is tested with :func:`multiscale_outliers` (BH FDR across the
+ranks of each window), needs a minimum effect and persistence, or a sustained run of small
+single-window excesses (:func:`sustained_outliers`); host-side stalls need one window.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple, TypeVar
+
+import numpy as np
+
+from stepwatch.detectors.analysis._context import Basis, Metrics
+from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
+from stepwatch.detectors.stats._stats import (
+    BoolArray,
+    FloatArray,
+    multiscale_outliers,
+    nanmedian,
+    persistent,
+    safe_log,
+    sustained_outliers,
+)
+
+#: Metric name of the pooled small compute kernel classes.
+MINOR_CLASSES = "(minor classes)"
+#: Derived metric: step time minus time in the collective (see :func:`_series`).
+ARRIVAL = "arrival"
+#: Host-side phases that never contain waiting for peers (one-off stalls show there).
+STALL_PHASES = ("data", "forward", "optimizer")
+
+_ArrayT = TypeVar("_ArrayT", FloatArray, BoolArray)
+
+
+class _Series(NamedTuple):
+    """One metric to test: its name, ``(W, R)`` values and how its threshold is set."""
+
+    name: str
+    values: FloatArray
+    threshold: str  # "time", "share", "burst" or "clock" (see _thresholds)
+
+
+def _series(basis: Basis) -> list[_Series]:
+    frame = basis.frame
+    series = [_Series("step", frame.step_s, "time"), _Series("idle", frame.idle_s, "time")]
+    for index, phase in enumerate(frame.phases):
+        series.append(_Series(f"phase:{phase}", np.asarray(frame.phase_s[:, :, index]), "time"))
+    if COMMUNICATION_CATEGORY in frame.phases:
+        # Time outside the collective: the rank that reaches the collective last spends
+        # the most time outside it and waits least in it (arrival order, ARGUS). Unlike
+        # step or communication time, waiting for a late peer does not inflate it.
+        index = frame.phases.index(COMMUNICATION_CATEGORY)
+        outside = np.asarray(frame.step_s - frame.phase_s[:, :, index])
+        series.append(_Series(ARRIVAL, outside, "time"))
+    # The waiters are the long ones in overlapping series: no blame from them.
+    series = [s for s in series if s.name not in basis.overlap_waiting]
+    for category in sorted(set(frame.kernel_categories)):
+        series.append(_Series(f"category:{category}", frame.category_s(category), "time"))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        series.append(_Series("burst:step", frame.step_max_s / frame.step_s, "burst"))
+        series.append(_Series("burst:idle", frame.idle_max_s / frame.idle_s, "burst"))
+        compute = basis.compute_s
+        for index in basis.major_classes:
+            share = np.asarray(frame.kernel_s[:, :, index]) / compute
+            series.append(_Series(f"share:{frame.kernel_classes[index]}", share, "share"))
+        if basis.minor_classes:
+            minor = np.asarray(frame.kernel_s[:, :, basis.minor_classes].sum(axis=2))
+            series.append(_Series(f"share:{MINOR_CLASSES}", minor / compute, "share"))
+        if frame.sm_clock_hz is not None:
+            series.append(_Series("clock", 1.0 / frame.sm_clock_hz, "clock"))
+    return series
+
+
+def _thresholds(basis: Basis, series: list[_Series]) -> FloatArray:
+    """``(W, M)`` smallest log effect worth reporting per window and metric."""
+    config = basis.config
+    n_windows = basis.frame.n_windows
+    columns = []
+    for item in series:
+        if item.threshold == "burst":
+            columns.append(np.full(n_windows, math.log(config.burst_min_ratio)))
+            continue
+        if item.threshold == "clock":
+            columns.append(np.full(n_windows, math.log1p(config.clock_min_drop)))
+            continue
+        value = item.values
+        if item.threshold == "share":
+            value = value * basis.compute_s  # the class's own time per step
+        median = nanmedian(np.where(basis.present, value, np.nan), axis=1)[:, 0]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            columns.append(np.log1p(config.min_step_fraction * basis.step_median / median))
+    result = np.stack(columns, axis=1)
+    return np.where(np.isfinite(result), result, np.inf)
+
+
+def flag_metrics(basis: Basis) -> Metrics:
+    """Flag every rank, window and metric slower than the peers (L2).
+
+    Args:
+        basis: the frame and its derived arrays.
+
+    Returns:
+        The stacked :class:`Metrics`: the tested metrics, then the ``stall:<phase>`` ones.
+
+    Notes:
+        At each scale in ``config.scales`` a flag needs a BH rejection at ``config.fdr_q``,
+        a log effect above the metric's threshold (:func:`_thresholds`: ``min_step_fraction``
+        of the job's step, ``burst_min_ratio``, ``clock_min_drop``), the last ``min(3,
+        max(scales))`` windows still showing half of it, and ``persistence_windows``
+        consecutive windows. A rank also flags when slower than its peers in
+        ``sustained_windows`` consecutive single windows (:func:`sustained_outliers`).
+        Metric blocks are tested on ``config.workers`` threads; the result does not depend
+        on their number.
+
+    References:
+        Benjamini and Hochberg (1995), JRSS B 57; Rousseeuw and Croux (1993), JASA 88.
+    """
+    config = basis.config
+    frame = basis.frame
+    series = _series(basis)
+    values = [item.values for item in series]
+    thresholds = _thresholds(basis, series)
+    # One-off stalls take the last columns (filled here, not tested across scales).
+    stall_names, stall_flags, stall_effect = _stalls(basis)
+    tested = len(series)
+    shape = (frame.n_windows, frame.n_ranks, tested + len(stall_names))
+    flags = np.zeros(shape, dtype=bool)
+    effect: FloatArray = np.full(shape, np.nan, dtype=basis.dtype)
+    zmax = np.zeros(shape)
+    if stall_names:
+        flags[:, :, tested:] = stall_flags
+        effect[:, :, tested:] = stall_effect
+        zmax[:, :, tested:] = np.where(stall_flags, np.nan_to_num(stall_effect), 0.0)
+    # Gate for every scale: the last few windows must still show the effect, so a long
+    # trailing mean cannot keep a finding open after the condition cleared.
+    gate_scale = min(3, max(config.scales))
+    scales = [
+        scale
+        for scale in sorted({1, gate_scale, *config.scales})
+        if scale == 1 or scale <= frame.n_windows
+    ]
+
+    def test_block(start: int, stop: int) -> None:
+        block = np.stack(values[start:stop], axis=2)
+        logs = safe_log(block, dtype=basis.dtype)  # silent ranks are NaN already
+        del block
+        limit = thresholds[:, None, start:stop]
+        tests = multiscale_outliers(
+            logs,
+            metric="block",
+            scales=scales,
+            fdr_q=config.fdr_q,
+            min_scale=config.min_scale,
+            min_ranks=config.min_ranks,
+            reference=basis.reference,
+        )
+        recent = tests[gate_scale].log_effect
+        for scale, test in tests.items():
+            if scale not in config.scales:
+                continue
+            # The last windows must still show at least half of the long-run excess.
+            current = recent >= np.maximum(limit, 0.5 * test.log_effect)
+            hit = test.reject & (test.log_effect >= limit) & current
+            hit = persistent(hit, windows=config.persistence_windows)
+            flags[:, :, start:stop] |= hit
+            target = zmax[:, :, start:stop]
+            np.fmax(target, test.z, out=target, where=hit)
+            if scale == 1:
+                effect[:, :, start:stop] = test.log_effect
+        single = tests[1]
+        hit = sustained_outliers(
+            single,
+            windows=config.sustained_windows,
+            q=config.fdr_q,
+            min_log_effect=np.maximum(limit, math.log(config.sustained_min_ratio)),
+        )
+        flags[:, :, start:stop] |= hit
+        target = zmax[:, :, start:stop]
+        np.fmax(target, single.z, out=target, where=hit)
+
+    # Disjoint metric blocks on worker threads: numpy releases the GIL in the heavy
+    # kernels (partition, cumsum, ufuncs), so a big job uses every core it is given.
+    workers = max(1, min(config.workers, tested))
+    size = -(-tested // workers)
+    blocks = [(start, min(start + size, tested)) for start in range(0, tested, size)]
+    if len(blocks) == 1:
+        test_block(*blocks[0])
+    else:
+        with ThreadPoolExecutor(max_workers=len(blocks)) as pool:
+            for future in [pool.submit(test_block, *block) for block in blocks]:
+                future.result()
+    names = (*(item.name for item in series), *stall_names)
+    return Metrics(names=names, flags=flags, effect=effect, z=zmax)
+
+
+def _stalls(basis: Basis) -> tuple[list[str], BoolArray, FloatArray]:
+    """One-off host-side stalls: ``stall:<phase>`` flags and log ratios ``(W, R, S)``.
+
+    A single window suffices (a stall is one event): the rank's longest occurrence of
+    the phase must exceed the peers' median longest occurrence by ``stall_min_steps``
+    job median steps and by a factor ``stall_min_ratio``.
+
+    The peers' baseline comes from the same window when at least ``min_ranks`` ranks
+    report in it, which keeps a stall every rank shares (a job-wide pause) from flagging
+    anyone. Otherwise it pools the windows on either side: a long stall holds every
+    rank in the next collective, so no rank finishes a step for a while and the
+    stalled step can land in a window that few peers report in.
+    """
+    frame = basis.frame
+    config = basis.config
+    phases = [p for p in STALL_PHASES if p in frame.phases]
+    step = basis.job_step_s
+    shape = (frame.n_windows, frame.n_ranks, len(phases))
+    flags = np.zeros(shape, dtype=bool)
+    effect = np.full(shape, np.nan)
+    if not phases or step <= 0:
+        return [], flags, effect
+    for column, phase in enumerate(phases):
+        longest = np.where(
+            basis.present, frame.phase_max_s[:, :, frame.phases.index(phase)], np.nan
+        )
+        reported = np.isfinite(longest)
+        peers = basis.peers(longest)
+        before, after = _shifted(peers, 1), _shifted(peers, -1)
+        pooled = nanmedian(np.concatenate([before, peers, after], axis=1), axis=1)
+        around = (reported | _shifted(reported, 1) | _shifted(reported, -1)).sum(axis=1)
+        same = nanmedian(peers, axis=1)
+        enough_same = reported.sum(axis=1, keepdims=True) >= config.min_ranks
+        peer = np.where(enough_same, same, pooled)
+        enough = enough_same | (around[:, None] >= config.min_ranks)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = longest / peer
+            hit = (
+                (longest - peer >= config.stall_min_steps * step)
+                & (ratio >= config.stall_min_ratio)
+                & enough
+            )
+            effect[:, :, column] = np.where(np.isfinite(ratio) & (ratio > 0), np.log(ratio), np.nan)
+        flags[:, :, column] = hit
+    return [f"stall:{phase}" for phase in phases], flags, effect
+
+
+def _shifted(values: _ArrayT, by: int) -> _ArrayT:
+    """``values`` moved ``by`` windows later along axis 0 (``-by``: earlier), padded.
+
+    NaN padding for floats, ``False`` for booleans.
+    """
+    out = np.full_like(values, False if values.dtype == bool else np.nan)
+    if by > 0:
+        out[by:] = values[:-by]
+    elif by < 0:
+        out[:by] = values[-by:]
+    else:
+        out[:] = values
+    return out

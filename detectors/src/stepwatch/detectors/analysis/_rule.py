@@ -1,0 +1,211 @@
+"""The rule interface: each diagnosis kind is one module in ``analysis/rules`` defining ``RULE``.
+
+Two shapes:
+
+* :class:`EpisodeRule` — decides from one rank-episode's flagged metrics whether it is its
+  kind (:class:`Signature`, tried in ``precedence`` order across every rule: the lowest
+  matching one wins), then describes each merged group of such episodes
+  (:class:`EpisodeGroup` → :class:`Description`). A description may name another kind
+  (``masked_straggler`` on whole pipeline stages is a ``pipeline_bubble``).
+* :class:`JobRule` — looks at the whole frame and at the verdicts found before it (episode
+  rules first, then job rules by ``order``) and returns whole :class:`Verdict` objects.
+
+The engine (:mod:`._analyse`) turns every :class:`Verdict` into a :class:`Finding`. A rule
+never builds a :class:`~stepwatch.core.Diagnosis` itself, so what every finding carries
+(severity, score, and next its ``slowdown`` cost) is decided in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+from stepwatch.core._errors import ConfigError
+from stepwatch.detectors.analysis._context import Context
+
+#: An episode's flagged metric names → the number of windows each was flagged in.
+Flagged = Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """A pattern of flagged metrics that makes an episode one kind.
+
+    Attributes:
+        precedence: rank among every rule's signatures; the lowest matching one wins, so a
+            more specific signature (SM clock low) takes precedence over a broader one.
+        matches: whether an episode's flagged metrics show the pattern.
+    """
+
+    precedence: int
+    matches: Callable[[Flagged], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeGroup:
+    """Episodes of one kind on one or more ranks, merged where they overlap in time.
+
+    Attributes:
+        indices: the ranks (indices into the frame), sorted.
+        first: first window (the onset walked back from the first flag).
+        last: last flagged window.
+        detected: first flagged window (when an incremental run raised it).
+    """
+
+    indices: tuple[int, ...]
+    first: int
+    last: int
+    detected: int
+
+    @property
+    def span(self) -> slice:
+        """The windows ``first .. last``."""
+        return slice(self.first, self.last + 1)
+
+    def with_indices(self, indices: Sequence[int]) -> EpisodeGroup:
+        """The same windows on other ranks (a host, a pipeline stage)."""
+        return dataclasses.replace(self, indices=tuple(indices))
+
+
+@dataclasses.dataclass(frozen=True)
+class Description:
+    """What a rule concludes about a group of ranks, before timing and scoring.
+
+    Attributes:
+        kind: the docs/schema.md kind.
+        summary: one line for people, e.g. ``rank 5 backward compute 1.31x peers since ...``.
+        ratio: the effect against the peers (or the job's shift; 1 when none applies); it
+            sets an episode finding's severity.
+        phase: the phase that moved, if any.
+        kernel_class: the kernel class that moved, if any.
+        indices: the ranks blamed (indices into the frame), empty for job-wide findings.
+        hosts: the hosts blamed.
+    """
+
+    kind: str
+    summary: str
+    ratio: float
+    phase: str | None = None
+    kernel_class: str | None = None
+    indices: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A finding in window indices: what the engine turns into a :class:`Finding`.
+
+    Attributes:
+        description: kind, localisation and summary.
+        first: first window of the condition.
+        last: last window showing it.
+        detected: window at which it was confirmed (flags only use past windows).
+        open: still going at the end of the frame (the diagnosis has no end yet).
+        severity: ``info``, ``warning`` or ``critical`` (:func:`severity_of` a ratio).
+        score: strength of the evidence (robust z for rank findings).
+    """
+
+    description: Description
+    first: int
+    last: int
+    detected: int
+    open: bool
+    severity: str
+    score: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeRule:
+    """A kind decided per rank-episode from its flagged metrics.
+
+    Attributes:
+        kind: the kind the rule names (its module's name).
+        signatures: the patterns that make an episode this kind; empty when the kind is
+            only reached from another rule's description (``pipeline_bubble``).
+        describe: the :class:`Description` of one merged group.
+    """
+
+    kind: str
+    signatures: tuple[Signature, ...]
+    describe: Callable[[Context, EpisodeGroup], Description]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRule:
+    """A kind decided over the whole frame.
+
+    Attributes:
+        kind: the kind the rule names (its module's name).
+        order: job rules run by increasing order, each seeing the verdicts before it.
+        find: the verdicts, given the context and the verdicts found so far.
+    """
+
+    kind: str
+    order: int
+    find: Callable[[Context, Sequence[Verdict]], list[Verdict]]
+
+
+Rule = EpisodeRule | JobRule
+
+
+@dataclasses.dataclass(frozen=True)
+class Registry:
+    """Every rule, ready to classify episodes.
+
+    Attributes:
+        episode_rules: by kind.
+        job_rules: in the order they run.
+        precedence: every episode rule's signatures, lowest precedence first.
+    """
+
+    episode_rules: Mapping[str, EpisodeRule]
+    job_rules: tuple[JobRule, ...]
+    precedence: tuple[tuple[Signature, EpisodeRule], ...]
+
+    @classmethod
+    def of(cls, rules: Sequence[Rule]) -> Registry:
+        """Index ``rules``.
+
+        Raises:
+            ConfigError: a kind or a signature precedence is given twice.
+        """
+        kinds = sorted(rule.kind for rule in rules)
+        if len(set(kinds)) != len(kinds):
+            raise ConfigError(f"rules: a kind has two rules: {kinds}")
+        episode_rules = [rule for rule in rules if isinstance(rule, EpisodeRule)]
+        job_rules = [rule for rule in rules if isinstance(rule, JobRule)]
+        signatures = [(s, rule) for rule in episode_rules for s in rule.signatures]
+        precedences = sorted(signature.precedence for signature, _ in signatures)
+        if len(set(precedences)) != len(precedences):
+            raise ConfigError(f"rules: two signatures share a precedence: {precedences}")
+        return cls(
+            episode_rules={rule.kind: rule for rule in episode_rules},
+            job_rules=tuple(sorted(job_rules, key=lambda rule: rule.order)),
+            precedence=tuple(sorted(signatures, key=lambda pair: pair[0].precedence)),
+        )
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """Every kind a rule names."""
+        return frozenset(self.episode_rules) | {rule.kind for rule in self.job_rules}
+
+    def classify(self, flagged: Flagged) -> EpisodeRule:
+        """The rule of the lowest-precedence signature that matches ``flagged``.
+
+        Raises:
+            ConfigError: no signature matches (the rules lack a catch-all).
+        """
+        for signature, rule in self.precedence:
+            if signature.matches(flagged):
+                return rule
+        raise ConfigError(f"rules: no signature matches the flags {sorted(flagged)}")
+
+
+def severity_of(ratio: float) -> str:
+    """``critical`` from 1.2x (or 1/1.2x), ``warning`` from 1.05x, else ``info``."""
+    ratio = max(ratio, 1.0 / ratio) if ratio > 0 else 1.0
+    if ratio >= 1.2:
+        return "critical"
+    if ratio >= 1.05:
+        return "warning"
+    return "info"

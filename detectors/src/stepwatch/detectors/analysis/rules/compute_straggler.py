@@ -1,0 +1,42 @@
+"""``compute_straggler``: a rank whose compute kernels are slower than its peers'.
+
+Signature: the compute category or a compute class's share of compute time flagged
+(precedence 40), and the catch-all for flags no other rule claims (90). Localisation: the
+ranks, the compute phase they lose most time in, and the kernel class whose share of their
+compute time grew (L3).
+"""
+
+from __future__ import annotations
+
+from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.frame._frame import COMPUTE_CATEGORY, COMPUTE_PHASES
+
+
+def _describe(context: Context, group: EpisodeGroup) -> Description:
+    indices, first, last = group.indices, group.first, group.last
+    phase = context.top_phase(indices, group.span, COMPUTE_PHASES)
+    kernel_class, kernel_ratio = context.top_share(indices, first, last)
+    ratio = context.ratio(f"phase:{phase}", indices, first, last)
+    detail = f" ({kernel_class} {kernel_ratio:.2f}x)" if kernel_class else ""
+    summary = (
+        f"{context.rank_text(indices)} {phase} compute {ratio:.2f}x peers{detail} "
+        f"since {context.since(first)}"
+    )
+    return Description(RULE.kind, summary, ratio, phase, kernel_class, indices=indices)
+
+
+RULE = EpisodeRule(
+    kind="compute_straggler",
+    signatures=(
+        Signature(
+            40,
+            lambda flagged: (
+                f"category:{COMPUTE_CATEGORY}" in flagged
+                or any(name.startswith("share:") for name in flagged)
+            ),
+        ),
+        Signature(90, lambda flagged: True),  # nothing more specific: the kernels are slow
+    ),
+    describe=_describe,
+)

@@ -1,0 +1,26 @@
+"""``gpu_health``: a rank's SM clock below its peers' (throttling), precedence 10."""
+
+from __future__ import annotations
+
+from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.frame._frame import COMPUTE_CATEGORY
+
+
+def _describe(context: Context, group: EpisodeGroup) -> Description:
+    indices, first, last = group.indices, group.first, group.last
+    # The clock metric is the clock period: its ratio above 1 is a clock below the peers'.
+    ratio = context.ratio("clock", indices, first, last)
+    compute = context.ratio(f"category:{COMPUTE_CATEGORY}", indices, first, last)
+    summary = (
+        f"{context.rank_text(indices)} SM clock {1 / ratio:.2f}x peers (throttled), "
+        f"compute kernels {compute:.2f}x since {context.since(first)}"
+    )
+    return Description(RULE.kind, summary, ratio, indices=indices)
+
+
+RULE = EpisodeRule(
+    kind="gpu_health",
+    signatures=(Signature(10, lambda flagged: "clock" in flagged),),
+    describe=_describe,
+)

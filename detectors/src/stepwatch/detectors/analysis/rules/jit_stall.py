@@ -1,0 +1,45 @@
+"""``jit_stall``: host-side stalls with the device idle on some steps of a rank.
+
+Signature (precedence 20): burstiness (longest step or idle / mean) or a one-off
+``stall:<phase>`` flagged. Localisation: the ranks and the host-side phase that stalled
+(the stalled phase when a one-off stall was seen, else the compute phase that grew most).
+"""
+
+from __future__ import annotations
+
+import math
+
+from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.frame._frame import COMPUTE_PHASES
+
+
+def _describe(context: Context, group: EpisodeGroup) -> Description:
+    indices, first, last = group.indices, group.first, group.last
+    ratio = math.exp(
+        max(
+            context.mean_effect("burst:step", indices, first, last),
+            context.mean_effect("burst:idle", indices, first, last),
+        )
+    )
+    phase = context.top_phase(indices, group.span, COMPUTE_PHASES)
+    stalls = context.stall_ratios(indices, first, last)
+    if stalls:  # a one-off stall localised to a host-side phase
+        phase, stall_ratio = max(stalls.items(), key=lambda item: item[1])
+        ratio = max(ratio, stall_ratio)
+    summary = (
+        f"{context.rank_text(indices)} host-side stalls with the device idle: longest step "
+        f"{ratio:.2f}x its peers' since {context.since(first)}"
+    )
+    return Description(RULE.kind, summary, ratio, phase, indices=indices)
+
+
+RULE = EpisodeRule(
+    kind="jit_stall",
+    signatures=(
+        Signature(
+            20, lambda flagged: any(name.startswith(("burst:", "stall:")) for name in flagged)
+        ),
+    ),
+    describe=_describe,
+)

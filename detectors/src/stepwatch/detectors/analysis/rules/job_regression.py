@@ -1,0 +1,137 @@
+"""``job_regression``: the whole job got slower, and no rank-level finding explains it (L1).
+
+A job rule, run after the others: change points (:func:`change_points`) of the job's median
+step, phase and kernel-class times per window; upward shifts of at least
+``config.min_shift`` and ``config.min_step_fraction`` of a step, away from every earlier
+finding, grouped when within 3 windows. A group seen only in series that hold waiting in
+collectives is not a regression. Localisation: the phase and kernel class that moved most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
+from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
+from stepwatch.detectors.stats._stats import FloatArray, change_points, nanmedian
+
+
+class _Shift(NamedTuple):
+    window: int  # first window of the new level
+    series: str  # "step", "phase:<name>" or "kernel:<class>"
+    excess_s: float
+    ratio: float
+
+
+def _job_series(context: Context) -> dict[str, FloatArray]:
+    """The job's median (over ranks) step, phase and major kernel-class times per window."""
+    frame = context.frame
+    # Each rank's first window holds its warm-up steps (lazy initialisation, allocator
+    # and cache warm-up): slower for a reason no later window shares, it would pass for
+    # a level shift or, in a short job, swamp the test of one.
+    present = context.present & (np.cumsum(context.present, axis=0) > 1)
+
+    def median(values: FloatArray) -> FloatArray:
+        return nanmedian(np.where(present, values, np.nan), axis=1)[:, 0]
+
+    series = {"step": median(frame.step_s)}
+    for index, phase in enumerate(frame.phases):
+        series[f"phase:{phase}"] = median(np.asarray(frame.phase_s[:, :, index]))
+    # The long tail of small classes cannot move the job by a visible amount.
+    keep = [i for i in range(len(frame.kernel_classes)) if i not in context.minor_classes]
+    if frame.n_ranks and keep:
+        kernel = np.asarray(frame.kernel_s[:, :, keep])
+        medians = nanmedian(np.where(present[:, :, None], kernel, np.nan), axis=1)[:, 0, :]
+        for column, index in enumerate(keep):
+            series[f"kernel:{frame.kernel_classes[index]}"] = medians[:, column]
+    return series
+
+
+def _waiting_series(context: Context) -> set[str]:
+    """Job-level series that hold waiting in collectives (not evidence on their own).
+
+    Communication phases and kernels always, plus ``context.overlap_waiting``: a host
+    slowed by other work slows its collectives and with them those series, which is not
+    a regression of the job's code.
+    """
+    kernels = {f"kernel:{name}" for name in context.communication_classes()}
+    return {f"phase:{COMMUNICATION_CATEGORY}"} | kernels | context.overlap_waiting
+
+
+def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
+    frame = context.frame
+    config = context.config
+    if frame.n_windows < 6:
+        return []
+    step = context.job_step_s
+    if step <= 0:
+        return []
+    window_ns = round(frame.window_s * 1e9)
+    origin = int(frame.window_end_unix_nano[0])
+    explained = [
+        (
+            (frame.window_start_unix_nano(v.first) - origin) // window_ns,
+            (int(frame.window_end_unix_nano[v.last]) - origin) // window_ns,
+        )
+        for v in earlier
+    ]
+    shifts: list[_Shift] = []
+    for name, series in _job_series(context).items():
+        for point in change_points(series, min_shift=config.min_shift, alpha=config.change_alpha):
+            excess = point.after - point.before
+            if point.ratio < 1 or excess < config.min_step_fraction * step:
+                continue
+            if any(low - 6 <= point.index <= high + 1 for low, high in explained):
+                continue
+            shifts.append(_Shift(point.index, name, excess, point.ratio))
+    shifts.sort()
+    groups: list[list[_Shift]] = []
+    for shift in shifts:
+        if groups and shift.window - groups[-1][0].window <= 3:
+            groups[-1].append(shift)
+        else:
+            groups.append([shift])
+    waiting = _waiting_series(context)
+    # Collective time is mostly waiting for the last rank: its median is an extreme-value
+    # statistic, too jumpy to call a job regression on its own.
+    return [
+        _verdict(context, group) for group in groups if any(s.series not in waiting for s in group)
+    ]
+
+
+def _verdict(context: Context, group: list[_Shift]) -> Verdict:
+    frame = context.frame
+    index = min(s.window for s in group)
+    phases = [s for s in group if s.series.startswith("phase:")]
+    kernels = [s for s in group if s.series.startswith("kernel:")]
+    steps = [s for s in group if s.series == "step"]
+    phase = max(phases, key=lambda s: s.excess_s).series.split(":", 1)[1] if phases else None
+    top_kernel = max(kernels, key=lambda s: s.excess_s) if kernels else None
+    kernel_class = top_kernel.series.split(":", 1)[1] if top_kernel else None
+    ratio = steps[0].ratio if steps else max(s.ratio for s in group)
+    detail = []
+    if phase:
+        detail.append(f"{phase} moved most")
+    if top_kernel:
+        detail.append(f"{kernel_class} {top_kernel.ratio:.2f}x")
+    head = f"job step time {ratio:.2f}x" if steps else "job slower"
+    summary = f"{head} since {context.since(index)} on every rank" + (
+        f" ({', '.join(detail)})" if detail else ""
+    )
+    description = Description(RULE.kind, summary, ratio, phase, kernel_class)
+    return Verdict(
+        description=description,
+        first=index,
+        last=frame.n_windows - 1,
+        detected=min(index + 2, frame.n_windows - 1),
+        open=True,
+        severity=severity_of(ratio),
+        score=float(max(s.ratio for s in group)),
+    )
+
+
+RULE = JobRule(kind="job_regression", order=90, find=_find)

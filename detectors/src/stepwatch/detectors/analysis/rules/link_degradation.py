@@ -1,0 +1,48 @@
+"""``link_degradation``: step completion or communication slower with normal compute.
+
+Signature (precedence 60): step, communication phase or kernels, or ``arrival`` (time
+outside the collective: the rank that reaches it late waits least in it) flagged, and no
+compute or host-side phase. Localisation: the hosts with at least half their ranks flagged,
+and all their ranks; the communication kernel class when the job has only one.
+"""
+
+from __future__ import annotations
+
+from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._crossrank import ARRIVAL
+from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
+
+_LINK = frozenset(
+    {"step", ARRIVAL, f"phase:{COMMUNICATION_CATEGORY}", f"category:{COMMUNICATION_CATEGORY}"}
+)
+
+
+def _describe(context: Context, group: EpisodeGroup) -> Description:
+    indices, hosts = context.host_group(group.indices)
+    # Step time is not tested when it holds the wait for peers: then arrival tells.
+    late = ARRIVAL in context.metrics.names and "step" not in context.metrics.names
+    ratio = context.ratio(ARRIVAL if late else "step", indices, group.first, group.last)
+    communication = context.communication_classes()
+    what = "reaches the collective late: time outside it" if late else "collective completion"
+    summary = (
+        f"host {','.join(hosts)} ({context.rank_text(indices)}) {what} {ratio:.2f}x peers "
+        f"with normal compute since {context.since(group.first)}"
+    )
+    kernel_class = communication[0] if len(communication) == 1 else None
+    return Description(
+        RULE.kind,
+        summary,
+        ratio,
+        phase=COMMUNICATION_CATEGORY,
+        kernel_class=kernel_class,
+        indices=tuple(indices),
+        hosts=hosts,
+    )
+
+
+RULE = EpisodeRule(
+    kind="link_degradation",
+    signatures=(Signature(60, lambda flagged: not _LINK.isdisjoint(flagged)),),
+    describe=_describe,
+)

@@ -1,0 +1,24 @@
+"""``pipeline_bubble``: whole pipeline stages whose devices sit idle longer than their peers.
+
+No signature of its own: a ``masked_straggler`` episode that fills whole stages
+(``stepwatch.pp_rank``) is described here, blaming every rank of those stages.
+"""
+
+from __future__ import annotations
+
+from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule
+
+
+def _describe(context: Context, group: EpisodeGroup) -> Description:
+    indices = group.indices
+    stages = sorted({int(context.frame.pp_ranks[i]) for i in indices})
+    ratio = context.ratio("idle", indices, group.first, group.last)
+    summary = (
+        f"pipeline stage {','.join(str(s) for s in stages)} ({context.rank_text(indices)}) "
+        f"device idle {ratio:.2f}x peers since {context.since(group.first)}"
+    )
+    return Description(RULE.kind, summary, ratio, indices=indices)
+
+
+RULE = EpisodeRule(kind="pipeline_bubble", signatures=(), describe=_describe)

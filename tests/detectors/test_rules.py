@@ -1,0 +1,109 @@
+"""The rule registry: one small module per kind, the kinds the schema names, the precedence."""
+
+from __future__ import annotations
+
+import pkgutil
+import re
+from pathlib import Path
+
+import pytest
+
+from stepwatch.core import ConfigError
+from stepwatch.core._schema import DIAGNOSIS_KINDS
+from stepwatch.detectors.analysis import rules
+from stepwatch.detectors.analysis._rule import (
+    Description,
+    EpisodeRule,
+    JobRule,
+    Registry,
+    Signature,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+#: Kinds the schema names whose rules come after the renovation (issues 7 and 8).
+NOT_YET = frozenset({"stage_imbalance", "workload_imbalance", "hang"})
+MAX_RULE_LINES = 150
+
+
+def _schema_md_kinds() -> set[str]:
+    """The kinds docs/schema.md lists in its "`kind` is one of ..." sentence."""
+    text = (REPO / "docs" / "schema.md").read_text()
+    match = re.search(r"`kind` is one of(.*?)(?:\n\n|`end`)", text, flags=re.DOTALL)
+    assert match, "docs/schema.md no longer says which kinds there are"
+    return set(re.findall(r"`([a-z_]+)`", match.group(1)))
+
+
+def test_the_registry_implements_every_kind_the_schema_names() -> None:
+    kinds = rules.registry().kinds
+    assert kinds == set(DIAGNOSIS_KINDS) - NOT_YET
+    assert kinds == _schema_md_kinds() - NOT_YET
+    assert not kinds & NOT_YET, "implemented now: take it out of NOT_YET"
+
+
+def test_each_rule_is_one_small_module_named_after_its_kind() -> None:
+    modules = [info.name for info in pkgutil.iter_modules(rules.__path__)]
+    assert sorted(modules) == sorted(rules.registry().kinds)
+    for name in modules:
+        path = Path(rules.__path__[0]) / f"{name}.py"
+        lines = len(path.read_text().splitlines())
+        assert lines <= MAX_RULE_LINES, f"{path.name}: {lines} lines"
+
+
+@pytest.mark.parametrize(
+    ("flagged", "kind"),
+    [
+        # Today's classification order, most specific first (it was one if-chain).
+        ({"clock", "burst:step", "phase:data"}, "gpu_health"),
+        ({"stall:forward", "phase:data", "category:compute"}, "jit_stall"),
+        ({"burst:idle"}, "jit_stall"),
+        ({"phase:data", "share:gemm", "idle"}, "dataloader_stall"),
+        ({"category:compute", "idle", "step"}, "compute_straggler"),
+        ({"share:(minor classes)"}, "compute_straggler"),
+        ({"idle", "step"}, "masked_straggler"),
+        ({"phase:backward", "phase:communication"}, "masked_straggler"),
+        ({"step", "phase:other"}, "link_degradation"),
+        ({"arrival"}, "link_degradation"),
+        ({"category:communication"}, "link_degradation"),
+        ({"phase:other"}, "masked_straggler"),
+        ({"category:memory"}, "compute_straggler"),  # nothing more specific: the catch-all
+    ],
+)
+def test_precedence_reproduces_the_classification_order(flagged: set[str], kind: str) -> None:
+    counts = dict.fromkeys(flagged, 1)
+    assert rules.registry().classify(counts).kind == kind
+
+
+def test_signatures_are_tried_by_precedence_and_job_rules_by_order() -> None:
+    registry = rules.registry()
+    order = [signature.precedence for signature, _ in registry.precedence]
+    assert order == sorted(order)
+    assert [rule.kind for rule in registry.job_rules] == ["rank_missing", "job_regression"]
+    # pipeline_bubble has no signature of its own: masked_straggler hands whole stages over.
+    assert registry.episode_rules["pipeline_bubble"].signatures == ()
+
+
+def _describe_nothing(context: object, group: object) -> Description:
+    raise AssertionError("not called")
+
+
+def test_a_new_kind_is_one_rule_and_takes_its_place_by_precedence() -> None:
+    new = EpisodeRule(
+        kind="stage_imbalance",
+        signatures=(Signature(5, lambda flagged: "clock" in flagged and "idle" in flagged),),
+        describe=_describe_nothing,
+    )
+    registry = Registry.of([*rules.registry().episode_rules.values(), new])
+    assert registry.classify({"clock": 2, "idle": 1}).kind == "stage_imbalance"
+    assert registry.classify({"clock": 2}).kind == "gpu_health"
+
+
+def test_registry_refuses_clashes_and_a_missing_catch_all() -> None:
+    gpu = rules.registry().episode_rules["gpu_health"]
+    with pytest.raises(ConfigError, match="kind"):
+        Registry.of([gpu, gpu])
+    twin = EpisodeRule("jit_stall", (Signature(10, bool),), _describe_nothing)
+    with pytest.raises(ConfigError, match="precedence"):
+        Registry.of([gpu, twin])
+    job = JobRule("rank_missing", 1, lambda context, earlier: [])
+    with pytest.raises(ConfigError, match="no signature"):
+        Registry.of([gpu, job]).classify({"step": 3})
