@@ -1,4 +1,4 @@
-"""The diagnosis record every detector emits and every sink consumes (SCHEMA.md)."""
+"""The diagnosis record every detector emits and every sink consumes (docs/schema.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from stepwatch.core._schema import DIAGNOSIS_KINDS, SEVERITIES
 
 
 def format_time(time_unix_nano: int) -> str:
-    """RFC 3339 UTC with a Z suffix, second precision (SCHEMA.md's diagnosis format)."""
+    """RFC 3339 UTC with a Z suffix, second precision (the diagnosis format of docs/schema.md)."""
     return (
         datetime.fromtimestamp(time_unix_nano / 1e9, tz=UTC)
         .replace(microsecond=0)
@@ -90,7 +90,7 @@ class Diagnosis:
         return "; ".join(parts) if parts else "job-wide"
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The SCHEMA.md JSON object."""
+        """The JSON object of docs/schema.md."""
         return {
             "job": self.job,
             "kind": self.kind,

@@ -1,6 +1,6 @@
 """InfluxDB over its v1 HTTP API (``/write`` + InfluxQL ``/query``), and a managed influxd.
 
-The v1 API is the common denominator (ARCHITECTURE.md): 1.x speaks it natively; 2.x and 3.x
+The v1 API is the common denominator (docs/architecture.md): 1.x speaks it natively; 2.x and 3.x
 accept it through their compatibility endpoints with ``Authorization: Token ...``.
 API reference: https://docs.influxdata.com/influxdb/v1/tools/api/
 """
