@@ -67,14 +67,21 @@ def test_diagnosis_json_round_trip_and_identity() -> None:
         severity="critical",
         score=3.4,
         summary="rank 17 backward compute 1.31x peers",
+        slowdown=1.27,
     )
     data = diagnosis.to_json_dict()
     assert data["start"] == "2026-11-18T11:06:40Z"
     assert list(data) == [
         "job", "kind", "ranks", "hosts", "phase", "kernel_class",
-        "start", "end", "severity", "score", "summary",
+        "start", "end", "severity", "score", "slowdown", "summary",
     ]  # fmt: skip
     assert Diagnosis.from_json_dict(data) == diagnosis
+    # A record from before findings carried their cost reads as free; a cost below 1 is refused.
+    older = {key: value for key, value in data.items() if key != "slowdown"}
+    assert Diagnosis.from_json_dict(older).slowdown == 1.0
+    for bad in (0.9, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="slowdown"):
+            Diagnosis.from_json_dict({**data, "slowdown": bad})
     moved = Diagnosis.from_json_dict({**data, "ranks": [18]})
     assert moved.finding_id != diagnosis.finding_id
     with pytest.raises(ConfigError, match="kind"):

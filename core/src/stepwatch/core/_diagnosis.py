@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from datetime import UTC, datetime
 from typing import Any
 
@@ -48,12 +49,15 @@ class Diagnosis:
     hosts: tuple[str, ...] = ()
     phase: str | None = None
     kernel_class: str | None = None
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in DIAGNOSIS_KINDS:
             raise ConfigError(f"kind: {self.kind!r} is not one of {DIAGNOSIS_KINDS}")
         if self.severity not in SEVERITIES:
             raise ConfigError(f"severity: {self.severity!r} is not one of {SEVERITIES}")
+        if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):
+            raise ConfigError(f"slowdown: must be a finite factor >= 1.0, got {self.slowdown!r}")
 
     @property
     def finding_id(self) -> str:
@@ -102,6 +106,7 @@ class Diagnosis:
             "end": None if self.end_unix_nano is None else format_time(self.end_unix_nano),
             "severity": self.severity,
             "score": round(self.score, 3),
+            "slowdown": round(self.slowdown, 3),
             "summary": self.summary,
         }
 
@@ -123,4 +128,6 @@ class Diagnosis:
             severity=str(data["severity"]),
             score=float(data["score"]),
             summary=str(data["summary"]),
+            # Records written before findings carried their cost read as free.
+            slowdown=float(data.get("slowdown", 1.0)),
         )

@@ -61,6 +61,12 @@ DIAGNOSIS_KINDS: Final = (
     "gpu_health",
     # A rank that stopped reporting mid-job (issue 6): missing windows are a finding.
     "rank_missing",
+    # Real-world structure (issue 11): a pipeline stage slower on every replica (partitioning),
+    # and time lost to ranks finishing at different times while the slowest keeps changing.
+    "stage_imbalance",
+    "workload_imbalance",
+    # No progress (issue 12): a rank stuck or silent while its peers wait, or the whole job.
+    "hang",
 )
 SEVERITIES: Final = ("info", "warning", "critical")
 
