@@ -52,19 +52,32 @@ class Bridge:
         http_port: OTLP/HTTP port, also serving ``/metrics`` and ``/healthz`` (0: a free one).
         registry: prometheus ``CollectorRegistry`` for the bridge's metrics (fresh when None).
         tag_allowlist: attribute keys stored as tags.
-        spool_dir: directory of the disk spool; in memory when None.
+        spool_dir: directory of the disk spool: every request is in it, fsync'd, before it is
+            answered 200 (docs/storage.md, "Delivery"); in memory when None (a weaker
+            guarantee: what is not yet written is lost if the process dies).
         spool_max_bytes: bound on the spool.
-        spool_overflow: ``drop_oldest`` or ``drop_newest`` when the spool is full.
-        max_queue_lines: in-memory queue bound; beyond it requests get 429/RESOURCE_EXHAUSTED.
+        spool_overflow: ``drop_oldest`` or ``drop_newest`` (refuse with 429) when the spool
+            is full.
+        max_queue_lines: backlog (accepted, not yet written) beyond which requests get
+            429/RESOURCE_EXHAUSTED while InfluxDB answers; during an outage the spool bound
+            applies instead.
         batch_max_lines: points per InfluxDB write.
         flush_interval_s: longest a point waits for its batch.
-        max_retries: quick retries before a batch is spooled.
-        retry_backoff_s: first retry delay (doubles, up to ``max_backoff_s`` for replay).
-        max_backoff_s: longest delay between spool replay attempts.
+        max_retries: failed writes in a row before InfluxDB counts as down.
+        retry_backoff_s: first retry delay (doubles, up to ``max_backoff_s``).
+        max_backoff_s: longest delay between write attempts.
+        commit_timeout_s: longest a request waits for its spool commit (then 503).
+        stall_timeout_s: a writer making no progress for this long (stuck, or failing on
+            something other than InfluxDB) fails ``/healthz`` and the receivers answer 503.
         max_request_bytes: largest request body (after decompression); larger is 413.
         max_series_per_measurement: cardinality guard per (job, measurement); None disables.
         max_series_per_rank: cardinality guard per (job, measurement, rank): one producer
             flooding new tag values is stopped here long before the per-measurement cap.
+        max_series_total: series this process remembers at once (all jobs); beyond it new
+            series are rejected. None: no total.
+        max_new_series_per_s: new series per second for this process (bursts of 10 s); a
+            request bringing new series faster is refused with 429 (retryable). None: no rate.
+        series_ttl_s: a series silent this long is forgotten by the guard.
         auth_token: when set, both receivers require ``Authorization: Bearer <token>``.
         tls_cert_file: PEM certificate; with ``tls_key_file`` both receivers use TLS.
         tls_key_file: PEM private key.
@@ -73,8 +86,12 @@ class Bridge:
         grpc_max_concurrent_rpcs: RPCs admitted at once (running or waiting for a worker);
             beyond it gRPC itself answers RESOURCE_EXHAUSTED *without* RetryInfo, which
             OTLP clients do not retry, so keep it above the number of concurrent exporters.
-        max_concurrent_requests: OTLP/HTTP requests processed at once; beyond it 503 +
-            ``Retry-After`` (with the queue bound this bounds the bridge's memory).
+        max_concurrent_requests: OTLP/HTTP requests processed at once (each fully read
+            first); beyond it 503 + ``Retry-After`` (with the queue bound this bounds the
+            bridge's memory).
+        max_connections: OTLP/HTTP connections open at once (slow ones cost no thread).
+        request_timeout_s: deadline for one OTLP/HTTP request's headers and body (408).
+        idle_timeout_s: an idle OTLP/HTTP keep-alive connection is closed after this.
         retry_after_s: the ``Retry-After`` / RetryInfo delay under backpressure.
         max_future_skew_s: points stamped further than this ahead of the receive time are
             rejected (``clock_skew``); None accepts any future time.
@@ -110,6 +127,9 @@ class Bridge:
         max_request_bytes: int = 16 * 1024 * 1024,
         max_series_per_measurement: int | None = 2_000_000,
         max_series_per_rank: int = 1024,
+        max_series_total: int | None = 1_000_000,
+        max_new_series_per_s: float | None = 2_000.0,
+        series_ttl_s: float = 3600.0,
         auth_token: str | None = None,
         tls_cert_file: str | os.PathLike[str] | None = None,
         tls_key_file: str | os.PathLike[str] | None = None,
@@ -117,6 +137,11 @@ class Bridge:
         grpc_workers: int = 8,
         grpc_max_concurrent_rpcs: int = 256,
         max_concurrent_requests: int = 64,
+        max_connections: int = 4096,
+        request_timeout_s: float = 30.0,
+        idle_timeout_s: float = 120.0,
+        commit_timeout_s: float = 10.0,
+        stall_timeout_s: float = 60.0,
         retry_after_s: int = 1,
         max_future_skew_s: float | None = 600.0,
         max_past_skew_s: float | None = None,
@@ -154,7 +179,12 @@ class Bridge:
         if spool_dir is None:
             spool = MemorySpool(max_bytes=spool_max_bytes, overflow=spool_overflow)
         else:
-            spool = DiskSpool(spool_dir, max_bytes=spool_max_bytes, overflow=spool_overflow)
+            spool = DiskSpool(
+                spool_dir,
+                max_bytes=spool_max_bytes,
+                overflow=spool_overflow,
+                cache_lines=max_queue_lines,
+            )
         self.forwarder = Forwarder(
             writer,
             spool=spool,
@@ -165,12 +195,18 @@ class Bridge:
             max_retries=max_retries,
             retry_backoff_s=retry_backoff_s,
             max_backoff_s=max_backoff_s,
+            commit_timeout_s=commit_timeout_s,
+            stall_timeout_s=stall_timeout_s,
         )
         self.guard = (
             None
             if max_series_per_measurement is None
             else CardinalityGuard(
-                max_series=max_series_per_measurement, max_series_per_rank=max_series_per_rank
+                max_series=max_series_per_measurement,
+                max_series_per_rank=max_series_per_rank,
+                max_series_total=max_series_total,
+                max_new_series_per_s=max_new_series_per_s,
+                series_ttl_s=series_ttl_s,
             )
         )
         self.identity = (
@@ -196,7 +232,12 @@ class Bridge:
             context, workers=grpc_workers, max_concurrent_rpcs=grpc_max_concurrent_rpcs, tls=tls
         )
         self._http = HttpReceiver(
-            context, max_concurrent_requests=max_concurrent_requests, tls_files=tls_files
+            context,
+            max_concurrent_requests=max_concurrent_requests,
+            max_connections=max_connections,
+            request_timeout_s=request_timeout_s,
+            idle_timeout_s=idle_timeout_s,
+            tls_files=tls_files,
         )
         self.grpc_port: int | None = None
         self.http_port: int | None = None
@@ -239,7 +280,11 @@ class Bridge:
         return self
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
-        """Stop accepting, flush the queue (to InfluxDB or the spool), release the ports."""
+        """Stop accepting, write what InfluxDB takes within ``timeout_s``, release the ports.
+
+        Whatever is not written by then stays in a disk spool for the next start; in a memory
+        spool it is lost and counted (``dropped{reason="shutdown"}``).
+        """
         self._grpc.stop(timeout_s=timeout_s)
         self._http.stop(timeout_s=timeout_s)
         self.forwarder.stop(timeout_s=timeout_s)
@@ -250,6 +295,13 @@ class Bridge:
             self.metrics.dropped.labels(reason="shutdown").inc(lost)
             while (head := spool.peek()) is not None:
                 spool.remove(head[0])
+        elif spool.batches:
+            _log.warning(
+                "bridge stopped with %d points in its spool %s: written at the next start",
+                spool.lines,
+                getattr(spool, "directory", ""),
+            )
+        spool.close()
 
     def __enter__(self) -> Bridge:
         return self.start()

@@ -3,8 +3,9 @@
 Answers follow the OTLP specification (https://opentelemetry.io/docs/specs/otlp/#otlpgrpc):
 OK with an ``ExportMetricsServiceResponse`` (``partial_success`` counting refused points);
 INVALID_ARGUMENT for malformed protobuf (not retryable); UNAUTHENTICATED for a missing or wrong
-bearer token; RESOURCE_EXHAUSTED with a ``RetryInfo`` detail when the queue is full
-(retryable). ``grpcio`` is imported when the receiver starts, not at import.
+bearer token; RESOURCE_EXHAUSTED (queue or spool full, new series too fast) or UNAVAILABLE
+(the bridge cannot store now), both with a ``RetryInfo`` detail (retryable). ``grpcio`` is
+imported when the receiver starts, not at import.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from stepwatch.otel_bridge._intake import ReceiverContext
 _log = logging.getLogger("stepwatch.otel_bridge")
 
 GRPC_SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
-# google.rpc.Code (https://github.com/googleapis/googleapis/blob/master/google/rpc/code.proto)
-_CODE_RESOURCE_EXHAUSTED = 8
 
 
 class GrpcReceiver:
@@ -127,14 +126,19 @@ class GrpcReceiver:
             _log.exception("bridge failed to ingest an OTLP/gRPC request")
             fail(grpc.StatusCode.INTERNAL, "internal error")
         if not outcome.accepted:
-            context.set_trailing_metadata(
-                (("grpc-status-details-bin", self._retry_status(outcome.message)),)
+            code = (
+                grpc.StatusCode.UNAVAILABLE
+                if outcome.unavailable
+                else grpc.StatusCode.RESOURCE_EXHAUSTED
             )
-            fail(grpc.StatusCode.RESOURCE_EXHAUSTED, outcome.message)
+            context.set_trailing_metadata(
+                (("grpc-status-details-bin", self._retry_status(code, outcome.message)),)
+            )
+            fail(code, outcome.message)
         metrics.requests.labels(protocol="grpc", code="OK").inc()
         return bytes(outcome.response().SerializeToString())
 
-    def _retry_status(self, message: str) -> bytes:
+    def _retry_status(self, code: Any, message: str) -> bytes:
         """A google.rpc.Status with RetryInfo: makes RESOURCE_EXHAUSTED retryable (OTLP)."""
         from google.rpc import (  # type: ignore[import-untyped]
             error_details_pb2,
@@ -143,6 +147,6 @@ class GrpcReceiver:
 
         info = error_details_pb2.RetryInfo()
         info.retry_delay.seconds = self.context.retry_after_s
-        status = status_pb2.Status(code=_CODE_RESOURCE_EXHAUSTED, message=message)
+        status = status_pb2.Status(code=code.value[0], message=message)
         status.details.add().Pack(info)
         return bytes(status.SerializeToString())

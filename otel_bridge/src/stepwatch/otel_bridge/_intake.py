@@ -1,9 +1,12 @@
 """The ingest path both receivers share: authorise, convert, guard, queue one request.
 
 A receiver decodes a request and hands it to :meth:`Intake.ingest`; the :class:`Outcome` says
-whether it was queued (the receiver answers 200 / OK, with ``partial_success`` counting the
-points refused) or not (429 / RESOURCE_EXHAUSTED: the producer retries). Whatever decides
-what is accepted, and so what "accepted" promises, lives here; delivery is the forwarder's.
+whether it was accepted (the receiver answers 200 / OK, with ``partial_success`` counting the
+points refused) or not: 429 / RESOURCE_EXHAUSTED (queue or spool full, new series too fast)
+or 503 / UNAVAILABLE (the bridge cannot store durably now); both are retryable and the
+producer keeps the data. Whatever decides what is accepted, and so what "accepted" promises,
+lives here: an accepted request's points are in the spool (on disk, fsync'd, with a disk
+spool) before :meth:`Intake.ingest` returns. Delivery is the forwarder's.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from stepwatch.core import _schema
 from stepwatch.core._errors import ConfigError
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
 from stepwatch.otel_bridge._convert import convert_to_points
-from stepwatch.otel_bridge._forwarder import Forwarder
+from stepwatch.otel_bridge._forwarder import Admission, Forwarder
 from stepwatch.otel_bridge._identity import RankIdentityGuard, Verdict
 from stepwatch.otel_bridge._metrics import BridgeMetrics
 from stepwatch.otel_bridge._reasons import REASON_CARDINALITY, REASON_DUPLICATE_RANK
@@ -29,15 +32,16 @@ if TYPE_CHECKING:
     )
 
 _log = logging.getLogger("stepwatch.otel_bridge")
-_QUEUE_FULL = "bridge queue full, retry later"
+_SERIES_RATE = Admission(False, False, "too many new series, retry later", "series_rate")
 
 
 class Outcome(NamedTuple):
     """What ingesting one request did."""
 
-    accepted: bool  # False: over capacity, retry later
+    accepted: bool  # False: refused, retry later (429, or 503 when ``unavailable``)
     rejected_points: int
     message: str
+    unavailable: bool = False  # refused because the bridge cannot store now (503/UNAVAILABLE)
 
     def response(self) -> ExportMetricsServiceResponse:
         """The OTLP answer to an accepted request (``partial_success`` when points were refused)."""
@@ -139,9 +143,10 @@ class Intake:
         return hmac.compare_digest(value.strip(), self._auth)
 
     def ingest(self, request: ExportMetricsServiceRequest) -> Outcome:
-        """Convert, guard and queue one request."""
-        if self.forwarder.full:  # refuse before spending CPU on a request we cannot queue
-            return Outcome(False, 0, _QUEUE_FULL)
+        """Convert, guard and spool one request; returns once it is accepted or refused."""
+        refusal = self.forwarder.refusal()
+        if refusal is not None:  # refuse before spending CPU on a request we cannot take
+            return self._refused(refusal)
         now_unix_nano = self.clock_unix_nano()
         batch = convert_to_points(
             request,
@@ -153,12 +158,17 @@ class Intake:
         points = batch.points
         rejected = batch.rejected
         if self.guard is not None and points:
-            points, refused = self.guard.filter(points)
-            if refused:
-                rejected[REASON_CARDINALITY] += refused
+            guarded = self.guard.filter(points)
+            self.metrics.series.set(len(self.guard))
+            if guarded.throttled:
+                return self._refused(_SERIES_RATE)
+            points = guarded.points
+            if guarded.refused:
+                rejected[REASON_CARDINALITY] += guarded.refused
         lines = [point.encode() for point in points]
-        if not self.forwarder.offer(lines):
-            return Outcome(False, 0, _QUEUE_FULL)
+        admission = self.forwarder.offer(lines)
+        if not admission.accepted:
+            return self._refused(admission)
         total_rejected = sum(rejected.values())
         self.metrics.received.inc(len(lines) + total_rejected)
         for reason, count in rejected.items():
@@ -171,6 +181,10 @@ class Intake:
                 f"{reason}={count}" for reason, count in sorted(rejected.items())
             )
         return Outcome(True, total_rejected, message)
+
+    def _refused(self, admission: Admission) -> Outcome:
+        self.metrics.refused.labels(reason=admission.reason).inc()
+        return Outcome(False, 0, admission.message, admission.unavailable)
 
     def _identity_check(self, now_unix_nano: int) -> Callable[[Mapping[str, str]], str | None]:
         guard = self.identity

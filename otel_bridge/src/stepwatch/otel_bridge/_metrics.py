@@ -35,7 +35,8 @@ class BridgeMetrics:
         )
         self.dropped = Counter(
             "stepwatch_bridge_datapoints_dropped",
-            "Accepted data points lost later (spool overflow, InfluxDB refused the batch).",
+            "Accepted data points lost later: spool_full (drop_oldest overflow), influx_refused "
+            "(InfluxDB refused the very line), shutdown (memory spool at exit).",
             ["reason"],
             registry=self.registry,
         )
@@ -65,6 +66,46 @@ class BridgeMetrics:
             "Exports from a second producer of one (job, rank): rejected while the first is "
             "live, or taken_over after it went silent.",
             ["outcome"],
+            registry=self.registry,
+        )
+        self.write_failures = Counter(
+            "stepwatch_bridge_write_failures",
+            "Failed InfluxDB write attempts: unavailable (down, 5xx, timeout, connection closed "
+            "mid-reply; retried), refused (4xx; the batch is split to keep its valid lines), "
+            "error (anything else; retried). The points stay in the spool until written.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.spool_failures = Counter(
+            "stepwatch_bridge_spool_failures",
+            "Spool commits that failed (disk full, I/O error); their requests were answered "
+            "503 and nothing of them was accepted.",
+            registry=self.registry,
+        )
+        self.refused = Counter(
+            "stepwatch_bridge_requests_refused",
+            "Requests answered 429/503 (RESOURCE_EXHAUSTED/UNAVAILABLE) so the producer keeps "
+            "and retries them: queue_full, spool_full, series_rate, unavailable.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.commit_duration = Histogram(
+            "stepwatch_bridge_commit_duration_seconds",
+            "Time a request waits for its lines to be in the spool (fsync'd for a disk spool) "
+            "before it is answered.",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
+            registry=self.registry,
+        )
+        self.healthy = Gauge(
+            "stepwatch_bridge_healthy",
+            "1 while the bridge can accept durably (its spool commits and its writer runs); "
+            "0 while it refuses with 503 and /healthz fails.",
+            registry=self.registry,
+        )
+        self.healthy.set(1)
+        self.series = Gauge(
+            "stepwatch_bridge_series",
+            "Series the cardinality guard currently remembers (seen within its TTL).",
             registry=self.registry,
         )
         self.requests = Counter(

@@ -1,19 +1,27 @@
-"""A bounded, ordered spool of line-protocol batches kept while InfluxDB is down.
+"""The bounded, ordered spool every accepted point passes through on its way to InfluxDB.
 
-Each batch is one file ``<sequence>-<lines>.lp`` written to a temporary name and renamed (so a
-crash never leaves a half batch under a real name). Batches are replayed oldest first and
-deleted only after InfluxDB accepted them. A batch replayed twice (crash between the write
-and the delete) does not duplicate data: points carry explicit timestamps, and InfluxDB keeps
-one value per (series, field, timestamp).
+The spool is the bridge's write-ahead log: a request is answered 200 / OK only once its lines
+are in the spool (for :class:`DiskSpool`: on disk and fsync'd), and lines leave it only once
+InfluxDB accepted them. Batches are replayed oldest first, so InfluxDB receives data in
+arrival order.
+
+:class:`DiskSpool` keeps each batch as one file ``<sequence>-<lines>.lp``, written to a
+temporary name, fsync'd, renamed, and the directory fsync'd (so neither a SIGKILL nor a power
+loss leaves a half batch under a real name, and an acknowledged batch survives both). A batch
+replayed twice (crash between the write and the delete) does not duplicate data: points
+carry explicit timestamps, and InfluxDB keeps one value per (series, field, timestamp).
+:class:`MemorySpool` keeps batches in memory: it rides out InfluxDB outages, not a restart.
 
 Overflow policy (``spool_max_bytes`` reached): ``drop_oldest`` (default) deletes the oldest
 batches until the new one fits, keeping the most recent data; ``drop_newest`` refuses the new
-batch. Either way the dropped points are counted by the caller.
+batch (the bridge then answers 429 and the producer keeps it). Dropped points are counted by
+the caller.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 from collections.abc import Sequence
@@ -36,16 +44,26 @@ class SpoolAppend(NamedTuple):
 class Spool(Protocol):
     """Ordered batches waiting for InfluxDB."""
 
-    def append(self, lines: Sequence[str]) -> SpoolAppend: ...
+    durable: bool  # survives a crash of the process
+
+    def append(self, lines: Sequence[str]) -> SpoolAppend:
+        """Store a batch; raises OSError when the storage fails (nothing stored)."""
+
     def peek(self) -> tuple[int, list[str]] | None: ...
+    def peek_many(self, max_lines: int) -> list[tuple[int, list[str]]]: ...
     def remove(self, batch_id: int) -> None: ...
+    def fits(self, size_bytes: int) -> bool: ...
     @property
     def size_bytes(self) -> int: ...
     @property
     def batches(self) -> int: ...
+    @property
+    def lines(self) -> int: ...
+    def close(self) -> None: ...
 
 
-def _encode(lines: Sequence[str]) -> bytes:
+def encode(lines: Sequence[str]) -> bytes:
+    """A batch as stored: newline-terminated UTF-8 lines."""
     return ("\n".join(lines) + "\n").encode("utf-8")
 
 
@@ -56,6 +74,53 @@ def _check(max_bytes: int, overflow: str) -> None:
         raise ConfigError(f"spool_overflow: {overflow!r} is not one of {OVERFLOW_POLICIES}")
 
 
+class _Index:
+    """Batch id → (line count, bytes), in arrival order, with running totals."""
+
+    def __init__(self) -> None:
+        self.entries: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
+        self.lines = 0
+        self.size_bytes = 0
+
+    def add(self, batch_id: int, lines: int, size: int) -> None:
+        self.entries[batch_id] = (lines, size)
+        self.lines += lines
+        self.size_bytes += size
+
+    def pop(self, batch_id: int) -> tuple[int, int] | None:
+        entry = self.entries.pop(batch_id, None)
+        if entry is not None:
+            self.lines -= entry[0]
+            self.size_bytes -= entry[1]
+        return entry
+
+    def evict(self, size: int, max_bytes: int, overflow: str) -> list[int] | None:
+        """The oldest batch ids to drop so ``size`` more bytes fit; None: refuse the batch."""
+        if size > max_bytes:
+            return None
+        victims: list[int] = []
+        freed = 0
+        for batch_id, (_, batch_bytes) in self.entries.items():
+            if self.size_bytes - freed + size <= max_bytes:
+                break
+            if overflow == "drop_newest":
+                return None
+            victims.append(batch_id)
+            freed += batch_bytes
+        return victims
+
+    def head(self, max_lines: int) -> list[int]:
+        """The oldest batch ids holding at most ``max_lines`` lines (at least one batch)."""
+        chosen: list[int] = []
+        total = 0
+        for batch_id, (lines, _) in self.entries.items():
+            if chosen and total + lines > max_lines:
+                break
+            chosen.append(batch_id)
+            total += lines
+        return chosen
+
+
 class MemorySpool:
     """The spool in memory (no ``spool_dir``): survives InfluxDB outages, not bridge restarts.
 
@@ -64,148 +129,228 @@ class MemorySpool:
         overflow: ``drop_oldest`` or ``drop_newest``.
     """
 
+    durable = False
+
     def __init__(self, *, max_bytes: int, overflow: OverflowPolicy = "drop_oldest") -> None:
         _check(max_bytes, overflow)
         self.max_bytes = max_bytes
         self.overflow = overflow
-        self._batches: collections.OrderedDict[int, tuple[list[str], int]] = (
-            collections.OrderedDict()
-        )
+        self._index = _Index()
+        self._batches: dict[int, list[str]] = {}
         self._next_id = 0
-        self._size_bytes = 0
         self._lock = threading.Lock()
 
     @property
     def size_bytes(self) -> int:
-        return self._size_bytes
+        return self._index.size_bytes
 
     @property
     def batches(self) -> int:
-        return len(self._batches)
-
-    def append(self, lines: Sequence[str]) -> SpoolAppend:
-        size = len(_encode(lines))
-        dropped = 0
-        with self._lock:
-            if size > self.max_bytes:
-                return SpoolAppend(False, len(lines))
-            while self._size_bytes + size > self.max_bytes:
-                if self.overflow == "drop_newest":
-                    return SpoolAppend(False, len(lines))
-                _, (old_lines, old_size) = self._batches.popitem(last=False)
-                self._size_bytes -= old_size
-                dropped += len(old_lines)
-            self._batches[self._next_id] = (list(lines), size)
-            self._next_id += 1
-            self._size_bytes += size
-        return SpoolAppend(True, dropped)
+        return len(self._index.entries)
 
     @property
     def lines(self) -> int:
         """Points held (lost if the process exits: memory is not durable)."""
+        return self._index.lines
+
+    def fits(self, size_bytes: int) -> bool:
+        """Whether a batch of ``size_bytes`` would be stored without dropping anything."""
+        return self._index.size_bytes + size_bytes <= self.max_bytes
+
+    def append(self, lines: Sequence[str]) -> SpoolAppend:
+        size = sum(len(line) for line in lines) + len(lines)  # ASCII-dominated: close enough
+        dropped = 0
         with self._lock:
-            return sum(len(lines) for lines, _ in self._batches.values())
+            victims = self._index.evict(size, self.max_bytes, self.overflow)
+            if victims is None:
+                return SpoolAppend(False, len(lines))
+            for oldest in victims:
+                dropped += self._index.entries[oldest][0]
+                self._index.pop(oldest)
+                del self._batches[oldest]
+            self._batches[self._next_id] = list(lines)
+            self._index.add(self._next_id, len(lines), size)
+            self._next_id += 1
+        return SpoolAppend(True, dropped)
 
     def peek(self) -> tuple[int, list[str]] | None:
+        batches = self.peek_many(1)
+        return batches[0] if batches else None
+
+    def peek_many(self, max_lines: int) -> list[tuple[int, list[str]]]:
+        """The oldest batches, together at most ``max_lines`` lines (or one larger batch)."""
         with self._lock:
-            for batch_id, (lines, _) in self._batches.items():
-                return batch_id, list(lines)
-        return None
+            return [(batch_id, self._batches[batch_id]) for batch_id in self._index.head(max_lines)]
 
     def remove(self, batch_id: int) -> None:
         with self._lock:
-            entry = self._batches.pop(batch_id, None)
-            if entry is not None:
-                self._size_bytes -= entry[1]
+            if self._index.pop(batch_id) is not None:
+                del self._batches[batch_id]
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 class DiskSpool:
     """The spool as files in ``directory``; batches left by an earlier run are replayed.
 
     Args:
-        directory: created if missing; must be used by one bridge process at a time.
+        directory: created if missing; locked (``flock``) so one process uses it at a time.
         max_bytes: bound on the total size of the batch files.
         overflow: ``drop_oldest`` or ``drop_newest``.
+        cache_lines: lines of recent batches also kept in memory, so the writer need not read
+            them back from disk.
+
+    Raises:
+        ConfigError: the directory cannot be created, or another process holds it.
     """
 
+    durable = True
     _SUFFIX = ".lp"
 
     def __init__(
-        self, directory: str | os.PathLike[str], *, max_bytes: int, overflow: OverflowPolicy
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_bytes: int,
+        overflow: OverflowPolicy,
+        cache_lines: int = 200_000,
     ) -> None:
         _check(max_bytes, overflow)
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.overflow = overflow
+        self.cache_lines = cache_lines
         self._lock = threading.Lock()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise ConfigError(f"spool_dir: cannot create {self.directory}: {exc}") from exc
-        # batch id -> (path, lines, bytes), ascending id = arrival order.
-        self._index: collections.OrderedDict[int, tuple[Path, int, int]] = collections.OrderedDict()
+        self._lock_directory()
+        self._directory_fd = os.open(self.directory, os.O_RDONLY)
+        self._index = _Index()
+        self._cache: dict[int, list[str]] = {}
+        self._cached_lines = 0
         for leftover in self.directory.glob("*.tmp"):
             leftover.unlink(missing_ok=True)  # a crash mid-write: never renamed, never acked
-        found: list[tuple[int, Path, int, int]] = []
+        found: list[tuple[int, int, int]] = []
         for path in self.directory.glob(f"*{self._SUFFIX}"):
             try:
                 batch_id_text, lines_text = path.stem.split("-", 1)
-                found.append((int(batch_id_text), path, int(lines_text), path.stat().st_size))
+                found.append((int(batch_id_text), int(lines_text), path.stat().st_size))
             except (ValueError, OSError):
                 continue  # not ours
-        for batch_id, path, lines, size in sorted(found):
-            self._index[batch_id] = (path, lines, size)
-        self._next_id = max(self._index, default=-1) + 1
-        self._size_bytes = sum(size for _, _, size in self._index.values())
+        for batch_id, lines, size in sorted(found):
+            self._index.add(batch_id, lines, size)
+        self._next_id = max(self._index.entries, default=-1) + 1
+
+    def _lock_directory(self) -> None:
+        import fcntl
+
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            raise ConfigError(
+                f"spool_dir: {self.directory} is in use by another bridge process "
+                "(each process needs its own spool directory)"
+            ) from exc
 
     @property
     def size_bytes(self) -> int:
-        return self._size_bytes
+        return self._index.size_bytes
 
     @property
     def batches(self) -> int:
-        return len(self._index)
+        return len(self._index.entries)
+
+    @property
+    def lines(self) -> int:
+        return self._index.lines
+
+    def fits(self, size_bytes: int) -> bool:
+        return self._index.size_bytes + size_bytes <= self.max_bytes
+
+    def _path(self, batch_id: int, lines: int) -> Path:
+        return self.directory / f"{batch_id:020d}-{lines}{self._SUFFIX}"
 
     def append(self, lines: Sequence[str]) -> SpoolAppend:
-        data = _encode(lines)
+        """Write, fsync and rename one batch file, then fsync the directory.
+
+        Raises:
+            OSError: the file could not be written (disk full, I/O error); nothing stored.
+        """
+        data = encode(lines)
         dropped = 0
         with self._lock:
-            if len(data) > self.max_bytes:
+            victims = self._index.evict(len(data), self.max_bytes, self.overflow)
+            if victims is None:
                 return SpoolAppend(False, len(lines))
-            while self._size_bytes + len(data) > self.max_bytes:
-                if self.overflow == "drop_newest":
-                    return SpoolAppend(False, len(lines))
-                batch_id = next(iter(self._index))
-                dropped += self._index[batch_id][1]
-                self._remove_locked(batch_id)
+            for oldest in victims:
+                dropped += self._index.entries[oldest][0]
+                self._remove_locked(oldest)
             batch_id = self._next_id
-            self._next_id += 1
-            path = self.directory / f"{batch_id:020d}-{len(lines)}{self._SUFFIX}"
+            path = self._path(batch_id, len(lines))
             temporary = path.with_suffix(".tmp")
-            with temporary.open("wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            temporary.rename(path)
-            self._index[batch_id] = (path, len(lines), len(data))
-            self._size_bytes += len(data)
+            try:
+                with temporary.open("wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                temporary.rename(path)
+                os.fsync(self._directory_fd)  # the rename itself survives a power loss
+            except OSError:
+                with contextlib.suppress(OSError):
+                    temporary.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+                raise
+            self._next_id += 1
+            self._index.add(batch_id, len(lines), len(data))
+            if self._cached_lines + len(lines) <= self.cache_lines:
+                self._cache[batch_id] = list(lines)
+                self._cached_lines += len(lines)
         return SpoolAppend(True, dropped)
 
     def peek(self) -> tuple[int, list[str]] | None:
+        batches = self.peek_many(1)
+        return batches[0] if batches else None
+
+    def peek_many(self, max_lines: int) -> list[tuple[int, list[str]]]:
+        """The oldest batches, together at most ``max_lines`` lines (or one larger batch).
+
+        Raises:
+            OSError: a batch file cannot be read.
+        """
         with self._lock:
-            if not self._index:
-                return None
-            batch_id = next(iter(self._index))
-            path = self._index[batch_id][0]
-        text = path.read_text(encoding="utf-8")
-        return batch_id, [line for line in text.split("\n") if line]
+            chosen = [
+                (batch_id, self._index.entries[batch_id][0], self._cache.get(batch_id))
+                for batch_id in self._index.head(max_lines)
+            ]
+        result: list[tuple[int, list[str]]] = []
+        for batch_id, count, cached in chosen:
+            if cached is None:
+                text = self._path(batch_id, count).read_bytes().decode("utf-8", "replace")
+                cached = [line for line in text.split("\n") if line]
+            result.append((batch_id, cached))
+        return result
 
     def remove(self, batch_id: int) -> None:
         with self._lock:
             self._remove_locked(batch_id)
 
     def _remove_locked(self, batch_id: int) -> None:
-        entry = self._index.pop(batch_id, None)
-        if entry is not None:
-            entry[0].unlink(missing_ok=True)
-            self._size_bytes -= entry[2]
+        entry = self._index.pop(batch_id)
+        if entry is None:
+            return
+        cached = self._cache.pop(batch_id, None)
+        if cached is not None:
+            self._cached_lines -= len(cached)
+        self._path(batch_id, entry[0]).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Release the directory lock (the files stay for the next start)."""
+        for fd in (self._directory_fd, self._lock_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,13 +1,14 @@
 """Line-protocol writers: InfluxDB v1 ``/write`` and the v2 ``/api/v2/write`` API.
 
 A writer sends one batch synchronously. It raises :class:`~stepwatch.InfluxUnavailableError`
-when the batch may succeed later (unreachable, 5xx, 429: retry or spool) and
+when the batch may succeed later (unreachable, 5xx, 429, a reply broken off: retry) and
 :class:`~stepwatch.InfluxError` when InfluxDB refused it for good (4xx: malformed points,
 field-type conflicts); the bridge's forwarder decides what to do.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
 import urllib.parse
 from collections.abc import Sequence
@@ -62,7 +63,14 @@ class InfluxV1Writer:
             except InfluxError:
                 pass  # 2.x/3.x have no CREATE DATABASE; the write decides
             self._create_database = False
-        self.client.write_lines(lines)
+        try:
+            self.client.write_lines(lines)
+        except http.client.HTTPException as exc:
+            # InfluxDB (or a proxy) closed the connection mid-reply or sent garbage: whether
+            # the batch was stored is unknown, so it is retried (rewriting is idempotent).
+            raise InfluxUnavailableError(
+                f"InfluxDB at {self.client.url} broke off its reply: {exc!r}"
+            ) from exc
 
     def close(self) -> None:
         """Nothing to release (one connection per request)."""
