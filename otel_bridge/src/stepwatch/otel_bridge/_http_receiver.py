@@ -3,28 +3,28 @@
 Answers follow the OTLP specification (https://opentelemetry.io/docs/specs/otlp/#otlphttp):
 200 with an ``ExportMetricsServiceResponse`` in the request's encoding (``partial_success``
 counting refused points); 400 malformed body, 401 missing or wrong bearer token, 404 unknown
-path, 411 no ``Content-Length``, 413 body too large (also after decompression), 415 unknown
-content type or encoding (not retryable); 429 queue full and 503 too many requests in flight,
-both with ``Retry-After`` (retryable). Error bodies are a ``google.rpc.Status``. Every bad
-request is answered and the server keeps serving. Connections, threads, timeouts and request
-slots are this module's.
+path, 408 request not complete within ``request_timeout_s``, 411 no ``Content-Length``, 413
+body too large (also after decompression), 415 unknown content type or encoding (not
+retryable); 429 queue or spool full, new series too fast, and 503 bridge unable to store or
+too many requests in flight, both with ``Retry-After`` (retryable). Error bodies are a
+``google.rpc.Status``. Every bad request is answered and the server keeps serving.
+
+Connections, deadlines and request slots are :class:`~._http_server.AsyncHttpServer`'s: a
+request takes a slot only once its body is read, so slow clients cannot starve fast ones.
 """
 
 from __future__ import annotations
 
-import contextlib
-import http.server
+import email.message
 import logging
 import os
-import socket
 import ssl
-import threading
-from collections.abc import Callable
 from typing import Any
 
-from stepwatch.core._errors import ConfigError, ServerStartError
+from stepwatch.core._errors import ConfigError
 from stepwatch.otel_bridge._decode import JSON, PROTOBUF, RequestError, decode_body, media_type
-from stepwatch.otel_bridge._intake import Outcome, ReceiverContext
+from stepwatch.otel_bridge._http_server import AsyncHttpServer, HttpRequest, HttpResponse
+from stepwatch.otel_bridge._intake import ReceiverContext
 
 _log = logging.getLogger("stepwatch.otel_bridge")
 
@@ -32,8 +32,14 @@ HTTP_PATH = "/v1/metrics"
 # google.rpc.Code (https://github.com/googleapis/googleapis/blob/master/google/rpc/code.proto)
 _CODE_INVALID_ARGUMENT = 3
 _CODE_RESOURCE_EXHAUSTED = 8
+_CODE_UNAVAILABLE = 14
 _CODE_UNAUTHENTICATED = 16
 _TEXT = "text/plain; charset=utf-8"
+_RPC_CODES = {
+    401: _CODE_UNAUTHENTICATED,
+    429: _CODE_RESOURCE_EXHAUSTED,
+    503: _CODE_UNAVAILABLE,
+}
 
 
 class HttpReceiver:
@@ -42,6 +48,9 @@ class HttpReceiver:
     Args:
         context: the intake, metrics and limits both receivers share.
         max_concurrent_requests: exports processed at once; beyond it 503 + ``Retry-After``.
+        max_connections: connections open at once.
+        request_timeout_s: deadline for a request's headers and body together.
+        idle_timeout_s: how long an idle keep-alive connection is kept.
         tls_files: PEM ``(certificate file, private key file)``; plaintext when None.
     """
 
@@ -50,17 +59,26 @@ class HttpReceiver:
         context: ReceiverContext,
         *,
         max_concurrent_requests: int,
+        max_connections: int = 4096,
+        request_timeout_s: float = 30.0,
+        idle_timeout_s: float = 120.0,
         tls_files: tuple[str | os.PathLike[str], str | os.PathLike[str]] | None,
     ) -> None:
-        if max_concurrent_requests <= 0:
-            raise ConfigError(
-                f"max_concurrent_requests: must be positive, got {max_concurrent_requests}"
-            )
+        for name, value in (
+            ("max_concurrent_requests", max_concurrent_requests),
+            ("max_connections", max_connections),
+            ("request_timeout_s", request_timeout_s),
+            ("idle_timeout_s", idle_timeout_s),
+        ):
+            if not value > 0:
+                raise ConfigError(f"{name}: must be positive, got {value}")
         self.context = context
-        self.slots = threading.BoundedSemaphore(max_concurrent_requests)
+        self.max_concurrent_requests = max_concurrent_requests
+        self.max_connections = max_connections
+        self.request_timeout_s = request_timeout_s
+        self.idle_timeout_s = idle_timeout_s
         self._tls_files = tls_files
-        self._server: _HTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._server: AsyncHttpServer | None = None
 
     def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` and serve from a thread; the bound port.
@@ -69,234 +87,125 @@ class HttpReceiver:
             ServerStartError: the address cannot be bound.
             ConfigError: the TLS certificate or key cannot be loaded.
         """
-        try:
-            server = _HTTPServer((host, port), _Handler, receiver=self)
-        except OSError as exc:
-            raise ServerStartError(f"bridge HTTP cannot listen on {host}:{port}: {exc}") from exc
+        tls_context = None
         if self._tls_files is not None:
             tls_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             try:
                 tls_context.load_cert_chain(str(self._tls_files[0]), str(self._tls_files[1]))
             except (OSError, ssl.SSLError) as exc:
-                server.server_close()
                 raise ConfigError(f"tls_cert_file, tls_key_file: {exc}") from exc
-            server.socket = tls_context.wrap_socket(server.socket, server_side=True)
-        self._server = server
-        self._thread = threading.Thread(
-            target=server.serve_forever,
-            kwargs={"poll_interval": 0.2},
-            name="stepwatch-bridge-http",
-            daemon=True,
+        server = AsyncHttpServer(
+            self._handle,
+            early=self._early,
+            busy=self._busy,
+            max_connections=self.max_connections,
+            max_concurrent_requests=self.max_concurrent_requests,
+            request_timeout_s=self.request_timeout_s,
+            idle_timeout_s=self.idle_timeout_s,
+            ssl_context=tls_context,
+            reuse_port=self.context.reuse_port,
         )
-        self._thread.start()
-        return int(server.server_address[1])
+        bound = server.start(host, port)
+        self._server = server
+        return bound
 
     def stop(self, *, timeout_s: float) -> None:
-        """Stop accepting, close open connections, join the serving thread."""
+        """Stop accepting, close open connections, let handlers finish."""
         if self._server is not None:
-            self._server.shutdown()
-            self._server.close_connections()
-            self._server.server_close()
+            self._server.stop(timeout_s=timeout_s)
             self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
 
+    # ---- answers ------------------------------------------------------------------------
+    def _count(self, status: int) -> None:
+        self.context.metrics.requests.labels(protocol="http", code=str(status)).inc()
 
-class _HTTPServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        handler: Callable[..., http.server.BaseHTTPRequestHandler],
-        *,
-        receiver: HttpReceiver,
-    ) -> None:
-        self.receiver = receiver
-        # Keep-alive connections outlive serve_forever(): remember them so stop() can close
-        # them, or an exporter reusing its connection would talk to a stopped bridge forever.
-        self._connections: set[socket.socket] = set()
-        self._connections_lock = threading.Lock()
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self._connections_lock:
-            self._connections.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self._connections_lock:
-            self._connections.discard(request)
-        super().shutdown_request(request)
-
-    def close_connections(self) -> None:
-        """Close every open client connection (after ``shutdown()``: none are accepted)."""
-        with self._connections_lock:
-            connections, self._connections = self._connections, set()
-        for connection in connections:
-            with contextlib.suppress(OSError):
-                connection.shutdown(socket.SHUT_RDWR)
-
-    def server_bind(self) -> None:
-        if self.receiver.context.reuse_port and hasattr(socket, "SO_REUSEPORT"):
-            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        super().server_bind()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        _log.debug("bridge HTTP connection from %s failed", client_address, exc_info=True)
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: exporters reuse connections
-    # One segment per response, sent at once: with Nagle on and the body written apart from
-    # the headers, a keep-alive client waits for the delayed ACK (~40 ms per request).
-    disable_nagle_algorithm = True
-    wbufsize = 64 * 1024
-    server: _HTTPServer
-    timeout = 30.0
-
-    @property
-    def context(self) -> ReceiverContext:
-        return self.server.receiver.context
-
-    def log_message(self, format: str, *args: Any) -> None:
-        _log.debug("bridge HTTP %s: " + format, self.client_address[0], *args)
-
-    def _send(
-        self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None
-    ) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for key, value in (headers or {}).items():
-            self.send_header(key, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            body, content_type = self.context.metrics.exposition()
-            self._send(200, body, content_type)
-        elif path == "/healthz":
-            self._send(200, b"ok\n", _TEXT)
-        else:
-            self._send(404, b"not found\n", _TEXT)
-
-    def _encoded(self, message: Any, *, json_body: bool) -> tuple[bytes, str]:
-        """A protobuf message in the request's encoding, and its content type."""
-        from google.protobuf import json_format
-
-        if json_body:
-            return json_format.MessageToJson(message, indent=None).encode(), JSON
-        return bytes(message.SerializeToString()), PROTOBUF
-
-    def _fail(self, status: int, message: str, *, json_body: bool, close: bool = False) -> None:
+    def _fail(
+        self, status: int, message: str, *, json_body: bool, close: bool = False
+    ) -> HttpResponse:
+        """A ``google.rpc.Status`` answer in the request's encoding."""
         from google.rpc import status_pb2  # type: ignore[import-untyped]
 
-        context = self.context
-        context.metrics.requests.labels(protocol="http", code=str(status)).inc()
-        rpc_code = {
-            401: _CODE_UNAUTHENTICATED,
-            429: _CODE_RESOURCE_EXHAUSTED,
-            503: _CODE_RESOURCE_EXHAUSTED,
-        }.get(status, _CODE_INVALID_ARGUMENT)
-        body, content_type = self._encoded(
-            status_pb2.Status(code=rpc_code, message=message), json_body=json_body
+        self._count(status)
+        body, content_type = _encoded(
+            status_pb2.Status(code=_RPC_CODES.get(status, _CODE_INVALID_ARGUMENT), message=message),
+            json_body=json_body,
         )
-        headers: dict[str, str] = {}
+        headers = {"Content-Type": content_type}
         if status in (429, 503):
-            headers["Retry-After"] = str(context.retry_after_s)
+            headers["Retry-After"] = str(self.context.retry_after_s)
         if status == 401:
             headers["WWW-Authenticate"] = 'Bearer realm="stepwatch"'
-        if close:
-            headers["Connection"] = "close"
-            self.close_connection = True
-        self._send(status, body, content_type, headers)
+        return HttpResponse(status, headers, body, close)
 
-    def do_POST(self) -> None:
-        receiver = self.server.receiver
-        json_body = media_type(self.headers.get("Content-Type")) == JSON
-        if self.path.split("?", 1)[0] != HTTP_PATH:
-            self._discard_body()
-            self._fail(404, f"no such endpoint {self.path[:100]!r}", json_body=json_body)
-            return
-        if not self.context.intake.authorized(self.headers.get("Authorization")):
-            self._fail(401, "missing or wrong bearer token", json_body=json_body, close=True)
-            return
-        if not receiver.slots.acquire(blocking=False):
-            self._fail(
-                503, "too many requests in flight, retry later", json_body=json_body, close=True
-            )
-            return
+    def _early(self, method: str, path: str, headers: email.message.Message) -> HttpResponse | int:
+        """Refuse what can be refused before the body is read; else the body's length."""
+        path = path.split("?", 1)[0]
+        json_body = media_type(headers.get("Content-Type")) == JSON
+        if method in ("GET", "HEAD"):
+            return 0 if path in ("/metrics", "/healthz") else _text(404, "not found")
+        if path != HTTP_PATH:
+            return self._fail(404, f"no such endpoint {path[:100]!r}", json_body=json_body)
+        if not self.context.intake.authorized(headers.get("Authorization")):
+            return self._fail(401, "missing or wrong bearer token", json_body=json_body)
+        if headers.get("Transfer-Encoding", "").lower() == "chunked":
+            return self._fail(411, "chunked bodies are not accepted", json_body=json_body)
         try:
-            self._export(json_body=json_body)
-        finally:
-            receiver.slots.release()
-
-    def _export(self, *, json_body: bool) -> None:
-        context = self.context
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            self._fail(411, "chunked bodies are not accepted", json_body=json_body, close=True)
-            return
-        try:
-            length = int(self.headers.get("Content-Length", ""))
+            length = int(headers.get("Content-Length", ""))
         except ValueError:
-            self._fail(411, "Content-Length required", json_body=json_body, close=True)
-            return
+            return self._fail(411, "Content-Length required", json_body=json_body)
         if length < 0:
-            self._fail(400, "negative Content-Length", json_body=json_body, close=True)
-            return
-        if length > context.max_request_bytes:
-            self._fail(
-                413,
-                f"body of {length} bytes exceeds {context.max_request_bytes}",
-                json_body=json_body,
-                close=True,
-            )
-            return
-        body = self.rfile.read(length)
-        if len(body) < length:
-            self.close_connection = True
-            return  # the client went away mid-body
+            return self._fail(400, "negative Content-Length", json_body=json_body)
+        limit = self.context.max_request_bytes
+        if length > limit:
+            return self._fail(413, f"body of {length} bytes exceeds {limit}", json_body=json_body)
+        return length
+
+    def _busy(self, request: HttpRequest) -> HttpResponse:
+        json_body = media_type(request.headers.get("Content-Type")) == JSON
+        return self._fail(503, "too many requests in flight, retry later", json_body=json_body)
+
+    def _handle(self, request: HttpRequest) -> HttpResponse:
+        path = request.path.split("?", 1)[0]
+        if request.method in ("GET", "HEAD"):
+            if path == "/metrics":
+                body, content_type = self.context.metrics.exposition()
+                return HttpResponse(200, {"Content-Type": content_type}, body)
+            health = self.context.intake.forwarder.health()
+            return _text(200 if health.ok else 503, health.message, close=False)
+        return self._export(request)
+
+    def _export(self, request: HttpRequest) -> HttpResponse:
+        json_body = media_type(request.headers.get("Content-Type")) == JSON
         try:
-            request = decode_body(
-                body,
-                content_type=self.headers.get("Content-Type"),
-                content_encoding=self.headers.get("Content-Encoding"),
-                max_bytes=context.max_request_bytes,
+            message = decode_body(
+                request.body,
+                content_type=request.headers.get("Content-Type"),
+                content_encoding=request.headers.get("Content-Encoding"),
+                max_bytes=self.context.max_request_bytes,
             )
         except RequestError as exc:
-            self._fail(exc.status, exc.message, json_body=json_body)
-            return
+            return self._fail(exc.status, exc.message, json_body=json_body)
         try:
-            outcome = context.intake.ingest(request)
+            outcome = self.context.intake.ingest(message)
         except Exception:  # a bug must not take the receiver down: answer and keep serving
             _log.exception("bridge failed to ingest an OTLP/HTTP request")
-            self._fail(500, "internal error", json_body=json_body)
-            return
+            return self._fail(500, "internal error", json_body=json_body)
         if not outcome.accepted:
-            self._fail(429, outcome.message, json_body=json_body)
-            return
-        self._respond_ok(outcome, json_body=json_body)
+            status = 503 if outcome.unavailable else 429
+            return self._fail(status, outcome.message, json_body=json_body)
+        body, content_type = _encoded(outcome.response(), json_body=json_body)
+        self._count(200)
+        return HttpResponse(200, {"Content-Type": content_type}, body)
 
-    def _respond_ok(self, outcome: Outcome, *, json_body: bool) -> None:
-        body, content_type = self._encoded(outcome.response(), json_body=json_body)
-        self.context.metrics.requests.labels(protocol="http", code="200").inc()
-        self._send(200, body, content_type)
 
-    def _discard_body(self) -> None:
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            length = 0
-        if 0 < length <= self.context.max_request_bytes:
-            self.rfile.read(length)
-        elif length:
-            self.close_connection = True
+def _encoded(message: Any, *, json_body: bool) -> tuple[bytes, str]:
+    """A protobuf message in the request's encoding, and its content type."""
+    from google.protobuf import json_format
+
+    if json_body:
+        return json_format.MessageToJson(message, indent=None).encode(), JSON
+    return bytes(message.SerializeToString()), PROTOBUF
+
+
+def _text(status: int, message: str, *, close: bool = True) -> HttpResponse:
+    return HttpResponse(status, {"Content-Type": _TEXT}, (message + "\n").encode(), close)

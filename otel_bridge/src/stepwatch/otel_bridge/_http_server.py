@@ -1,0 +1,303 @@
+"""A small HTTP/1.1 server on asyncio: slow clients cost a socket, never a thread.
+
+One event-loop thread reads every connection; a request is handed to a worker thread only
+once its headers and body are complete, so a client trickling bytes holds no worker and no
+request slot. Limits, each answered with the protocol's own error:
+
+- ``request_timeout_s``: the whole request, headers and body, from its first byte (408, then
+  the connection is closed); ``idle_timeout_s`` between keep-alive requests (closed);
+- ``max_connections`` open at once (beyond it a new connection gets 503 and is closed);
+- ``max_concurrent_requests`` complete requests in the workers at once (beyond it 503 +
+  ``Retry-After``, from the loop: no thread is spent on the refusal);
+- ``max_header_bytes`` (431), the body size the ``early`` check allows (413 there).
+
+HTTP/1.1 as RFC 9112: keep-alive by default (``Connection: close`` honoured), HTTP/1.0
+closes unless ``keep-alive``; ``Expect: 100-continue`` answered once the early check passes;
+``Content-Length`` bodies only (the receiver refuses chunked ones before reading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.message
+import http.client
+import io
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from http import HTTPStatus
+from typing import NamedTuple
+
+from stepwatch.core._errors import ServerStartError
+
+_log = logging.getLogger("stepwatch.otel_bridge")
+
+
+class HttpRequest(NamedTuple):
+    method: str
+    path: str
+    headers: email.message.Message  # case-insensitive ``get``
+    body: bytes
+
+
+class HttpResponse(NamedTuple):
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    close: bool = False  # close the connection after answering
+
+
+Handler = Callable[[HttpRequest], HttpResponse]
+EarlyCheck = Callable[[str, str, email.message.Message], "HttpResponse | int"]
+"""Before the body is read: a response to refuse with, or the body's length to read."""
+Busy = Callable[[HttpRequest], HttpResponse]
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _plain(status: int, message: str, *, close: bool = True) -> HttpResponse:
+    return HttpResponse(
+        status, {"Content-Type": "text/plain; charset=utf-8"}, (message + "\n").encode(), close
+    )
+
+
+class AsyncHttpServer:
+    """Serves ``handler`` on ``host:port`` from an event-loop thread and a worker pool.
+
+    Args:
+        handler: answers a complete request (runs in a worker thread).
+        early: checks method, path and headers before the body is read (runs in the loop;
+            must be cheap): returns a response to refuse with, or the body length to read.
+        busy: the answer when every request slot is taken (runs in the loop).
+        max_connections: open connections at once.
+        max_concurrent_requests: complete requests being handled at once (worker threads).
+        request_timeout_s: deadline for one request's headers and body.
+        idle_timeout_s: how long a keep-alive connection may wait for its next request.
+        max_header_bytes: request line and headers together.
+        ssl_context: serve TLS when set (handshake bounded by ``request_timeout_s``).
+        reuse_port: set SO_REUSEPORT.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        early: EarlyCheck,
+        busy: Busy,
+        max_connections: int,
+        max_concurrent_requests: int,
+        request_timeout_s: float,
+        idle_timeout_s: float,
+        max_header_bytes: int = 64 * 1024,
+        ssl_context: ssl.SSLContext | None = None,
+        reuse_port: bool = False,
+    ) -> None:
+        self.handler = handler
+        self.early = early
+        self.busy = busy
+        self.max_connections = max_connections
+        self.max_concurrent_requests = max_concurrent_requests
+        self.request_timeout_s = request_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_header_bytes = max_header_bytes
+        self.ssl_context = ssl_context
+        self.reuse_port = reuse_port
+        self.in_flight = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._workers: futures.ThreadPoolExecutor | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    def start(self, host: str, port: int) -> int:
+        """Bind, start the loop thread; the bound port.
+
+        Raises:
+            ServerStartError: the address cannot be bound.
+        """
+        loop = asyncio.new_event_loop()
+        self._workers = futures.ThreadPoolExecutor(
+            max_workers=self.max_concurrent_requests + 2, thread_name_prefix="stepwatch-bridge-http"
+        )
+        try:
+            server = loop.run_until_complete(
+                asyncio.start_server(
+                    self._serve,
+                    host,
+                    port,
+                    ssl=self.ssl_context,
+                    ssl_handshake_timeout=self.request_timeout_s if self.ssl_context else None,
+                    reuse_address=True,
+                    reuse_port=self.reuse_port or None,
+                    backlog=1024,
+                    limit=self.max_header_bytes,
+                )
+            )
+        except OSError as exc:
+            loop.close()
+            self._workers.shutdown(wait=False)
+            raise ServerStartError(f"bridge HTTP cannot listen on {host}:{port}: {exc}") from exc
+        self._loop, self._server = loop, server
+        self._thread = threading.Thread(
+            target=loop.run_forever, name="stepwatch-bridge-http-loop", daemon=True
+        )
+        self._thread.start()
+        return int(server.sockets[0].getsockname()[1])
+
+    def stop(self, *, timeout_s: float) -> None:
+        """Stop accepting, close every connection, let handlers finish, stop the loop."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+
+        async def shut() -> None:
+            if self._server is not None:
+                self._server.close()
+            for writer in list(self._connections):
+                writer.transport.abort()
+            if self._server is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._server.wait_closed(), timeout_s)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shut(), loop).result(timeout_s)
+        if self._workers is not None:
+            self._workers.shutdown(wait=True, cancel_futures=True)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout_s)
+        if not thread.is_alive():
+            loop.close()
+        self._loop = self._thread = self._server = self._workers = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self.max_connections:
+            await self._respond(writer, _plain(503, "too many connections"))
+            writer.transport.abort()
+            return
+        self._connections.add(writer)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while await self._one_request(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, TimeoutError):
+            pass
+        except Exception:  # never let a connection's failure reach the loop
+            _log.debug("bridge HTTP connection failed", exc_info=True)
+        finally:
+            self._connections.discard(writer)
+            writer.transport.abort()
+
+    async def _one_request(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Read, handle and answer one request; False: close the connection."""
+        try:
+            first = await asyncio.wait_for(reader.read(1), self.idle_timeout_s)
+        except TimeoutError:
+            return False
+        if not first:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                method, path, version, headers = await self._read_head(first, reader)
+                keep_alive = _keep_alive(version, headers)
+                checked = self.early(method, path, headers)
+                if isinstance(checked, HttpResponse):
+                    await self._respond(writer, checked._replace(close=True), method=method)
+                    return False
+                if checked and headers.get("Expect", "").lower() == "100-continue":
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                body = await reader.readexactly(checked) if checked else b""
+        except TimeoutError:
+            await self._respond(writer, _plain(408, "request not received in time"))
+            return False
+        except _Refused as refused:
+            await self._respond(writer, _plain(refused.status, str(refused)))
+            return False
+        request = HttpRequest(method, path, headers, body)
+        if method == "POST":
+            if self.in_flight >= self.max_concurrent_requests:
+                response = self.busy(request)
+                await self._respond(writer, response)
+                return keep_alive and not response.close
+            self.in_flight += 1
+        try:
+            workers = self._workers
+            if workers is None:  # stopping
+                return False
+            response = await loop.run_in_executor(workers, self._handle, request)
+        finally:
+            if method == "POST":
+                self.in_flight -= 1
+        await self._respond(writer, response, method=method)
+        return keep_alive and not response.close
+
+    def _handle(self, request: HttpRequest) -> HttpResponse:
+        try:
+            return self.handler(request)
+        except Exception:  # a bug must not take the server down: answer and keep serving
+            _log.exception("bridge HTTP handler failed")
+            return _plain(500, "internal error", close=False)
+
+    async def _read_head(
+        self, first: bytes, reader: asyncio.StreamReader
+    ) -> tuple[str, str, str, email.message.Message]:
+        try:
+            head = first + await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError as exc:
+            raise _Refused(431, "request headers too large") from exc
+        if len(head) > self.max_header_bytes:
+            raise _Refused(431, "request headers too large")
+        line, _, rest = head.partition(b"\r\n")
+        parts = line.decode("latin-1").split()
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            raise _Refused(400, "malformed request line")
+        method, path, version = parts
+        try:
+            headers = http.client.parse_headers(io.BytesIO(rest))
+        except (http.client.HTTPException, ValueError) as exc:
+            raise _Refused(431 if "header" in str(exc).lower() else 400, "bad headers") from exc
+        if method not in ("GET", "HEAD", "POST"):
+            raise _Refused(501, f"unsupported method {method[:20]}")
+        return method, path, version, headers
+
+    async def _respond(
+        self, writer: asyncio.StreamWriter, response: HttpResponse, *, method: str = ""
+    ) -> None:
+        reason = HTTPStatus(response.status).phrase if response.status in _KNOWN else "Status"
+        head = [f"HTTP/1.1 {response.status} {reason}"]
+        head += [f"{key}: {value}" for key, value in response.headers.items()]
+        head.append(f"Content-Length: {len(response.body)}")
+        if response.close:
+            head.append("Connection: close")
+        data = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
+        writer.write(data if method == "HEAD" else data + response.body)
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            await asyncio.wait_for(writer.drain(), self.request_timeout_s)
+
+
+_KNOWN = {status.value for status in HTTPStatus}
+
+
+def _keep_alive(version: str, headers: email.message.Message) -> bool:
+    connection = headers.get("Connection", "").lower()
+    if version == "HTTP/1.0":
+        return "keep-alive" in connection
+    return "close" not in connection
