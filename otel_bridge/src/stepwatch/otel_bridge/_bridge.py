@@ -55,6 +55,8 @@ class Bridge:
         spool_dir: directory of the disk spool: every request is in it, fsync'd, before it is
             answered 200 (docs/storage.md, "Delivery"); in memory when None (a weaker
             guarantee: what is not yet written is lost if the process dies).
+        spool: a spool to use instead of building one from ``spool_dir``,
+            ``spool_max_bytes`` and ``spool_overflow`` (any :class:`Spool`).
         spool_max_bytes: bound on the spool.
         spool_overflow: ``drop_oldest`` or ``drop_newest`` (refuse with 429) when the spool
             is full.
@@ -116,6 +118,7 @@ class Bridge:
         registry: Any = None,
         tag_allowlist: frozenset[str] = TAG_ALLOWLIST,
         spool_dir: str | os.PathLike[str] | None = None,
+        spool: Spool | None = None,
         spool_max_bytes: int = 256 * 1024 * 1024,
         spool_overflow: OverflowPolicy = "drop_oldest",
         max_queue_lines: int = 200_000,
@@ -175,11 +178,12 @@ class Bridge:
         self._tls = tls is not None
         if spool_dir is None:  # a writer may carry the site's spool directory
             spool_dir = getattr(writer, "spool_dir", None)
-        spool: Spool
-        if spool_dir is None:
-            spool = MemorySpool(max_bytes=spool_max_bytes, overflow=spool_overflow)
+        if spool is not None:
+            chosen: Spool = spool
+        elif spool_dir is None:
+            chosen = MemorySpool(max_bytes=spool_max_bytes, overflow=spool_overflow)
         else:
-            spool = DiskSpool(
+            chosen = DiskSpool(
                 spool_dir,
                 max_bytes=spool_max_bytes,
                 overflow=spool_overflow,
@@ -187,7 +191,7 @@ class Bridge:
             )
         self.forwarder = Forwarder(
             writer,
-            spool=spool,
+            spool=chosen,
             metrics=self.metrics,
             max_queue_lines=max_queue_lines,
             batch_max_lines=batch_max_lines,
