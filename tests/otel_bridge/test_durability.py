@@ -158,9 +158,22 @@ def test_stuck_writer_fails_healthz_and_the_receivers_refuse() -> None:
 def cli_bridge(influx_url: str, spool_dir: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``stepwatch bridge`` as its own process (so it can be SIGKILLed); its OTLP/HTTP URL."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "stepwatch", "bridge", "--influx-url", influx_url]
-        + ["--database", "durable", "--grpc-port", "0", "--http-port", "0"]
-        + ["--spool-dir", str(spool_dir)],
+        [
+            sys.executable,
+            "-m",
+            "stepwatch",
+            "bridge",
+            "--influx-url",
+            influx_url,
+            "--database",
+            "durable",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--spool-dir",
+            str(spool_dir),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         cwd=REPO_ROOT,

@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
@@ -120,16 +120,12 @@ def slow_clients(port: int, count: int) -> Iterator[list[socket.socket]]:
 
     def trickle() -> None:
         for sock in sockets:
-            try:
+            with suppress(OSError):
                 sock.sendall(b"POST /v1/metrics HTTP/1.1\r\nContent-Length: 100000\r\n")
-            except OSError:
-                pass
         while not stop.wait(1.0):
             for sock in sockets:
-                try:
+                with suppress(OSError):
                     sock.sendall(b"X")
-                except OSError:
-                    pass
 
     thread = threading.Thread(target=trickle, daemon=True)
     thread.start()
