@@ -13,7 +13,7 @@ import signal
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from stepwatch.core import ConfigError, settings
 from stepwatch.core.settings import Setting
@@ -30,11 +30,16 @@ OPTIONS: tuple[tuple[Setting[Any], str], ...] = (
     (settings.BRIDGE_HTTP_PORT, ""),
     (settings.BRIDGE_SPOOL_DIR, " (memory when unset)"),
     (settings.BRIDGE_SPOOL_MAX_BYTES, ""),
+    (settings.BRIDGE_SPOOL_OVERFLOW, ""),
     (settings.BRIDGE_TOKEN_FILE, f" (or ${settings.BRIDGE_TOKEN.variable})"),
     (settings.BRIDGE_TLS_CERT, " on both receivers"),
     (settings.BRIDGE_TLS_KEY, ""),
     (settings.BRIDGE_MAX_SERIES, ""),
+    (settings.BRIDGE_MAX_SERIES_TOTAL, ""),
+    (settings.BRIDGE_MAX_NEW_SERIES_PER_S, ""),
     (settings.BRIDGE_MAX_QUEUE_LINES, ""),
+    (settings.BRIDGE_REQUEST_TIMEOUT_S, ""),
+    (settings.BRIDGE_MAX_CONNECTIONS, ""),
     (settings.BRIDGE_MAX_FUTURE_SKEW_S, ""),
     (settings.BRIDGE_MAX_PAST_SKEW_S, "; e.g. 604800"),
     (settings.BRIDGE_MAX_DURATION_S, ""),
@@ -98,6 +103,12 @@ def _limit(options: Mapping[str, Any], setting: Setting[float]) -> float | None:
     return float(value) or None
 
 
+def _overflow(value: str) -> Literal["drop_oldest", "drop_newest"]:
+    if value not in ("drop_oldest", "drop_newest"):
+        raise ConfigError(f"--spool-overflow: {value!r} is not drop_oldest or drop_newest")
+    return "drop_oldest" if value == "drop_oldest" else "drop_newest"
+
+
 def auth_token(options: Mapping[str, Any], environ: Mapping[str, str]) -> str | None:
     """The bearer token: from the token file when one is set, else its variable, else none."""
     path = options[settings.BRIDGE_TOKEN_FILE.name]
@@ -138,7 +149,12 @@ def run_bridge(args: argparse.Namespace) -> int:
         http_port=options[settings.BRIDGE_HTTP_PORT.name],
         spool_dir=options[settings.BRIDGE_SPOOL_DIR.name],
         spool_max_bytes=options[settings.BRIDGE_SPOOL_MAX_BYTES.name],
+        spool_overflow=_overflow(options[settings.BRIDGE_SPOOL_OVERFLOW.name]),
         max_series_per_measurement=options[settings.BRIDGE_MAX_SERIES.name] or None,
+        max_series_total=options[settings.BRIDGE_MAX_SERIES_TOTAL.name] or None,
+        max_new_series_per_s=_limit(options, settings.BRIDGE_MAX_NEW_SERIES_PER_S),
+        request_timeout_s=options[settings.BRIDGE_REQUEST_TIMEOUT_S.name],
+        max_connections=options[settings.BRIDGE_MAX_CONNECTIONS.name],
         max_queue_lines=options[settings.BRIDGE_MAX_QUEUE_LINES.name],
         auth_token=auth_token(options, environ),
         tls_cert_file=options[settings.BRIDGE_TLS_CERT.name],

@@ -205,6 +205,43 @@ BRIDGE_DUPLICATE_RANK_TAKEOVER_S = Setting[float](
     "(0: no guard)",
 )
 
+BRIDGE_SPOOL_OVERFLOW = Setting[str](
+    "spool_overflow",
+    "STEPWATCH_BRIDGE_SPOOL_OVERFLOW",
+    "drop_oldest",
+    _text,
+    "spool full: drop_oldest (drop the oldest accepted points, counted) or drop_newest "
+    "(refuse new requests with 429: nothing accepted is dropped)",
+)
+BRIDGE_MAX_SERIES_TOTAL = Setting[int](
+    "max_series_total",
+    "STEPWATCH_BRIDGE_MAX_SERIES_TOTAL",
+    1_000_000,
+    _int,
+    "series one bridge process remembers, all jobs together (0: no total)",
+)
+BRIDGE_MAX_NEW_SERIES_PER_S = Setting[float](
+    "max_new_series_per_s",
+    "STEPWATCH_BRIDGE_MAX_NEW_SERIES_PER_S",
+    2000.0,
+    _float,
+    "new series per second per bridge process, bursts of 10 s; faster is 429 (0: no limit)",
+)
+BRIDGE_REQUEST_TIMEOUT_S = Setting[float](
+    "request_timeout_s",
+    "STEPWATCH_BRIDGE_REQUEST_TIMEOUT_S",
+    30.0,
+    _float,
+    "deadline for one OTLP/HTTP request's headers and body (408 after it)",
+)
+BRIDGE_MAX_CONNECTIONS = Setting[int](
+    "max_connections",
+    "STEPWATCH_BRIDGE_MAX_CONNECTIONS",
+    4096,
+    _int,
+    "OTLP/HTTP connections open at once (beyond it 503 and closed)",
+)
+
 # ---- detectors' sinks ----------------------------------------------------------------------
 ALERTMANAGER_URL = Setting[str](
     "alertmanager_url",
