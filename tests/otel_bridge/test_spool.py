@@ -74,7 +74,9 @@ def bridge_forwarder(
     delivery = {
         name: options.get(name, bridge_defaults[name].default)
         for name, parameter in parameters.items()
-        if parameter.kind is parameter.KEYWORD_ONLY and name in bridge_defaults
+        if parameter.kind is parameter.KEYWORD_ONLY
+        and name in bridge_defaults
+        and name not in ("spool", "clock")
     }
     return Forwarder(writer, spool=spool, metrics=metrics, **delivery)
 

@@ -121,7 +121,39 @@ class _Index:
         return chosen
 
 
-class MemorySpool:
+class _Bounded:
+    """What both spools share: the index of batches, its totals, the bound."""
+
+    _index: _Index
+    max_bytes: int
+
+    @property
+    def size_bytes(self) -> int:
+        return self._index.size_bytes
+
+    @property
+    def batches(self) -> int:
+        return len(self._index.entries)
+
+    @property
+    def lines(self) -> int:
+        """Points held."""
+        return self._index.lines
+
+    def fits(self, size_bytes: int) -> bool:
+        """Whether a batch of ``size_bytes`` would be stored without dropping anything."""
+        return self._index.size_bytes + size_bytes <= self.max_bytes
+
+    def peek(self) -> tuple[int, list[str]] | None:
+        """The oldest batch."""
+        batches = self.peek_many(1)
+        return batches[0] if batches else None
+
+    def peek_many(self, max_lines: int) -> list[tuple[int, list[str]]]:
+        raise NotImplementedError
+
+
+class MemorySpool(_Bounded):
     """The spool in memory (no ``spool_dir``): survives InfluxDB outages, not bridge restarts.
 
     Args:
@@ -140,23 +172,6 @@ class MemorySpool:
         self._next_id = 0
         self._lock = threading.Lock()
 
-    @property
-    def size_bytes(self) -> int:
-        return self._index.size_bytes
-
-    @property
-    def batches(self) -> int:
-        return len(self._index.entries)
-
-    @property
-    def lines(self) -> int:
-        """Points held (lost if the process exits: memory is not durable)."""
-        return self._index.lines
-
-    def fits(self, size_bytes: int) -> bool:
-        """Whether a batch of ``size_bytes`` would be stored without dropping anything."""
-        return self._index.size_bytes + size_bytes <= self.max_bytes
-
     def append(self, lines: Sequence[str]) -> SpoolAppend:
         size = sum(len(line) for line in lines) + len(lines)  # ASCII-dominated: close enough
         dropped = 0
@@ -173,10 +188,6 @@ class MemorySpool:
             self._next_id += 1
         return SpoolAppend(True, dropped)
 
-    def peek(self) -> tuple[int, list[str]] | None:
-        batches = self.peek_many(1)
-        return batches[0] if batches else None
-
     def peek_many(self, max_lines: int) -> list[tuple[int, list[str]]]:
         """The oldest batches, together at most ``max_lines`` lines (or one larger batch)."""
         with self._lock:
@@ -191,7 +202,7 @@ class MemorySpool:
         """Nothing to release."""
 
 
-class DiskSpool:
+class DiskSpool(_Bounded):
     """The spool as files in ``directory``; batches left by an earlier run are replayed.
 
     Args:
@@ -257,21 +268,6 @@ class DiskSpool:
                 "(each process needs its own spool directory)"
             ) from exc
 
-    @property
-    def size_bytes(self) -> int:
-        return self._index.size_bytes
-
-    @property
-    def batches(self) -> int:
-        return len(self._index.entries)
-
-    @property
-    def lines(self) -> int:
-        return self._index.lines
-
-    def fits(self, size_bytes: int) -> bool:
-        return self._index.size_bytes + size_bytes <= self.max_bytes
-
     def _path(self, batch_id: int, lines: int) -> Path:
         return self.directory / f"{batch_id:020d}-{lines}{self._SUFFIX}"
 
@@ -312,10 +308,6 @@ class DiskSpool:
                 self._cache[batch_id] = list(lines)
                 self._cached_lines += len(lines)
         return SpoolAppend(True, dropped)
-
-    def peek(self) -> tuple[int, list[str]] | None:
-        batches = self.peek_many(1)
-        return batches[0] if batches else None
 
     def peek_many(self, max_lines: int) -> list[tuple[int, list[str]]]:
         """The oldest batches, together at most ``max_lines`` lines (or one larger batch).
