@@ -14,6 +14,12 @@ Starts a managed influxd and the bridge as its own process (``stepwatch bridge``
 3. overload: a bridge with a small queue, ``--overload-clients`` clients, and influxd
    stalled (SIGSTOP) for the first half: the bridge must answer 429/503/RESOURCE_EXHAUSTED
    instead of growing, and its RSS stays bounded.
+4. ack latency: requests one at a time on one keep-alive connection, with a memory spool
+   and with a disk spool (every answer waits for its fsync'd group commit): the cost of
+   "accepted means durable".
+5. slow clients: ``--slow-clients`` connections trickle a request's headers one byte a
+   second while a real ``StepMonitor`` exports windows: the share of windows delivered, and
+   the bridge's thread count.
 
 Bounded in count and time; prints its figures.
 """
@@ -21,6 +27,7 @@ Bounded in count and time; prints its figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
@@ -38,7 +45,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.bridge_clients import ACCEPTED, grpc_sender, http_sender, quantile, rss_mib  # noqa: E402
+from bench.bridge_clients import (  # noqa: E402
+    ACCEPTED,
+    grpc_sender,
+    http_sender,
+    quantile,
+    rss_mib,
+)
 
 T0 = 1_790_000_000_000_000_000
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "other")
@@ -216,6 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overload-clients", type=int, default=96)
     parser.add_argument("--overload-seconds", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--slow-clients", type=int, default=300)
     args = parser.parse_args(argv)
 
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -370,9 +384,84 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  written {values['stepwatch_bridge_datapoints_written_total']:.0f} points; "
                   f"latency p99 {quantile(latencies, 0.99) * 1e3:.0f} ms")  # fmt: skip
             print(f"  bridge RSS peak {max(peak[0], hwm):.0f} MiB (now {rss:.0f} MiB)")
+
+            print("\n[4] ack latency, one request at a time (keep-alive HTTP)")
+            for label, extra in (("memory spool", []), ("disk spool", ["--spool-dir"])):
+                if extra:
+                    extra = [*extra, str(Path(directory) / "ack-spool")]
+                latencies = ack_latencies(influxd.url, windows[0][:200], extra)
+                print(f"  {label}: p50 {quantile(latencies, 0.5) * 1e3:.2f} ms, "
+                      f"p99 {quantile(latencies, 0.99) * 1e3:.2f} ms")  # fmt: skip
+
+            exported, windows_sent, threads_now = slow_clients(influxd.url, args.slow_clients)
+            print(f"\n[5] {args.slow_clients} slow clients trickling headers, one StepMonitor")
+            print(f"  windows exported: {exported} of {windows_sent} "
+                  f"({exported / windows_sent:.0%}); bridge threads {threads_now}")  # fmt: skip
         finally:
             influxd.stop()
     return 0
+
+
+def ack_latencies(influx_url: str, bodies: list[bytes], extra: list[str]) -> list[float]:
+    """Latency of each request sent one at a time to a fresh bridge."""
+    process, endpoints = start_bridge(influx_url, "ack", extra)
+    try:
+        send, close = http_sender(endpoints["OTLP/HTTP"].split("://", 1)[1].split("/", 1)[0])
+        latencies = []
+        for body in bodies:
+            started = time.perf_counter()
+            code, _ = send(body)
+            latencies.append(time.perf_counter() - started)
+            if code != "http:200":
+                raise SystemExit(f"ack latency: answer {code}")
+        close()
+    finally:
+        stop_bridge(process)
+    return latencies
+
+
+def slow_clients(influx_url: str, count: int, windows: int = 30) -> tuple[int, int, int]:
+    """Windows a StepMonitor exports while ``count`` clients trickle; the bridge's threads."""
+    import socket
+
+    from stepwatch.exporters import StepMonitor
+
+    process, endpoints = start_bridge(influx_url, "slow", [])
+    url = endpoints["OTLP/HTTP"]
+    host, port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    sockets = []
+    stop = threading.Event()
+    try:
+        for _ in range(count):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.sendall(b"POST /v1/metrics HTTP/1.1\r\nContent-Length: 100000\r\n")
+            sockets.append(sock)
+
+        def trickle() -> None:
+            while not stop.wait(1.0):
+                for sock in sockets:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(b"X")
+
+        threading.Thread(target=trickle, daemon=True).start()
+        monitor = StepMonitor(
+            job_id="slow-bench", rank=0, world_size=1, endpoint=url.removesuffix("/v1/metrics"),
+            health=False, start=False, timeout_s=5,
+        )  # fmt: skip
+        for _ in range(windows):
+            with monitor.step(), monitor.phase("forward"):
+                time.sleep(0.1)
+            monitor.export_now(timeout_s=5)
+        exported = monitor.stats.windows_exported
+        monitor.close()
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        threads_now = int(status.split("Threads:")[1].split()[0])
+    finally:
+        stop.set()
+        for sock in sockets:
+            sock.close()
+        stop_bridge(process)
+    return exported, windows, threads_now
 
 
 if __name__ == "__main__":

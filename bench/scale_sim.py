@@ -79,6 +79,10 @@ def serve_bridge(config: dict[str, Any]) -> int:
         http_port=config["http_port"],
         reuse_port=True,
         max_series_per_measurement=config["max_series"],
+        # The timed run meets series the warm-up wrote straight to InfluxDB as new: size the
+        # guard for a whole 10,000-rank job (280,000 series) per process, as deployment.md says.
+        max_series_total=2_000_000,
+        max_new_series_per_s=50_000,
         grpc_max_concurrent_rpcs=1024,
         max_concurrent_requests=256,
     ).start()
