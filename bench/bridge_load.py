@@ -17,8 +17,8 @@ Starts a managed influxd and the bridge as its own process (``stepwatch bridge``
 4. ack latency: requests one at a time on one keep-alive connection, with a memory spool
    and with a disk spool (every answer waits for its fsync'd group commit): the cost of
    "accepted means durable".
-5. slow clients: ``--slow-clients`` connections trickle a request's headers one byte a
-   second while a real ``StepMonitor`` exports windows: the share of windows delivered, and
+5. slow clients: ``--slow-clients`` connections send a request's headers, then trickle its
+   body one byte a second while a real ``StepMonitor`` exports windows: the share of windows delivered, and
    the bridge's thread count.
 
 Bounded in count and time; prints its figures.
@@ -394,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"p99 {quantile(latencies, 0.99) * 1e3:.2f} ms")  # fmt: skip
 
             exported, windows_sent, threads_now = slow_clients(influxd.url, args.slow_clients)
-            print(f"\n[5] {args.slow_clients} slow clients trickling headers, one StepMonitor")
+            print(f"\n[5] {args.slow_clients} slow clients trickling bodies, one StepMonitor")
             print(f"  windows exported: {exported} of {windows_sent} "
                   f"({exported / windows_sent:.0%}); bridge threads {threads_now}")  # fmt: skip
         finally:
@@ -434,7 +434,7 @@ def slow_clients(influx_url: str, count: int, windows: int = 30) -> tuple[int, i
     try:
         for _ in range(count):
             sock = socket.create_connection((host, int(port)), timeout=5)
-            sock.sendall(b"POST /v1/metrics HTTP/1.1\r\nContent-Length: 100000\r\n")
+            sock.sendall(b"POST /v1/metrics HTTP/1.1\r\nContent-Length: 100000\r\n\r\n")
             sockets.append(sock)
 
         def trickle() -> None:

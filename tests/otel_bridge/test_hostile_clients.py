@@ -114,14 +114,14 @@ def test_field_type_conflict_in_real_influxdb_drops_only_the_conflicting_point(
 
 @contextmanager
 def slow_clients(port: int, count: int) -> Iterator[list[socket.socket]]:
-    """``count`` connections trickling a request's headers, one byte a second."""
+    """``count`` connections sending whole headers, then trickling the body a byte a second."""
     sockets = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(count)]
     stop = threading.Event()
 
     def trickle() -> None:
         for sock in sockets:
             with suppress(OSError):
-                sock.sendall(b"POST /v1/metrics HTTP/1.1\r\nContent-Length: 100000\r\n")
+                sock.sendall(b"POST /v1/metrics HTTP/1.1\r\nContent-Length: 100000\r\n\r\n")
         while not stop.wait(1.0):
             for sock in sockets:
                 with suppress(OSError):
