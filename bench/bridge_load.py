@@ -18,8 +18,8 @@ Starts a managed influxd and the bridge as its own process (``stepwatch bridge``
    and with a disk spool (every answer waits for its fsync'd group commit): the cost of
    "accepted means durable".
 5. slow clients: ``--slow-clients`` connections send a request's headers, then trickle its
-   body one byte a second while a real ``StepMonitor`` exports windows: the share of windows delivered, and
-   the bridge's thread count.
+   body one byte a second while a real ``StepMonitor`` exports windows: the share of windows
+   delivered, and the bridge's thread count.
 
 Bounded in count and time; prints its figures.
 """
