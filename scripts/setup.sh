@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything stepwatch needs on a fresh Debian machine (idempotent):
-#   - Debian packages influxdb, prometheus-alertmanager, chromium (when missing)
+#   - Debian packages influxdb, prometheus-alertmanager, chromium, tmux (when missing)
 #   - a virtualenv in .venv with stepwatch and all its extras (torch: the CPU build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,7 @@ command -v influxd >/dev/null || need+=(influxdb)
 command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null \
   || need+=(prometheus-alertmanager)
 command -v chromium >/dev/null || need+=(chromium)
+command -v tmux >/dev/null || need+=(tmux)  # tests drive `stepwatch top` in a real terminal
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"
   $SUDO apt-get update -qq

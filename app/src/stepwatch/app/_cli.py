@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "stepwatch.app._ingest_command",  # ingest
     "stepwatch.app._detect_commands",  # detect, simulate, evaluate
     "stepwatch.app._report_command",  # report
+    "stepwatch.app._top",  # top
 )
 
 
