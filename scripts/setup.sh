@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything stepwatch needs on a fresh Debian machine (idempotent):
-#   - Debian packages influxdb, prometheus-alertmanager, chromium (when missing)
+#   - Debian packages influxdb, prometheus-alertmanager, chromium, tmux (when missing)
 #   - a virtualenv in .venv with stepwatch and all its extras (torch: the CPU build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,7 @@ command -v influxd >/dev/null || need+=(influxdb)
 command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null \
   || need+=(prometheus-alertmanager)
 command -v chromium >/dev/null || need+=(chromium)
+command -v tmux >/dev/null || need+=(tmux)  # tests drive `stepwatch top` in a real terminal
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"
   $SUDO apt-get update -qq
@@ -32,7 +33,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 fi
 echo "setup: installing stepwatch and its components (editable)"
-.venv/bin/pip install -q --disable-pip-version-check -e ./core -e "./exporters[torch]" -e ./otel_bridge \
+.venv/bin/pip install -q --disable-pip-version-check -e ./core -e "./exporters[torch,lightning,huggingface]" -e ./otel_bridge \
   -e ./detectors -e ".[all,dev]" 2>&1 \
   | grep -v "is ignored: it is neither a file nor a directory" || true
 .venv/bin/python -c "import stepwatch.core, torch; print('setup: ok, stepwatch', stepwatch.core.__version__, 'torch', torch.__version__)"

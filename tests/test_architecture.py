@@ -41,7 +41,12 @@ THIRD_PARTY = {
     "torch": "torch",
     "cupti": "cupti-python",
     "pynvml": "nvidia-ml-py",
+    "pytorch_lightning": "pytorch-lightning",
+    "transformers": "transformers",
 }
+#: Modules that exist for an extra: they import it at module level (users import them only
+#: when they use that framework; no façade imports them).
+EXTRA_ENTRY_POINTS = ("stepwatch.exporters.integrations.",)
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,8 @@ def test_third_party_imports_are_declared(folder: str) -> None:
             continue
         requirement = THIRD_PARTY.get(top)
         assert requirement is not None, f"{imp.source}:{imp.line}: unknown package {top}"
-        pool = required if imp.top_level else required | optional
+        lazy = not imp.top_level or imp.source.startswith(EXTRA_ENTRY_POINTS)
+        pool = required | optional if lazy else required
         if folder == "app":  # the app reaches components' dependencies through its extras
             pool = pool | optional | {"stepwatch-exporters", "stepwatch-detectors"}
             if any(r.startswith("stepwatch-") for r in pool):

@@ -102,5 +102,21 @@ def test_stepwatch_help_lists_every_command() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "stepwatch", "--help"], capture_output=True, text=True, check=True
     )
-    for command in ("up", "demo", "bridge", "ingest", "detect", "simulate", "evaluate", "report"):
+    commands = ("up", "demo", "bridge", "ingest", "detect", "simulate", "evaluate", "report", "top")
+    for command in commands:
         assert re.search(rf"\b{command}\b", result.stdout), command
+
+
+def test_version_and_a_bad_log_level_are_answered() -> None:
+    from stepwatch.core import __version__
+
+    version = subprocess.run(
+        [sys.executable, "-m", "stepwatch", "--version"], capture_output=True, text=True
+    )
+    assert (version.returncode, version.stdout.strip()) == (0, f"stepwatch {__version__}")
+    bad = subprocess.run(
+        [sys.executable, "-m", "stepwatch", "--log-level", "LOUD", "top", "--job", "j"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "--log-level" in bad.stderr and "LOUD" in bad.stderr

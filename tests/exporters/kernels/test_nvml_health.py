@@ -188,12 +188,30 @@ def test_counts_reset_between_windows_and_empty_window_is_none() -> None:
 
 
 def test_without_nvml_the_sampler_is_a_quiet_no_op(caplog: pytest.LogCaptureFixture) -> None:
-    # pynvml is not installed / no GPU here: the real backend fails, once, quietly.
+    # pynvml is not installed / no GPU here: the real backend fails, once, quietly: one INFO
+    # line on a CPU machine, never a traceback (the traceback is kept for DEBUG).
     sampler = HealthSampler(build_resource(job_id="j", rank=0, world_size=1, host_name="h"))
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.DEBUG, logger="stepwatch.exporters"):
         sampler.sample()
         sampler.sample()
     assert not sampler.active
     assert sampler.build(start_unix_nano=0, end_unix_nano=1) is None
-    assert sum("NVML unavailable" in record.message for record in caplog.records) == 1
+    shown = [record for record in caplog.records if record.levelno >= logging.INFO]
+    assert [record.levelno for record in shown] == [logging.INFO]
+    assert "no NVML here" in shown[0].getMessage() and shown[0].exc_info is None
     sampler.close()
+
+
+def test_nvml_failing_after_it_worked_warns_once_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backend = RecordedNvml(READINGS[:1], [])  # one round of readings, then read() fails
+    sampler = _sampler(backend)
+    with caplog.at_level(logging.DEBUG, logger="stepwatch.exporters"):
+        sampler.sample()
+        sampler.sample()
+        sampler.sample()
+    shown = [record for record in caplog.records if record.levelno >= logging.INFO]
+    assert [record.levelno for record in shown] == [logging.WARNING]
+    assert "stopped answering" in shown[0].getMessage() and shown[0].exc_info is None
+    assert not sampler.active

@@ -13,6 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from stepwatch.core import __version__
 from stepwatch.core._errors import StepwatchError
 
 _COMMAND_MODULES = (
@@ -21,6 +22,7 @@ _COMMAND_MODULES = (
     "stepwatch.app._ingest_command",  # ingest
     "stepwatch.app._detect_commands",  # detect, simulate, evaluate
     "stepwatch.app._report_command",  # report
+    "stepwatch.app._top",  # top
 )
 
 
@@ -30,8 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Always-on performance diagnosis for distributed training.",
     )
     parser.add_argument(
-        "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ERROR)"
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        help="logging level (default INFO)",
     )
+    parser.add_argument("--version", action="version", version=f"stepwatch {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:
@@ -48,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     handler = getattr(args, "handler", None)

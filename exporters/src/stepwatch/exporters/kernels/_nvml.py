@@ -258,8 +258,14 @@ class HealthSampler:
             for event in self._backend.xid_events():
                 key = (event.device_index, event.code)
                 self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
-        except Exception:
-            _log.warning("NVML unavailable; GPU health metrics disabled", exc_info=True)
+        except Exception as exc:
+            # No GPU, no driver, no libnvidia-ml: one quiet line on a CPU machine, never a
+            # traceback on every rank. A failure after readings worked is worth a warning.
+            if self._devices is None or not self._last:
+                _log.info("no NVML here (%s); GPU health metrics off", exc)
+            else:
+                _log.warning("NVML stopped answering (%s); GPU health metrics off", exc)
+            _log.debug("NVML failure", exc_info=True)
             self._failed = True
 
     def build(self, *, start_unix_nano: int, end_unix_nano: int) -> MetricsData | None:
