@@ -105,7 +105,7 @@ def test_an_infinite_duration_is_skipped_and_counted(
     assert first.kernels == 261 - 1
     assert [trace.skipped_events for trace in result.traces[1:]] == [0, 0]
     assert any(
-        message.startswith(f"{hostile}: ") and "skipped 1 malformed events" in message
+        message.startswith(f"{hostile}: ") and "skipped 1 malformed event(s)" in message
         for message in messages
     )
 

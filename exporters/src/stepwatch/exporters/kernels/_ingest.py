@@ -359,7 +359,8 @@ def _read_one(
     else:
         if progress is not None:
             skipped = (
-                f"; skipped {trace.skipped_events} malformed events (first: {trace.first_skipped})"
+                f"; skipped {trace.skipped_events} malformed event(s) "
+                f"(first: {trace.first_skipped})"
                 if trace.skipped_events
                 else ""
             )
