@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,47 @@ def test_ingest_command_success_exit_code(
     assert code == 0
     assert "exported 3 windows" in capsys.readouterr().err
     assert _count(influx, "cli-ok") == 3
+
+
+def test_hostile_files_are_one_line_each_and_cost_only_themselves(
+    influx: InfluxClient, hta_traces: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    deep = tmp_path / "rank-2.json"
+    deep.write_text("[" * 200_000)
+    infinite = tmp_path / "rank-1.json"
+    text = gzip.decompress(hta_traces[1].read_bytes()).decode()
+    kernel = text.index('"cat": "kernel"')
+    duration = text.index('"dur": ', kernel)
+    end = text.index(",", duration)
+    infinite.write_text(text[:duration] + '"dur": 1e400' + text[end:])
+    bridge = Bridge(InfluxV1Writer(influx), grpc_port=None, http_port=0).start()
+    try:
+        code = main(
+            [
+                "ingest",
+                str(hta_traces[0]),
+                str(deep),
+                str(infinite),
+                "--job",
+                "cli-hostile",
+                "--endpoint",
+                bridge.http_url,
+                "--max-events",
+                "1000000",
+            ]
+        )
+    finally:
+        bridge.stop()
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Traceback" not in err
+    assert "ingested 2 of 3 traces, exported 4 windows" in err
+    (failed,) = [line for line in err.splitlines() if line.startswith("failed: ")]
+    assert failed.startswith(f"failed: {deep}: JSON nested deeper than Python's recursion limit")
+    (warning,) = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert warning.startswith(f"warning: {infinite}: skipped 1 malformed trace event(s) (first: ")
+    assert warning.endswith(": 'dur' is inf)")
+    assert _count(influx, "cli-hostile") == 4  # 2 ranks x 2 steps
 
 
 def test_time_origin_forms() -> None:

@@ -153,8 +153,8 @@ def test_truncated_gzip_names_file(tmp_path: Path, dlrm_rank0: Path) -> None:
     ("document", "message"),
     [
         ("[1, 2", "malformed or truncated JSON"),
-        ('"text"', "top level is str"),
-        ('{"schemaVersion": 1}', "no 'traceEvents' list"),
+        ('"text"', "top level is a string"),
+        ('{"schemaVersion": 1}', "no 'traceEvents' array"),
         (
             '{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 1}]}',
             "no ProfilerStep#N spans",

@@ -55,6 +55,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--timeout-s", type=float, default=None, help="bound on one export call, seconds"
     )
+    parser.add_argument(
+        "--max-events",
+        type=int,
+        default=None,
+        help=(
+            "most kernel, runtime, flow and step events one trace may keep (bounds memory, "
+            "~160 bytes each; default 10,000,000)"
+        ),
+    )
     parser.set_defaults(handler=_ingest)
 
 
@@ -92,6 +101,8 @@ def _ingest(args: argparse.Namespace) -> int:
         endpoint=args.endpoint, protocol=args.protocol, timeout_s=args.timeout_s
     )
     exporter = create_exporter(config)
+    # Only a given --max-events overrides ingest_traces' own default.
+    limits = {} if args.max_events is None else {"max_events": args.max_events}
     try:
         result = ingest_traces(
             args.traces,
@@ -101,6 +112,7 @@ def _ingest(args: argparse.Namespace) -> int:
             host_name=args.host_name,
             top_k=args.top_k,
             progress=_progress,
+            **limits,
         )
     finally:
         exporter.shutdown()
@@ -110,6 +122,13 @@ def _ingest(args: argparse.Namespace) -> int:
         f"windows to {config.endpoint} ({config.protocol})",
         file=sys.stderr,
     )
+    for trace in result.traces:
+        if trace.skipped_events:
+            print(
+                f"warning: {trace.path}: skipped {trace.skipped_events} malformed trace "
+                f"event(s) (first: {trace.first_skipped})",
+                file=sys.stderr,
+            )
     for failure in result.failures:
         print(f"failed: {failure.message}", file=sys.stderr)
     if result.failures:

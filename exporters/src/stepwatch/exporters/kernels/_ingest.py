@@ -12,6 +12,11 @@ stay aligned with each other:
    to it (``unix = origin + ts − earliest``);
 3. else: the set is placed so its latest step end is *now* (``unix = now − (latest − ts)``),
    which keeps replayed data inside dashboards' and detectors' recent time ranges.
+
+Ingest is per file: a file that cannot be read or parsed (or that the reader fails on in any
+way) is one :class:`IngestFailure` naming it, and the other files are still ingested. Files are
+streamed (see :func:`~stepwatch.exporters.kernels.read_trace`) and each window is exported as
+soon as it is built.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,10 +36,16 @@ from stepwatch.exporters._window import (
     build_resource,
 )
 from stepwatch.exporters.kernels._summary import DEFAULT_TOP_K, KernelSummariser
-from stepwatch.exporters.kernels._trace import KinetoTrace, rank_from_file_name, read_trace
+from stepwatch.exporters.kernels._trace import (
+    DEFAULT_MAX_EVENTS,
+    KinetoTrace,
+    rank_from_file_name,
+    read_trace,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricsData
+    from opentelemetry.sdk.resources import Resource
 
 _log = logging.getLogger(__name__)
 
@@ -65,6 +76,9 @@ class IngestedTrace:
         kernels: Kernel events summarised.
         raw_size_bytes: Decompressed size of the trace document.
         exported: Windows the exporter accepted.
+        skipped_events: Trace events skipped as unusable (see
+            :attr:`~stepwatch.exporters.kernels.KinetoTrace.skipped_events`).
+        first_skipped: The first of them and why, when there were any.
     """
 
     path: str
@@ -74,6 +88,8 @@ class IngestedTrace:
     kernels: int
     raw_size_bytes: int
     exported: int
+    skipped_events: int = 0
+    first_skipped: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,11 +167,8 @@ def trace_windows(
     Raises:
         ConfigError: The resource attributes are inconsistent (e.g. rank ≥ world size).
     """
-    resource = build_resource(
-        job_id=job_id,
-        rank=rank,
-        world_size=world_size,
-        host_name=host_name or trace.host_name or "unknown",
+    resource = _resource(
+        trace, job_id=job_id, rank=rank, world_size=world_size, host_name=host_name
     )
     builder = WindowBuilder(
         resource,
@@ -164,9 +177,26 @@ def trace_windows(
         kernel_significant_bits=kernel_significant_bits,
         kernel_min_max=kernel_min_max,
     )
+    return list(_windows(trace, builder, top_k=top_k, time_offset_ns=time_offset_ns))
+
+
+def _resource(
+    trace: KinetoTrace, *, job_id: str, rank: int, world_size: int, host_name: str | None
+) -> Resource:
+    return build_resource(
+        job_id=job_id,
+        rank=rank,
+        world_size=world_size,
+        host_name=host_name or trace.host_name or "unknown",
+    )
+
+
+def _windows(
+    trace: KinetoTrace, builder: WindowBuilder, *, top_k: int, time_offset_ns: int
+) -> Iterator[TraceWindow]:
+    """:func:`trace_windows` one window at a time, built with ``builder``."""
     summariser = KernelSummariser(top_k=top_k, initial_totals_s=_class_totals(trace))
     offset = trace.base_time_unix_nano if trace.base_time_unix_nano is not None else time_offset_ns
-    windows = []
     for step in trace.steps:
         builder.add_step(step_index=step.index, duration_s=step.duration_s, phases_s=step.phases_s)
         summariser.add_step(
@@ -176,8 +206,7 @@ def trace_windows(
         start, end = step.start_ns + offset, step.end_ns + offset
         metrics = builder.build(start_unix_nano=start, end_unix_nano=end)
         if metrics is not None:
-            windows.append(TraceWindow(step.index, start, end, metrics))
-    return windows
+            yield TraceWindow(step.index, start, end, metrics)
 
 
 def _class_totals(trace: KinetoTrace) -> dict[tuple[str, str], float]:
@@ -203,11 +232,14 @@ def ingest_traces(
     max_size: int = DEFAULT_KERNEL_MAX_SIZE,
     clock_unix_nano: Callable[[], int] = time.time_ns,
     progress: Callable[[str], None] | None = None,
+    max_events: int = DEFAULT_MAX_EVENTS,
 ) -> IngestResult:
     """Ingest trace files (one per rank) and export one window per step.
 
-    A file that cannot be read or parsed is reported in :attr:`IngestResult.failures`; the
-    other files are still ingested.
+    Ingest is per file: a file that cannot be read or parsed is reported in
+    :attr:`IngestResult.failures` with a one-line message naming it, and the other files are
+    still ingested. Events a trace could not use are skipped and counted
+    (:attr:`IngestedTrace.skipped_events`).
 
     Args:
         paths: Trace files (``.json`` / ``.json.gz``), one per rank.
@@ -221,18 +253,22 @@ def ingest_traces(
         max_size: Most buckets per histogram.
         clock_unix_nano: "Now", for placing traces with neither a base time nor an origin.
         progress: Called with one-line progress messages (per file, per 64 MB read).
+        max_events: Most events one trace may keep for step splitting (see
+            :func:`~stepwatch.exporters.kernels.read_trace`); bounds the memory of a file.
 
     Returns:
         What was ingested and what failed.
 
     Raises:
-        ConfigError: ``paths``, ``job_id``, ``host_name``, ``top_k``, ``max_scale`` or
-            ``max_size`` is invalid (checked before any file is read).
+        ConfigError: ``paths``, ``job_id``, ``host_name``, ``top_k``, ``max_scale``,
+            ``max_size`` or ``max_events`` is invalid (checked before any file is read).
     """
     if not paths:
         raise ConfigError("paths: at least one trace file is required")
     if not job_id:
         raise ConfigError("job_id: must not be empty")
+    if isinstance(max_events, bool) or not isinstance(max_events, int) or max_events < 1:
+        raise ConfigError(f"max_events: must be a positive integer, got {max_events!r}")
     # Options are checked before any file is read, so a typo fails fast and alone.
     KernelSummariser(top_k=top_k)
     WindowBuilder(
@@ -243,19 +279,9 @@ def ingest_traces(
     failures: list[IngestFailure] = []
     parsed: list[tuple[str, KinetoTrace]] = []
     for path in paths:
-        started = time.perf_counter()
-        try:
-            trace = read_trace(path, progress=progress)
-        except TraceFormatError as exc:
-            _log.error("%s", exc)
-            failures.append(IngestFailure(str(path), str(exc)))
-            continue
-        parsed.append((str(path), trace))
-        if progress is not None:
-            progress(
-                f"{path}: {trace.raw_size_bytes / 1e6:.1f} MB, {len(trace.steps)} steps, "
-                f"parsed in {time.perf_counter() - started:.2f} s"
-            )
+        trace = _read_one(path, failures, progress=progress, max_events=max_events)
+        if trace is not None:
+            parsed.append((str(path), trace))
     offset = _time_offset_ns(
         [trace for _, trace in parsed],
         origin_unix_nano=time_origin_unix_nano,
@@ -281,34 +307,19 @@ def ingest_traces(
             continue
         seen_ranks[rank] = path
         try:
-            windows = trace_windows(
-                trace,
-                job_id=job_id,
-                rank=rank,
-                world_size=world_size,
-                time_offset_ns=offset,
-                host_name=host_name,
-                top_k=top_k,
-                max_scale=max_scale,
-                max_size=max_size,
+            resource = _resource(
+                trace, job_id=job_id, rank=rank, world_size=world_size, host_name=host_name
             )
         except ConfigError as exc:
             failures.append(IngestFailure(path, f"{path}: {exc}"))
             continue
-        exported = 0
-        for window in windows:
-            try:
-                result = exporter.export(window.metrics)
-            except Exception as exc:  # the exporter is third-party code: count, keep going
-                _log.warning("%s: exporting step %d failed: %r", path, window.step_index, exc)
-                continue
-            if getattr(result, "name", "SUCCESS") == "SUCCESS":
-                exported += 1
-        if exported < len(windows):
+        builder = WindowBuilder(resource, max_scale=max_scale, max_size=max_size)
+        windows = _windows(trace, builder, top_k=top_k, time_offset_ns=offset)
+        built, exported = _export(path, windows, exporter)
+        if exported < built:
             failures.append(
                 IngestFailure(
-                    path,
-                    f"{path}: {len(windows) - exported} of {len(windows)} windows failed to export",
+                    path, f"{path}: {built - exported} of {built} windows failed to export"
                 )
             )
         ingested.append(
@@ -320,11 +331,64 @@ def ingest_traces(
                 kernels=sum(len(step.kernels) for step in trace.steps),
                 raw_size_bytes=trace.raw_size_bytes,
                 exported=exported,
+                skipped_events=trace.skipped_events,
+                first_skipped=trace.first_skipped,
             )
         )
         if progress is not None:
-            progress(f"{path}: rank {rank}: exported {exported}/{len(windows)} windows")
+            progress(f"{path}: rank {rank}: exported {exported}/{built} windows")
     return IngestResult(traces=tuple(ingested), failures=tuple(failures), time_offset_ns=offset)
+
+
+def _read_one(
+    path: str | Path,
+    failures: list[IngestFailure],
+    *,
+    progress: Callable[[str], None] | None,
+    max_events: int,
+) -> KinetoTrace | None:
+    """One file's trace, or ``None`` with its failure appended."""
+    started = time.perf_counter()
+    try:
+        trace = read_trace(path, progress=progress, max_events=max_events)
+    except TraceFormatError as exc:
+        message = str(exc)
+    except Exception as exc:  # a reader bug must cost this file, not the whole ingest
+        _log.debug("%s: reading failed", path, exc_info=True)
+        message = f"{path}: cannot ingest ({type(exc).__name__}: {exc})"
+    else:
+        if progress is not None:
+            skipped = (
+                f"; skipped {trace.skipped_events} malformed event(s) "
+                f"(first: {trace.first_skipped})"
+                if trace.skipped_events
+                else ""
+            )
+            progress(
+                f"{path}: {trace.raw_size_bytes / 1e6:.1f} MB, {len(trace.steps)} steps, "
+                f"parsed in {time.perf_counter() - started:.2f} s{skipped}"
+            )
+        return trace
+    _log.error("%s", message)
+    failures.append(IngestFailure(str(path), message))
+    return None
+
+
+def _export(
+    path: str, windows: Iterator[TraceWindow], exporter: MetricsExporter
+) -> tuple[int, int]:
+    """Export each window as soon as it is built: ``(built, exported)``."""
+    built = exported = 0
+    for window in windows:
+        built += 1
+        try:
+            result = exporter.export(window.metrics)
+        except Exception as exc:  # the exporter is third-party code: count, keep going
+            _log.warning("%s: exporting step %d failed: %r", path, window.step_index, exc)
+            continue
+        if getattr(result, "name", "SUCCESS") == "SUCCESS":
+            exported += 1
+    return built, exported
 
 
 def _time_offset_ns(

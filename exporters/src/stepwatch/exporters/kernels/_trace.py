@@ -18,28 +18,57 @@ Format reference: Chrome trace-event format
 ``ChromeTraceLogger`` (https://github.com/pytorch/kineto/blob/main/libkineto/src/output_json.cpp).
 Timestamps (``ts``, ``dur``) are microseconds; ``ts`` is relative to
 ``baseTimeNanoseconds`` when the trace has it, else the host's clock in Unix microseconds.
+
+Hostile or damaged files: the file is streamed (:mod:`._json_stream`), so its size costs no
+memory; what a trace costs is the events step splitting keeps (at most ``max_events``). A
+document that is not JSON, not a trace, cut short or nested too deeply is a
+:class:`~stepwatch.core.TraceFormatError` naming the file and position. One event that cannot
+be used (a ``ts`` that is a string, a ``dur`` that is NaN, infinite, negative or beyond the
+int64 nanosecond range, a ``pid`` that is an array ...) is skipped and counted
+(:attr:`KinetoTrace.skipped_events`); the rest of the trace is used.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import gzip
-import json
 import re
-import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from stepwatch.core._errors import TraceFormatError
+from stepwatch.exporters.kernels._json_stream import TraceDocument, json_type
 from stepwatch.exporters.kernels._summary import KernelEvent, quantised_seconds, self_time_events
+from stepwatch.exporters.kernels._trace_events import (
+    MAX_NS,
+    BadEvent,
+    Kernel,
+    Marker,
+    Span,
+    hashable_field,
+    not_scalar,
+    optional_int,
+    time_ns,
+)
 
 _DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset"})
 _RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver", "runtime"})
+_STEP_CATEGORIES = frozenset(
+    {"user_annotation", "cpu_op", "python_function", "gpu_user_annotation"}
+)
 _STEP_NAME = re.compile(r"^ProfilerStep#(\d+)$")
 _RANK_IN_NAME = re.compile(r"(?:rank|worker)[-_]?(\d+)", re.IGNORECASE)
-_CHUNK_BYTES = 8 << 20
+_HEADER_MEMBERS = ("distributedInfo", "baseTimeNanoseconds", "host_name")
+_MAX_RANK = 2**31 - 1  # torch.distributed ranks are C ints
+_MAX_HOST_NAME_CHARS = 255  # a DNS name is at most 253
+_MAX_NAME_CHARS = 4096
+"""Kernel / op names are cut to this many characters (real ones are under 2 kB; a name is
+classified by its start)."""
+DEFAULT_MAX_EVENTS = 10_000_000
+"""Most events one trace may keep for step splitting (kernels, runtime launches, flows, CPU ops,
+phase annotations, steps): about 1.6 GB at ~160 bytes each. A GPU trace keeps about six per
+kernel; 1 GB of DLRM trace keeps 2.1 million."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +111,9 @@ class KinetoTrace:
         raw_size_bytes: Size of the trace document (decompressed) in bytes.
         device_kind: ``"gpu"`` if the trace has device events, else ``"cpu"``.
         host_name: The trace's ``host_name`` (newer Kineto) if present.
+        skipped_events: Events that were skipped because they could not be used (a field of
+            the wrong type, a time that is not finite, negative or out of range).
+        first_skipped: Which event was skipped first and why (``traceEvents[i]: reason``).
     """
 
     source: str
@@ -92,6 +124,8 @@ class KinetoTrace:
     raw_size_bytes: int
     device_kind: str
     host_name: str | None = None
+    skipped_events: int = 0
+    first_skipped: str | None = None
 
 
 def rank_from_file_name(path: str | Path) -> int | None:
@@ -105,63 +139,47 @@ def read_trace(
     *,
     progress: Callable[[str], None] | None = None,
     progress_every_bytes: int = 64 << 20,
+    max_events: int = DEFAULT_MAX_EVENTS,
 ) -> KinetoTrace:
-    """Read and parse one trace file (``.json`` or ``.json.gz``).
+    """Read and parse one trace file (``.json`` or ``.json.gz``), streaming it.
+
+    Memory is bounded by what the trace keeps (see :data:`DEFAULT_MAX_EVENTS`), not by the
+    file's size: the file is decoded one event at a time.
 
     Args:
         path: The file.
         progress: Called with a one-line message every ``progress_every_bytes`` read.
         progress_every_bytes: Progress granularity (decompressed bytes).
+        max_events: Most events kept for step splitting (kernels, runtime calls, flows, CPU
+            ops, phase annotations, steps); a trace with more is refused.
 
     Returns:
         The parsed trace.
 
     Raises:
-        TraceFormatError: The file is unreadable, truncated or not a trace; the message names
-            the file and the byte / line position.
+        TraceFormatError: The file is unreadable, truncated or not a trace, or keeps more
+            than ``max_events`` events; the message names the file and the line / byte
+            position.
     """
     path = Path(path)
-    data = _read_bytes(path, progress=progress, progress_every_bytes=progress_every_bytes)
-    try:
-        document = json.loads(data)
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(
-            f"{path}: malformed or truncated JSON at line {exc.lineno} column {exc.colno} "
-            f"(byte {exc.pos} of {len(data)}): {exc.msg}"
-        ) from exc
-    except UnicodeDecodeError as exc:
-        raise TraceFormatError(f"{path}: not UTF-8 text at byte {exc.start}") from exc
-    return parse_trace(document, source=str(path), raw_size_bytes=len(data))
-
-
-def _read_bytes(
-    path: Path, *, progress: Callable[[str], None] | None, progress_every_bytes: int
-) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    reported = 0
-    try:
-        with path.open("rb") as raw:
-            magic = raw.read(2)
-            raw.seek(0)
-            stream = gzip.GzipFile(fileobj=raw) if magic == b"\x1f\x8b" else raw
-            while chunk := stream.read(_CHUNK_BYTES):
-                chunks.append(chunk)
-                size += len(chunk)
-                if progress is not None and size - reported >= progress_every_bytes:
-                    reported = size
-                    progress(f"{path}: read {size / 1e6:.0f} MB")
-    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
-        raise TraceFormatError(
-            f"{path}: gzip stream truncated or corrupt after {size} decompressed bytes: {exc}"
-        ) from exc
-    except OSError as exc:
-        raise TraceFormatError(f"{path}: cannot read: {exc}") from exc
-    return b"".join(chunks)
+    splitter = _StepSplitter(source=str(path), max_events=max_events)
+    with TraceDocument(
+        path,
+        keep=_HEADER_MEMBERS,
+        progress=progress,
+        progress_every_bytes=progress_every_bytes,
+    ) as document:
+        for event in document.events():
+            splitter.add(event)
+    return _trace(document.members, splitter, source=str(path), raw_size_bytes=document.size_bytes)
 
 
 def parse_trace(
-    document: object, *, source: str = "<trace>", raw_size_bytes: int = 0
+    document: object,
+    *,
+    source: str = "<trace>",
+    raw_size_bytes: int = 0,
+    max_events: int = DEFAULT_MAX_EVENTS,
 ) -> KinetoTrace:
     """Parse a decoded trace document (the JSON object).
 
@@ -169,6 +187,7 @@ def parse_trace(
         document: The decoded JSON.
         source: Label used in error messages.
         raw_size_bytes: Size of the encoded document, recorded in the result.
+        max_events: Most events kept for step splitting (see :func:`read_trace`).
 
     Returns:
         The parsed trace.
@@ -179,23 +198,42 @@ def parse_trace(
     if isinstance(document, list):
         document = {"traceEvents": document}  # Chrome's "JSON array format"
     if not isinstance(document, dict):
-        raise TraceFormatError(f"{source}: not a trace (top level is {type(document).__name__})")
+        raise TraceFormatError(f"{source}: not a trace (top level is {json_type(document)})")
     events = document.get("traceEvents")
     if not isinstance(events, list):
-        raise TraceFormatError(f"{source}: not a trace (no 'traceEvents' list)")
-    info = document.get("distributedInfo")
+        raise TraceFormatError(f"{source}: not a trace (no 'traceEvents' array)")
+    splitter = _StepSplitter(source=source, max_events=max_events)
+    for event in events:
+        splitter.add(event)
+    return _trace(document, splitter, source=source, raw_size_bytes=raw_size_bytes)
+
+
+def _trace(
+    members: Mapping[str, object],
+    splitter: _StepSplitter,
+    *,
+    source: str,
+    raw_size_bytes: int,
+) -> KinetoTrace:
+    info = members.get("distributedInfo")
     rank = world_size = None
     if isinstance(info, dict):
-        rank = _optional_int(info.get("rank"))
-        world_size = _optional_int(info.get("world_size"))
-    base = _optional_int(document.get("baseTimeNanoseconds"))
-    host_name = document.get("host_name")
-    try:
-        steps, device_kind = _split_steps(events)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise TraceFormatError(f"{source}: malformed trace event: {exc!r}") from exc
+        rank = _header_int(info.get("rank"), "distributedInfo.rank", 0, _MAX_RANK, source)
+        world_size = _header_int(
+            info.get("world_size"), "distributedInfo.world_size", 1, _MAX_RANK + 1, source
+        )
+    base = _header_int(members.get("baseTimeNanoseconds"), "baseTimeNanoseconds", 0, MAX_NS, source)
+    host_name = members.get("host_name")
+    if isinstance(host_name, str) and len(host_name) > _MAX_HOST_NAME_CHARS:
+        raise TraceFormatError(
+            f"{source}: host_name is {len(host_name):,} characters long "
+            f"(at most {_MAX_HOST_NAME_CHARS})"
+        )
+    steps, device_kind = splitter.finish()
     if not steps:
-        raise TraceFormatError(f"{source}: no ProfilerStep#N spans; cannot split into steps")
+        raise TraceFormatError(
+            f"{source}: no ProfilerStep#N spans; cannot split into steps{splitter.skip_note()}"
+        )
     return KinetoTrace(
         source=source,
         rank=rank,
@@ -205,154 +243,241 @@ def parse_trace(
         raw_size_bytes=raw_size_bytes,
         device_kind=device_kind,
         host_name=host_name if isinstance(host_name, str) and host_name else None,
+        skipped_events=splitter.skipped,
+        first_skipped=splitter.first_skipped,
     )
 
 
-def _optional_int(value: object) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    return None
+def _header_int(value: object, label: str, minimum: int, maximum: int, source: str) -> int | None:
+    """A header integer: ``None`` when absent or not an integer, an error when out of range."""
+    number = optional_int(value)
+    if number is not None and not minimum <= number <= maximum:
+        raise TraceFormatError(f"{source}: {label} is {number}; expected {minimum}..{maximum}")
+    return number
 
 
-def _ns(microseconds: Any) -> int:
-    # Integer µs stay exact (epoch-µs timestamps exceed float64's integer range once in ns).
-    if isinstance(microseconds, int) and not isinstance(microseconds, bool):
-        return microseconds * 1000
-    return round(float(microseconds) * 1000)
+class _StepSplitter:
+    """What step splitting needs from a stream of trace events, kept compactly.
 
+    Each event is looked at once (:meth:`add`) and only what :meth:`finish` uses is kept: a
+    small tuple per kernel, runtime launch, flow, CPU op (until the first device event shows
+    the trace is a GPU trace), phase annotation and step; names are shared. An event that a
+    step needs but cannot be used (a field of the wrong type, a time that is NaN, infinite,
+    negative or beyond the int64 nanosecond range) is skipped and counted.
+    """
 
-class _Span:
-    __slots__ = ("args", "end", "name", "pid", "start", "tid")
+    def __init__(self, *, source: str, max_events: int) -> None:
+        self.skipped = 0
+        self.first_skipped: str | None = None
+        self._source = source
+        self._max_events = max_events
+        self._seen = 0
+        self._kept = 0
+        self._names: dict[str, str] = {}
+        self._threads: dict[Hashable, Hashable] = {}
+        self._steps: list[tuple[int, Span]] = []
+        self._kernels: list[Kernel] = []
+        self._has_device = False
+        self._launches: list[tuple[int, int]] = []  # (start, correlation) of runtime calls
+        self._cpu_ops: list[Span] = []
+        self._markers: list[Marker] = []
+        self._flow_starts: dict[Hashable, int] = {}
+        self._flow_ends: dict[tuple[Hashable, Hashable, int], Hashable] = {}
 
-    def __init__(self, event: dict[str, Any]) -> None:
-        self.name: str = str(event.get("name", ""))
-        self.start = _ns(event["ts"])
-        self.end = self.start + _ns(event.get("dur", 0))
-        self.pid = event.get("pid")
-        self.tid = event.get("tid")
-        args = event.get("args")
-        self.args: dict[str, Any] = args if isinstance(args, dict) else {}
+    def add(self, event: object) -> None:
+        """Look at the next event of ``traceEvents``."""
+        index = self._seen
+        self._seen += 1
+        try:
+            kept = self._add(event)
+        except BadEvent as exc:
+            self.skipped += 1
+            if self.first_skipped is None:
+                self.first_skipped = f"traceEvents[{index}]: {exc}"
+            return
+        if kept:
+            self._kept += 1
+            if self._kept > self._max_events:
+                raise TraceFormatError(
+                    f"{self._source}: more than {self._max_events:,} kernel, runtime, flow and "
+                    "step events to keep; refused (raise max_events, or stepwatch ingest "
+                    "--max-events, to ingest it)"
+                )
 
+    def skip_note(self) -> str:
+        """``" (N malformed events skipped; first: ...)"`` or ``""``."""
+        if not self.skipped:
+            return ""
+        events = "event" if self.skipped == 1 else "events"
+        return f" ({self.skipped} malformed trace {events} skipped; first: {self.first_skipped})"
 
-def _split_steps(events: Sequence[Any]) -> tuple[list[TraceStep], str]:
-    steps: list[tuple[int, _Span]] = []
-    device: list[_Span] = []
-    runtime_step_of: dict[int, int] = {}
-    cpu_ops: list[_Span] = []
-    annotations: list[_Span] = []
-    runtime: list[_Span] = []
-    flow_starts: dict[Any, int] = {}
-    flow_ends: dict[tuple[Any, Any, int], Any] = {}
-    for event in events:
+    def _add(self, event: object) -> bool:
         if not isinstance(event, dict):
-            continue
+            raise BadEvent(f"{json_type(event)}, not an object")
         phase = event.get("ph")
         if phase == "X":
-            category = str(event.get("cat", "")).lower()
-            name = event.get("name", "")
+            category = event.get("cat", "")
+            category = category.lower() if isinstance(category, str) else ""
             if category in _DEVICE_CATEGORIES:
-                device.append(_Span(event))
-            elif category in _RUNTIME_CATEGORIES:
-                runtime.append(_Span(event))
-            elif category in (
-                "user_annotation",
-                "cpu_op",
-                "python_function",
-                "gpu_user_annotation",
-            ):
-                match = _STEP_NAME.match(name) if isinstance(name, str) else None
-                if match is not None:
-                    steps.append((int(match.group(1)), _Span(event)))
-                elif category == "cpu_op":
-                    cpu_ops.append(_Span(event))
-                elif category == "user_annotation":
-                    annotations.append(_Span(event))
+                return self._add_kernel(event)
+            if category in _RUNTIME_CATEGORIES:
+                args = event.get("args")
+                correlation = args.get("correlation") if isinstance(args, dict) else None
+                if not isinstance(correlation, int):
+                    return False
+                self._launches.append((time_ns(event, "ts"), correlation))
+                return True
+            if category in _STEP_CATEGORIES:
+                return self._add_host_span(event, category)
         elif phase in ("s", "f") and event.get("cat") == "ac2g":
+            flow_id = hashable_field(event, "id")
+            when_ns = time_ns(event, "ts")
             if phase == "s":
-                flow_starts[event.get("id")] = _ns(event["ts"])
+                self._flow_starts[flow_id] = when_ns
             else:
-                key = (event.get("pid"), event.get("tid"), _ns(event["ts"]))
-                flow_ends[key] = event.get("id")
-    steps.sort(key=lambda item: item[1].start)
-    if not steps:
-        return [], "gpu" if device else "cpu"
-    starts = [span.start for _, span in steps]
+                key = (self._thread(event, "pid"), self._thread(event, "tid"), when_ns)
+                self._flow_ends[key] = flow_id
+            return True
+        return False
 
-    def step_at(time_ns: int) -> int | None:
-        # The step whose span holds time_ns (steps do not overlap on the host).
-        position = bisect.bisect_right(starts, time_ns) - 1
-        if position < 0 or time_ns > steps[position][1].end:
-            return None
-        return position
+    def _add_kernel(self, event: dict[str, Any]) -> bool:
+        self._has_device = True
+        if self._cpu_ops:  # a GPU trace: its CPU ops are not the "kernels"
+            self._kept -= len(self._cpu_ops)
+            self._cpu_ops = []
+        args = event.get("args")
+        args = args if isinstance(args, dict) else {}
+        correlation = args.get("correlation")
+        self._kernels.append(
+            Kernel(
+                self._span(event),
+                correlation if isinstance(correlation, int) else None,
+                optional_int(args.get("device")) or 0,
+            )
+        )
+        return True
 
-    for call in runtime:
-        correlation = call.args.get("correlation")
-        position = step_at(call.start)
-        if isinstance(correlation, int) and position is not None:
-            runtime_step_of[correlation] = position
-    per_step: list[list[KernelEvent]] = [[] for _ in steps]
-    busy_per_step: list[list[KernelEvent]] | None = None
-    if device:
-        for kernel in device:
-            position = _device_step(kernel, runtime_step_of, flow_starts, flow_ends, step_at)
-            if position is None:
-                continue
-            per_step[position].append(
-                KernelEvent(
-                    kernel.name,
-                    kernel.start,
-                    kernel.end - kernel.start,
-                    _optional_int(kernel.args.get("device")) or 0,
+    def _add_host_span(self, event: dict[str, Any], category: str) -> bool:
+        name = event.get("name", "")
+        match = _STEP_NAME.match(name) if isinstance(name, str) else None
+        if match is not None:
+            try:
+                index = int(match.group(1))
+            except ValueError:  # more than 4300 digits
+                raise BadEvent("step number too long") from None
+            if index > MAX_NS:
+                raise BadEvent(f"step number {index} is beyond the int64 range")
+            self._steps.append((index, self._span(event)))
+            return True
+        if category == "cpu_op" and not self._has_device:
+            self._cpu_ops.append(self._span(event))
+            return True
+        if category == "user_annotation" and isinstance(name, str):
+            phase = phase_of_annotation(name)
+            if phase is not None:
+                span = self._span(event)
+                self._markers.append(Marker(span.start, span.end, span.pid, span.tid, phase))
+                return True
+        return False
+
+    def _span(self, event: Mapping[str, Any]) -> Span:
+        name = event.get("name", "")
+        if not isinstance(name, str):
+            raise BadEvent(f"'name' is {json_type(name)}, not a string")
+        name = name[:_MAX_NAME_CHARS]
+        name = self._names.setdefault(name, name)
+        start = time_ns(event, "ts")
+        duration = time_ns(event, "dur", default=0)
+        if duration < 0:
+            raise BadEvent(f"'dur' is negative ({event['dur']!r})")
+        if start + duration > MAX_NS:
+            raise BadEvent("'ts' + 'dur' is beyond the int64 nanosecond range")
+        return Span(
+            name, start, start + duration, self._thread(event, "pid"), self._thread(event, "tid")
+        )
+
+    def _thread(self, event: Mapping[str, Any], key: str) -> Hashable:
+        """``pid`` / ``tid``, shared: a trace has few, each decoded anew per event."""
+        value = event.get(key)
+        try:
+            return self._threads.setdefault(value, value)
+        except TypeError:  # an array or object
+            raise not_scalar(key, value) from None
+
+    def finish(self) -> tuple[list[TraceStep], str]:
+        """The steps (in time order) and the device kind (``"gpu"`` or ``"cpu"``)."""
+        steps = sorted(self._steps, key=lambda item: item[1].start)
+        device_kind = "gpu" if self._has_device else "cpu"
+        if not steps:
+            return [], device_kind
+        starts = [span.start for _, span in steps]
+
+        def step_at(time_ns: int) -> int | None:
+            # The step whose span holds time_ns (steps do not overlap on the host).
+            position = bisect.bisect_right(starts, time_ns) - 1
+            if position < 0 or time_ns > steps[position][1].end:
+                return None
+            return position
+
+        per_step: list[list[KernelEvent]] = [[] for _ in steps]
+        busy_per_step: list[list[KernelEvent]] | None = None
+        if self._has_device:
+            launched_in: dict[int, int] = {}
+            for start, correlation in self._launches:
+                position = step_at(start)
+                if position is not None:
+                    launched_in[correlation] = position
+            self._launches = []  # freed before the kernel events are built: a lower peak
+            for kernel in self._kernels:
+                position = self._kernel_step(kernel, launched_in, step_at)
+                if position is not None:
+                    span = kernel.span
+                    per_step[position].append(
+                        KernelEvent(span.name, span.start, span.end - span.start, kernel.device)
+                    )
+        else:
+            own, top = self_time_events(
+                (op.name, op.start, op.end, hash((op.pid, op.tid))) for op in self._cpu_ops
+            )
+            busy_per_step = [[] for _ in steps]
+            for target, events_of in ((per_step, own), (busy_per_step, top)):
+                for event in events_of:
+                    position = step_at(event.start_ns)
+                    if position is not None:
+                        target[position].append(event)
+        markers = sorted(self._markers, key=lambda marker: marker.start)
+        marker_starts = [marker.start for marker in markers]
+        result = []
+        for position, (index, span) in enumerate(steps):
+            first = bisect.bisect_left(marker_starts, span.start)
+            last = bisect.bisect_right(marker_starts, span.end)
+            kernels = per_step[position]
+            kernels.sort(key=lambda event: event.start_ns)
+            result.append(
+                TraceStep(
+                    index=index,
+                    start_ns=span.start,
+                    end_ns=span.end,
+                    phases_s=_phases(span, markers[first:last]),
+                    kernels=tuple(kernels),
+                    busy=None if busy_per_step is None else tuple(busy_per_step[position]),
                 )
             )
-        device_kind = "gpu"
-    else:
-        own, top = self_time_events(
-            (op.name, op.start, op.end, hash((op.pid, op.tid))) for op in cpu_ops
-        )
-        busy_per_step = [[] for _ in steps]
-        for target, events_of in ((per_step, own), (busy_per_step, top)):
-            for event in events_of:
-                position = step_at(event.start_ns)
-                if position is not None:
-                    target[position].append(event)
-        device_kind = "cpu"
-    result = []
-    for position, (index, span) in enumerate(steps):
-        phases = _phases(span, annotations)
-        kernels = per_step[position]
-        kernels.sort(key=lambda event: event.start_ns)
-        result.append(
-            TraceStep(
-                index=index,
-                start_ns=span.start,
-                end_ns=span.end,
-                phases_s=phases,
-                kernels=tuple(kernels),
-                busy=None if busy_per_step is None else tuple(busy_per_step[position]),
-            )
-        )
-    return result, device_kind
+        return result, device_kind
 
-
-def _device_step(
-    kernel: _Span,
-    runtime_step_of: Mapping[int, int],
-    flow_starts: Mapping[Any, int],
-    flow_ends: Mapping[tuple[Any, Any, int], Any],
-    step_at: Callable[[int], int | None],
-) -> int | None:
-    correlation = kernel.args.get("correlation")
-    if isinstance(correlation, int) and correlation in runtime_step_of:
-        return runtime_step_of[correlation]
-    flow_id = flow_ends.get((kernel.pid, kernel.tid, kernel.start))
-    if flow_id is not None and flow_id in flow_starts:
-        return step_at(flow_starts[flow_id])
-    return step_at(kernel.start)
+    def _kernel_step(
+        self,
+        kernel: Kernel,
+        launched_in: Mapping[int, int],
+        step_at: Callable[[int], int | None],
+    ) -> int | None:
+        if kernel.correlation is not None and kernel.correlation in launched_in:
+            return launched_in[kernel.correlation]
+        span = kernel.span
+        flow_id = self._flow_ends.get((span.pid, span.tid, span.start))
+        if flow_id is not None and flow_id in self._flow_starts:
+            return step_at(self._flow_starts[flow_id])
+        return step_at(span.start)
 
 
 _PHASE_MARKERS = (
@@ -387,27 +512,26 @@ def phase_of_annotation(name: str) -> str | None:
     return None
 
 
-def _phases(step: _Span, annotations: Sequence[_Span]) -> dict[str, float]:
+def _phases(step: Span, markers: Sequence[Marker]) -> dict[str, float]:
+    """Phase → seconds of one step, from the phase markers that start inside it."""
     marked = sorted(
         (
-            (span.start, -span.end, phase, span)
-            for span in annotations
-            if span.pid == step.pid
-            and span.tid == step.tid
-            and span.start >= step.start
-            and span.end <= step.end
-            and (phase := phase_of_annotation(span.name)) is not None
+            marker
+            for marker in markers
+            if marker.pid == step.pid
+            and marker.tid == step.tid
+            and marker.start >= step.start
+            and marker.end <= step.end
         ),
-        key=lambda item: (item[0], item[1]),
+        key=lambda marker: (marker.start, -marker.end),
     )
     totals: dict[str, int] = {}
     covered_until = step.start
-    for start, negative_end, phase, _span in marked:
-        end = -negative_end
-        if start < covered_until:
+    for marker in marked:
+        if marker.start < covered_until:
             continue  # nested inside an already counted phase span
-        totals[phase] = totals.get(phase, 0) + end - start
-        covered_until = end
+        totals[marker.phase] = totals.get(marker.phase, 0) + marker.end - marker.start
+        covered_until = marker.end
     step_ns = step.end - step.start
     other = step_ns - sum(totals.values())
     result = {phase: quantised_seconds(ns) for phase, ns in totals.items()}
