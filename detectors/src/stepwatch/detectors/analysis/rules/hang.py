@@ -95,7 +95,8 @@ def find_hangs(progress: JobProgress, *, hang_steps: float, hang_min_s: float) -
         parts = [f"{_names(stuck)} stuck {where}{_step(stuck)}"] if stuck else []
         if silent:
             seen = _clock(max(r.last_report_unix_nano for r in silent))
-            parts.append(f"{_names(silent)} silent since {seen}{_step(silent)}")
+            last = _step(silent).replace(" at", ", last seen at")
+            parts.append(f"{_names(silent)} silent since {seen}{last}")
         return hang([*stuck, *silent], phase, f"{' and '.join(parts)} while {waits}")
     if closed:
         return hang(closed, None, f"{_names(closed)} exited (closed its monitor) while {waits}")
