@@ -168,10 +168,17 @@ class IncrementalDetector:
         self.config = detector_config(config, os.environ)
         self.clock: Clock = clock or time.time_ns
 
-    def run_pass(self) -> PassResult:
-        """One pass: read, analyse, reconcile with the stored findings, publish."""
+    def run_pass(self, *, skip: frozenset[str] = frozenset()) -> PassResult:
+        """One pass: read, analyse, reconcile with the stored findings, publish.
+
+        Args:
+            skip: kinds this pass neither opens nor closes (the detector service leaves
+                ``hang`` to its probe, which runs on its own thread).
+        """
         now = int(self.clock())
-        stored = read_diagnoses(self.client, self.job)
+        stored = [
+            item for item in read_diagnoses(self.client, self.job) if item[0].kind not in skip
+        ]
         open_stored = [(d, seen) for d, seen in stored if d.end_unix_nano is None]
         lookback_ns = round(self.lookback_s * 1e9)
         start = now - lookback_ns
@@ -186,6 +193,7 @@ class IncrementalDetector:
             window_s=self.window_s,
             config=self.config,
         )
+        findings = [f for f in findings if f.diagnosis.kind not in skip]
         return self._reconcile(findings, stored, now=now)
 
     def probe_hang(self) -> PassResult:
@@ -289,18 +297,19 @@ class IncrementalDetector:
 class DetectorService:
     """Runs an :class:`IncrementalDetector` for every job seen, every ``interval_s``.
 
-    Between full passes it probes every job that reported in the last minutes for a hang
-    (:meth:`IncrementalDetector.probe_hang`) every ``probe_interval_s``: a hang is a finding
-    within its threshold plus one probe interval. Probes and passes run on one thread, so they
-    never race on the stored findings. Used in-process by ``stepwatch up``/``demo``. Nothing
-    runs until :meth:`start`.
+    A second thread probes every job that reported in the last minute for a hang
+    (:meth:`IncrementalDetector.probe_hang`) every ``probe_interval_s``, so a hang is a
+    finding within its threshold plus one probe interval however long a full pass takes; the
+    full passes then leave ``hang`` findings to the probe (each kind has one owner, so the two
+    threads never race on a finding). Publishing to the sinks is serialised. Used in-process
+    by ``stepwatch up``/``demo``. Nothing runs until :meth:`start`.
 
     Args:
         client: InfluxDB client.
         sinks: destinations besides the InfluxDB diagnosis measurement.
         interval_s: time between passes (30 s when ``None``).
         probe_interval_s: time between hang probes (``STEPWATCH_HANG_PROBE_INTERVAL_S``, 5 s,
-            when ``None``; 0 turns the probe off).
+            when ``None``; 0 turns the probe off and the full passes find hangs themselves).
         window_s, lookback_s, config, clock: passed to each :class:`IncrementalDetector`.
         jobs: analyse only these jobs (every job with step windows when ``None``).
 
@@ -328,7 +337,8 @@ class DetectorService:
         if probe is None or probe < 0:
             raise ConfigError(f"probe_interval_s: must be >= 0, got {probe}")
         self.client = client
-        self.sinks = tuple(sinks)
+        publishing = threading.Lock()
+        self.sinks = tuple(_SerialSink(sink, publishing) for sink in sinks)
         self.interval_s = interval_s
         self.probe_interval_s = probe
         self.window_s = window_s
@@ -337,32 +347,36 @@ class DetectorService:
         self.clock = clock
         self.jobs = None if jobs is None else tuple(jobs)
         self._detectors: dict[str, IncrementalDetector] = {}
+        self._detectors_lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def _detector(self, job: str) -> IncrementalDetector:
-        detector = self._detectors.get(job)
-        if detector is None:
-            detector = self._detectors[job] = IncrementalDetector(
-                self.client,
-                job,
-                sinks=self.sinks,
-                window_s=self.window_s,
-                lookback_s=self.lookback_s,
-                config=self.config,
-                clock=self.clock,
-            )
-        return detector
+        with self._detectors_lock:
+            detector = self._detectors.get(job)
+            if detector is None:
+                detector = self._detectors[job] = IncrementalDetector(
+                    self.client,
+                    job,
+                    sinks=self.sinks,
+                    window_s=self.window_s,
+                    lookback_s=self.lookback_s,
+                    config=self.config,
+                    clock=self.clock,
+                )
+            return detector
 
     def run_once(self) -> dict[str, PassResult]:
-        """One pass over every job; a failing job is logged and skipped."""
+        """One full pass over every job (``hang`` left to the probe when it runs)."""
         jobs = self.jobs if self.jobs is not None else tuple(list_jobs(self.client))
-        return self._each(jobs, IncrementalDetector.run_pass, "detection pass")
+        skip = HANG_KINDS if self.probe_interval_s > 0 else frozenset()
+        return self._each(jobs, lambda detector: detector.run_pass(skip=skip), "detection pass")
 
     def probe_once(self) -> dict[str, PassResult]:
         """One hang probe of every job that reported lately; a failing job is logged."""
         now = int((self.clock or time.time_ns)())
-        reporting = list_reporting_jobs(self.client, now_unix_nano=now)
+        # A job silent for longer keeps what the probe found (its findings are its own).
+        reporting = list_reporting_jobs(self.client, now_unix_nano=now, lookback_s=60.0)
         jobs = [job for job in reporting if self.jobs is None or job in self.jobs]
         return self._each(jobs, IncrementalDetector.probe_hang, "hang probe")
 
@@ -380,36 +394,44 @@ class DetectorService:
                 _log.warning("%s for job %s failed: %s", what, job, exc)
         return results
 
-    def _loop(self) -> None:
-        next_pass = time.monotonic()
+    def _loop(self, run: Callable[[], object], interval_s: float, what: str) -> None:
         while not self._stop.is_set():
-            full = time.monotonic() >= next_pass
-            if full:
-                next_pass = time.monotonic() + self.interval_s
             try:
-                if full:
-                    self.run_once()
-                elif self.probe_interval_s > 0:
-                    self.probe_once()
+                run()
             except StepwatchError as exc:
-                _log.warning("detection %s failed: %s", "pass" if full else "probe", exc)
-            wait_s = next_pass - time.monotonic()
-            if self.probe_interval_s > 0:
-                wait_s = min(wait_s, self.probe_interval_s)
-            self._stop.wait(max(wait_s, 0.0))
+                _log.warning("%s failed: %s", what, exc)
+            self._stop.wait(interval_s)
 
     def start(self) -> DetectorService:
-        """Run passes on a background thread until :meth:`stop`."""
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(
-                target=self._loop, name="stepwatch-detectors", daemon=True
-            )
-            self._thread.start()
+        """Run passes (and probes) on background threads until :meth:`stop`."""
+        if any(thread.is_alive() for thread in self._threads):
+            return self
+        self._stop.clear()
+        loops = [("stepwatch-detectors", self.run_once, self.interval_s, "detection pass")]
+        if self.probe_interval_s > 0:
+            loops.append(("stepwatch-hang-probe", self.probe_once, self.probe_interval_s, "probe"))
+        self._threads = [
+            threading.Thread(target=self._loop, args=loop[1:], name=loop[0], daemon=True)
+            for loop in loops
+        ]
+        for thread in self._threads:
+            thread.start()
         return self
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
+        for thread in self._threads:
+            thread.join(timeout_s)
+        self._threads = []
+
+
+class _SerialSink:
+    """A sink whose ``publish`` never runs on two threads at once (passes and probes share it)."""
+
+    def __init__(self, sink: Sink, lock: threading.Lock) -> None:
+        self.sink = sink
+        self._lock = lock
+
+    def publish(self, findings: Sequence[Diagnosis]) -> None:
+        with self._lock:
+            self.sink.publish(findings)
