@@ -217,15 +217,12 @@ def test_a_long_step_on_every_rank_is_not_a_hang(stack: LocalStack) -> None:
         _wait(lambda: job.steps >= 30, timeout_s=30)
         job.go.clear()
         job.hold = lambda rank, step: "eval"  # every rank evaluates for 5 s: 2.5x the threshold
-        progress_seen = _wait(
-            lambda: [
-                r
-                for r in read_progress(client, job.id, now_unix_nano=time.time_ns()).ranks
-                if r.phase == "eval"
-            ],
-            timeout_s=10,
-        )
-        assert len(progress_seen) == WORLD
+
+        def all_evaluating() -> bool:
+            ranks = read_progress(client, job.id, now_unix_nano=time.time_ns()).ranks
+            return len(ranks) == WORLD and all(r.phase == "eval" for r in ranks)
+
+        _wait(all_evaluating, timeout_s=10)
         time.sleep(4.0)
         assert service.probe_once()[job.id].opened == ()
         job.go.set()
