@@ -138,8 +138,11 @@ def test_window_holds_whole_steps_with_exact_bounds(clock: FakeClock) -> None:
     clock.advance(0.5)
     _steps(monitor, clock, 1)
     assert monitor.export_now()
-    assert not monitor.export_now()  # nothing new: no empty window
-    first, second = exporter.exported
+    clock.advance(0.25)
+    assert monitor.export_now()  # no step finished: the window says where the rank is
+    first, second, progress_only = exporter.exported
+    assert set(_metrics(progress_only)) == {_schema.STEP_CURRENT, _schema.STEP_ELAPSED}
+    assert _metrics(progress_only)[_schema.STEP_ELAPSED].data_points[0].value == pytest.approx(0.25)
     first_metrics = _metrics(first)
     step_point = first_metrics[_schema.STEP_DURATION].data_points[0]
     assert step_point.count == 3
@@ -160,7 +163,7 @@ def test_window_holds_whole_steps_with_exact_bounds(clock: FakeClock) -> None:
     assert second_steps.start_time_unix_nano == step_point.time_unix_nano
     assert second_metrics[_schema.STEP_LAST].data_points[0].value == 4
     stats = monitor.stats
-    assert (stats.steps_recorded, stats.steps_exported, stats.windows_exported) == (5, 5, 2)
+    assert (stats.steps_recorded, stats.steps_exported, stats.windows_exported) == (5, 5, 3)
     assert (stats.steps_dropped, stats.export_failures, stats.misuse) == (0, 0, 0)
     monitor.close()
 
@@ -384,10 +387,12 @@ def test_device_timer_gives_durations_and_holds_unfinished_steps(clock: FakeCloc
             device.device_ms += 1.0
     device.done_ms = 5.0  # only the first step has finished on the device
     assert monitor.export_now()
-    assert not monitor.export_now()  # nothing new has finished
+    assert monitor.export_now()  # nothing new has finished: only where the rank is
     device.done_ms = 15.0
     monitor.close()
-    first, second = exporter.exported
+    first, progress_only, second = exporter.exported
+    assert _schema.STEP_DURATION not in _metrics(progress_only)
+    assert _metrics(progress_only)[_schema.STEP_CURRENT].data_points[0].value == 3
     first_steps = _metrics(first)[_schema.STEP_DURATION].data_points[0]
     assert first_steps.count == 1
     assert first_steps.sum == pytest.approx(0.005)

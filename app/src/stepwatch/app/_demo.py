@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stepwatch.app._demo_job import DemoJobConfig, launch
+from stepwatch.app._demo_job import DemoJobConfig, launch, start
+from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._errors import StepwatchError
 from stepwatch.core._influx import InfluxClient, quote_ident, quote_literal, wait_until
 from stepwatch.core._schema import JOB_ID, PHASE, PHASE_DURATION, RANK, STEP_LAST
@@ -184,3 +186,88 @@ def write_outputs(
         )
     )
     return diagnoses, report_path
+
+
+@dataclasses.dataclass(frozen=True)
+class HangDemo:
+    """What ``stepwatch demo --fault hang|freeze`` saw.
+
+    Attributes:
+        finding: the open ``hang`` finding (None: none within the timeout).
+        onset_unix_nano: when the faulty rank stopped (its own clock), if it said.
+        found_after_s: from the onset to the moment the finding was read back.
+        closed: the finding once the job was killed (None: still open when we stopped looking).
+        process_group: the job's process group (killed).
+    """
+
+    finding: Diagnosis | None
+    onset_unix_nano: int | None
+    found_after_s: float | None
+    closed: Diagnosis | None
+    process_group: int
+
+
+def _hang_findings(client: InfluxClient, job: str, state: str) -> list[Diagnosis]:
+    from stepwatch.detectors import read_diagnoses
+
+    return [d for d, _ in read_diagnoses(client, job, state=state) if d.kind == "hang"]
+
+
+def _poll(predicate: Callable[[], Any], *, timeout_s: float, interval_s: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval_s)
+
+
+def run_hang_demo(
+    client: InfluxClient,
+    config: DemoJobConfig,
+    *,
+    timeout_s: float = 120.0,
+    progress: Callable[[str], None] = print,
+) -> HangDemo:
+    """Start a job that hangs, wait for the detector service's finding, kill the job.
+
+    The stack's detector service must be running (``stepwatch up``'s defaults find a hang
+    within ~15 s of its onset). The job runs in its own session and is killed whole, found or
+    not; then the finding should close (the job ended).
+    """
+    with tempfile.TemporaryDirectory(prefix="stepwatch-hang-") as scratch:
+        onset_file = Path(scratch) / "onset"
+        job = start(dataclasses.replace(config, onset_file=str(onset_file)))
+        progress(
+            f"training: {config.world_size} ranks (DDP, gloo, CPU), job {config.job_id}, fault "
+            f"{config.fault} on rank {config.fault_rank} from step {config.fault_step}; "
+            f"waiting up to {timeout_s:.0f} s for the hang to be found"
+        )
+        try:
+            found = _poll(
+                lambda: _hang_findings(client, config.job_id, "open"), timeout_s=timeout_s
+            )
+            seen_unix_nano = time.time_ns()
+            onset = int(onset_file.read_text()) if onset_file.exists() else None
+        finally:
+            job.kill()
+    progress(f"job killed (process group {job.process.pid})")
+    finding = found[0] if found else None
+    closed = None
+    if finding is not None:
+        closed_now = _poll(
+            lambda: [
+                d
+                for d in _hang_findings(client, config.job_id, "closed")
+                if d.finding_id == finding.finding_id
+            ],
+            timeout_s=30.0,
+        )
+        closed = closed_now[0] if closed_now else None
+    return HangDemo(
+        finding=finding,
+        onset_unix_nano=onset,
+        found_after_s=None if onset is None or not found else (seen_unix_nano - onset) / 1e9,
+        closed=closed,
+        process_group=job.process.pid,
+    )

@@ -11,15 +11,27 @@ job, so what stepwatch diagnoses is what a real straggler, link or stall does to
 - ``dataloader``: a slow data loader on one rank from a step on;
 - ``regression``: every rank does extra compute from a step on (job-wide slowdown);
 - ``hang``: one rank blocks forever inside its data phase from a step on (a data loader that
-  never returns); the others wait in their all-reduce until the job is killed.
+  never returns); the others wait in their all-reduce until the job is killed;
+- ``freeze``: one rank's whole process stops (``SIGSTOP``, its export thread too) inside its
+  forward pass at a step; the others wait in their all-reduce until the job is killed;
+- ``eval``: every rank runs an evaluation pass of ``EVAL_S`` seconds at a step (a long but
+  normal step on every rank: not a hang).
+
+:func:`start` runs a job in its own session (process group) so that a hung one can be killed
+whole, ranks and launcher together, with :meth:`DemoJobProcess.kill`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -27,11 +39,27 @@ from typing import Any
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._net import free_port
 
-FAULT_KINDS = ("none", "straggler", "link", "jit", "stall", "dataloader", "regression", "hang")
+FAULT_KINDS = (
+    "none",
+    "straggler",
+    "link",
+    "jit",
+    "stall",
+    "dataloader",
+    "regression",
+    "hang",
+    "freeze",
+    "eval",
+)
 #: Faults on ``fault_rank`` alone (the others are job-wide).
-RANK_FAULTS = ("straggler", "link", "jit", "stall", "dataloader", "hang")
+RANK_FAULTS = ("straggler", "link", "jit", "stall", "dataloader", "hang", "freeze")
+#: Faults after which the job never finishes: it must be killed (:meth:`DemoJobProcess.kill`).
+HANG_FAULTS = ("hang", "freeze")
 #: How long the ``stall`` fault stops its rank between phases.
 STALL_S = 3.0
+#: How long the ``eval`` fault's evaluation pass lasts on every rank (longer than the default
+#: hang threshold of 10 s).
+EVAL_S = 15.0
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +70,8 @@ class DemoJobConfig:
 
     The defaults are the ``stepwatch demo`` CLI's: a 300-step job exporting a window every
     0.25 s gives the detectors ~20 analysis windows of 0.5 s (see ``export_window_s``).
+    ``onset_file``: where the faulty rank writes the wall time (Unix ns) at which a ``hang``
+    or ``freeze`` begins (to time how fast it is found).
     """
 
     job_id: str
@@ -57,6 +87,7 @@ class DemoJobConfig:
     hidden: int = 256
     export_interval_s: float = 0.25
     collect_kernels: bool = False
+    onset_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.fault not in FAULT_KINDS:
@@ -112,6 +143,63 @@ def launch(config: DemoJobConfig, *, timeout_s: float = 600.0) -> None:
                 process.terminate()
 
 
+class DemoJobProcess:
+    """A demo job running in its own session: the launcher and its ranks, one process group.
+
+    Attributes:
+        config: what it runs.
+        process: the launcher (its process group id is its pid).
+    """
+
+    def __init__(self, config: DemoJobConfig, process: subprocess.Popen[bytes]) -> None:
+        self.config = config
+        self.process = process
+
+    def wait(self, timeout_s: float) -> int | None:
+        """The launcher's exit status, or None if it still runs after ``timeout_s``."""
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """Kill the whole job (launcher and ranks, stopped ones too) and reap the launcher."""
+        with contextlib.suppress(ProcessLookupError):  # already gone, every process of it
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def __enter__(self) -> DemoJobProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.kill()
+
+
+# The launcher process of start(): the module imported under its own name (not as __main__),
+# so the ranks it spawns unpickle the same functions and classes.
+_LAUNCHER = (
+    "import json, sys\n"
+    "from stepwatch.app._demo_job import DemoJobConfig, launch\n"
+    "launch(DemoJobConfig(**json.loads(sys.argv[1])), timeout_s=3600.0)\n"
+)
+
+
+def start(config: DemoJobConfig) -> DemoJobProcess:
+    """Run :func:`launch` for ``config`` in a new session, without waiting for it."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, json.dumps(dataclasses.asdict(config))],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
+    return DemoJobProcess(config, process)
+
+
+def _mark_onset(config: DemoJobConfig) -> None:
+    if config.onset_file is not None:
+        with open(config.onset_file, "w") as onset:
+            onset.write(str(time.time_ns()))
+
+
 def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -158,9 +246,9 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
         )
         for step in range(config.steps):
             active = step >= config.fault_step
-            model.stall_s = (
-                1.5 if config.fault == "jit" and faulty and step == config.fault_step else 0.0
-            )
+            at_fault = step == config.fault_step
+            model.stall_s = 1.5 if config.fault == "jit" and faulty and at_fault else 0.0
+            model.freeze = config if config.fault == "freeze" and faulty and at_fault else None
             model.extra_factor = (
                 config.fault_factor
                 if (config.fault == "straggler" and faulty and active)
@@ -174,7 +262,10 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
                     if config.fault == "dataloader" and faulty and active:
                         time.sleep(0.004 * config.fault_factor)
                     if config.fault == "hang" and faulty and active:
+                        _mark_onset(config)
                         threading.Event().wait()  # never returns: the job must be killed
+                if config.fault == "eval" and at_fault:
+                    _evaluate(monitor, ddp, config)
                 output = ddp(inputs)
                 loss = loss_fn(output, targets)
                 optimizer.zero_grad(set_to_none=True)
@@ -204,8 +295,12 @@ def _demo_model(hidden: int) -> Any:
             self.burner = torch.randn(hidden, hidden)
             self.extra_factor = 0.0
             self.stall_s = 0.0
+            self.freeze: DemoJobConfig | None = None
 
         def forward(self, inputs: Any) -> Any:
+            if self.freeze is not None:
+                _mark_onset(self.freeze)
+                os.kill(os.getpid(), signal.SIGSTOP)  # the whole process stops, exporter too
             if self.stall_s:
                 time.sleep(self.stall_s)  # a host-side stall (JIT recompile): nothing runs
             if self.extra_factor:
@@ -213,6 +308,18 @@ def _demo_model(hidden: int) -> Any:
             return self.layers(inputs)
 
     return DemoModel()
+
+
+def _evaluate(monitor: Any, model: Any, config: DemoJobConfig) -> None:
+    """An evaluation pass of ``EVAL_S`` on every rank: forward passes, no gradients, no
+    collective (a long but normal step)."""
+    import torch
+
+    deadline = time.monotonic() + EVAL_S
+    with monitor.phase("eval"), torch.no_grad():
+        while time.monotonic() < deadline:
+            model.module(torch.randn(config.batch_size, 64))
+            time.sleep(0.01)
 
 
 def _demo_host(rank: int) -> str:

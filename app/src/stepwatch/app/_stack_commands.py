@@ -11,9 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stepwatch.app._demo_job import FAULT_KINDS
+from stepwatch.app._demo_job import FAULT_KINDS, HANG_FAULTS
 from stepwatch.core import settings
 from stepwatch.core._durations import parse_duration_s
+
+#: The full detector pass period of `stepwatch up` (hangs are probed more often, see
+#: ``settings.HANG_PROBE_INTERVAL_S``).
+UP_DETECT_EVERY_S = 30.0
 
 
 def register(subparsers: Any) -> None:
@@ -26,8 +30,9 @@ def register(subparsers: Any) -> None:
     _add_stack_arguments(up)
     up.add_argument(
         "--detect-every",
-        default="30s",
-        help="detector period, e.g. 30s or 2m; 'off' disables (default 30s)",
+        default=f"{UP_DETECT_EVERY_S:.0f}s",
+        help="detector period, e.g. 30s or 2m; 'off' disables (default 30s; hangs are "
+        f"probed every ${settings.HANG_PROBE_INTERVAL_S.variable} seconds, 5 by default)",
     )
     up.set_defaults(handler=_run_up)
 
@@ -156,13 +161,37 @@ def _run_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hang_demo(stack: Any, config: Any, *, json_lines: bool) -> int:
+    """Run a job that hangs until the hang is found, print the finding, kill the job."""
+    from stepwatch.app._demo import run_hang_demo
+
+    seen = run_hang_demo(stack.client, config)
+    if seen.finding is None:
+        print("diagnosis: no hang found within the time allowed")
+        return 1
+    after = "" if seen.found_after_s is None else f" {seen.found_after_s:.1f} s after it began"
+    print(f"diagnosis: the hang was found{after}:")
+    finding = seen.finding
+    print(finding.to_json() if json_lines else f"  [{finding.severity}] hang: {finding.summary}")
+    if seen.closed is not None:
+        print("  the job was killed and the finding closed (the job ended)")
+    print(
+        f'  InfluxQL: SELECT * FROM "stepwatch.diagnosis" '
+        f"WHERE \"stepwatch.job.id\" = '{config.job_id}'  (database {stack.database})"
+    )
+    sys.stdout.flush()
+    return 0
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from stepwatch.app._demo import format_summary, run_demo_job, write_outputs
     from stepwatch.app._demo_job import DemoJobConfig
     from stepwatch.detectors.frame import job_time_range
 
     job = f"demo-{args.fault}-{time.strftime('%Y%m%d-%H%M%S')}"
-    with _stack(args, detect_every_s=None) as stack:
+    hangs = args.fault in HANG_FAULTS
+    # A job that hangs never finishes: the detector service finds it live, as under `up`.
+    with _stack(args, detect_every_s=UP_DETECT_EVERY_S if hangs else None) as stack:
         _print_endpoints(stack)
         config = DemoJobConfig(
             job_id=job,
@@ -176,6 +205,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             export_interval_s=args.export_interval,
             collect_kernels=args.kernels,
         )
+        if hangs:
+            return _hang_demo(stack, config, json_lines=args.json)
         summary = run_demo_job(stack.client, config)
         print(format_summary(summary, steps=args.steps))
         out_dir = stack.data_dir / "reports"

@@ -31,6 +31,12 @@ STEP_LAST: Final = "stepwatch.step.last"  # gauge, {step}
 PHASE_DURATION: Final = "stepwatch.phase.duration"  # histogram, s
 KERNEL_DURATION: Final = "stepwatch.kernel.duration"  # histogram, s
 DEVICE_IDLE_DURATION: Final = "stepwatch.device.idle.duration"  # histogram, s
+# Where a rank is now (issue 12), sent in every window that holds no finished step (a rank
+# stuck in a step still reports) and read by the hang probe.
+STEP_CURRENT: Final = "stepwatch.step.current"  # gauge, {step}
+STEP_ELAPSED: Final = "stepwatch.step.elapsed"  # gauge, s; attribute stepwatch.phase (if in one)
+PHASE_ELAPSED: Final = "stepwatch.phase.elapsed"  # gauge, s; attribute stepwatch.phase
+MONITOR_CLOSED: Final = "stepwatch.monitor.closed"  # gauge, 1; in the monitor's last window
 
 # Device health (GPU only): semantic-convention names where they exist.
 HW_GPU_UTILIZATION: Final = "hw.gpu.utilization"  # gauge, 1

@@ -282,6 +282,29 @@ DASHBOARD_URL = Setting[str](
     "Grafana dashboard URL that alerts link to",
 )
 
+# ---- detectors: hangs (issue 12) -----------------------------------------------------------
+HANG_STEPS = Setting[float](
+    "hang_steps",
+    "STEPWATCH_HANG_STEPS",
+    10.0,
+    _float,
+    "a job that finished no step for this many of its usual steps is hung ...",
+)
+HANG_MIN_S = Setting[float](
+    "hang_min_s",
+    "STEPWATCH_HANG_MIN_S",
+    10.0,
+    _float,
+    "... and for at least this many seconds",
+)
+HANG_PROBE_INTERVAL_S = Setting[float](
+    "hang_probe_interval_s",
+    "STEPWATCH_HANG_PROBE_INTERVAL_S",
+    5.0,
+    _float,
+    "how often the detector service of `up` looks for hangs (latest progress only; 0: off)",
+)
+
 # ---- the local stack (up, demo) ------------------------------------------------------------
 DATA_DIR = Setting[str](
     "data_dir",

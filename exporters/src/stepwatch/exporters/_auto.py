@@ -84,6 +84,14 @@ class Instrumentation:
         self._handles = handles
         self.communication_timed = communication_timed
 
+    def open_phase(self) -> tuple[str, int] | None:
+        """The innermost auto-mode phase open now and its start (monotonic ns), or None.
+
+        Read by the export thread from what the hooks already record (``_AutoState``); a rank
+        waiting for its peers in DDP's allreduce reads ``communication``.
+        """
+        return self._state.open_phase()
+
     def remove(self) -> None:
         """Remove the module and optimizer hooks; the DDP comm hook becomes a pass-through."""
         state = self._state
@@ -147,6 +155,39 @@ class _AutoState:
         inert = object.__new__(_AutoState)
         inert.enabled = False
         return inert
+
+    def open_phase(self) -> tuple[str, int] | None:
+        """The phase the training thread is in now, by the latest start (export thread).
+
+        Every field read here is one the hooks set anyway; reads are single attribute loads, so
+        a torn read can only mix two neighbouring moments of the same step. Communication is
+        the exposed wait (after the last gradient, until ``loss.backward()`` returns) or a
+        timed collective still in flight (more issued than completed).
+        """
+        if not self.enabled:
+            return None
+        try:
+            open_phases: list[tuple[str, int]] = []
+            if self.forward_depth > 0:
+                open_phases.append(("forward", self.forward_start_ns))
+            if self.in_backward:
+                open_phases.append(("backward", self.backward_start_ns))
+            last_gradient = self.last_gradient_ns
+            if last_gradient is not None:
+                open_phases.append(("communication", last_gradient))
+            issued = sorted(self.comm_starts_ns)
+            completed = len(self.comm_ends_ns)
+            if len(issued) > completed:
+                open_phases.append(("communication", issued[completed]))
+            optimizer_start = self.optimizer_start_ns
+            if optimizer_start is not None:
+                open_phases.append(("optimizer", optimizer_start))
+            data_start = self.data_start_ns
+            if data_start is not None:
+                open_phases.append(("data", data_start))
+            return max(open_phases, key=lambda phase: phase[1]) if open_phases else None
+        except Exception:
+            return None
 
     def forward_pre(self, module: Any, args: Any) -> None:
         if not self.enabled:

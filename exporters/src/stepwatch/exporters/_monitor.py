@@ -4,14 +4,15 @@ The hot path (``step()``, ``phase()``) only reads a monotonic clock and appends 
 record to a bounded deque: no lock held, no SDK call, no allocation beyond the record. A daemon
 export thread wakes every ``export_interval_s``, takes every whole step finished since the last
 export, aggregates them with :class:`~stepwatch.exporters.WindowBuilder` and hands the window to
-the OTLP exporter. Nothing raises into the training loop: misuse and export failures are
-logged (rate-limited) and counted in :attr:`StepMonitor.stats`.
+the OTLP exporter. A window that holds no finished step still goes out, carrying where the
+rank is (its step, the phase it is in and for how long), so a rank stuck inside a step is seen.
+Nothing raises into the training loop: misuse and export failures are logged (rate-limited) and
+counted in :attr:`StepMonitor.stats`, where every step and window adds up (``_account``).
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import importlib.util
 import logging
 import os
@@ -23,12 +24,19 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, cast
 from stepwatch.core import settings
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
+from stepwatch.exporters._account import ExportAccount, MonitorStats
 from stepwatch.exporters._auto import Instrumentation, install_hooks
 from stepwatch.exporters._config import DEFAULT_TIMEOUT_S, ExporterConfig, resolve_exporter_config
 from stepwatch.exporters._device import DeviceTimer, resolve_device_timer
 from stepwatch.exporters._export import Exporter, create_exporter
 from stepwatch.exporters._recorder import Clock, StepRecord, StepRecorder, SystemClock
-from stepwatch.exporters._window import KernelSource, KernelWindow, WindowBuilder, build_resource
+from stepwatch.exporters._window import (
+    KernelSource,
+    KernelWindow,
+    Progress,
+    WindowBuilder,
+    build_resource,
+)
 from stepwatch.exporters.kernels._nvml import HealthSampler
 
 if TYPE_CHECKING:
@@ -43,33 +51,11 @@ DEFAULT_EXPORT_INTERVAL_S: Final = cast(float, settings.METRIC_EXPORT_INTERVAL_S
 DEFAULT_BUFFER_STEPS: Final = 4096
 RECONNECT_AFTER_FAILURES: Final = 2
 AT_EXIT_TIMEOUT_S: Final = 2.0
+DEFAULT_CLOSE_TIMEOUT_S: Final = 2.0
+#: What ``close()`` keeps for cutting short an export still in flight at its deadline.
+_INTERRUPT_MARGIN_S: Final = 0.2
 _LOG_INTERVAL_S: Final = 60.0
 _YIELD_EVERY_STEPS: Final = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class MonitorStats:
-    """Counters of one monitor since it was built.
-
-    Attributes:
-        steps_recorded: Steps finished and put in the buffer.
-        steps_exported: Steps delivered in a successful export.
-        steps_dropped: Steps lost: buffer full, or their window failed to export.
-        windows_exported: Successful exports.
-        export_failures: Exports that failed (exporter returned failure or raised).
-        misuse: Calls ignored for bad usage (bad phase name, nested or unbalanced step).
-        observations_overflowed: Observations folded into ``other`` by the series caps.
-        observations_rejected: Durations refused as negative, NaN or infinite.
-    """
-
-    steps_recorded: int
-    steps_exported: int
-    steps_dropped: int
-    windows_exported: int
-    export_failures: int
-    misuse: int
-    observations_overflowed: int
-    observations_rejected: int
 
 
 class StepMonitor:
@@ -209,15 +195,15 @@ class StepMonitor:
 
         # Export-thread state.
         self._export_lock = threading.Lock()
-        self._steps_exported = 0
-        self._export_dropped = 0
-        self._windows_exported = 0
-        self._export_failures = 0
+        self._account = ExportAccount()
         self._consecutive_failures = 0
         self._last_window_end_ns = self._wall_anchor_ns
+        # End (monotonic ns) of the last step that left the buffer: the rank's last progress.
+        self._last_progress_ns = self._mono_anchor_ns
         self._stop = threading.Event()
         self._close_deadline = 0.0
         self._closed = False
+        self._interrupted = False  # close() cut an export short
         self._instrumentations: list[Instrumentation] = []
         self._thread: threading.Thread | None = None
         if start:
@@ -336,6 +322,21 @@ class StepMonitor:
             self.export_now()
         self._final_flush()
 
+    def _where(self, now_ns: int) -> Progress:
+        """Where the rank is now, from what the training thread already recorded."""
+        recorder = self._recorder
+        phase = recorder.open_phase()
+        for instrumentation in self._instrumentations:
+            auto = instrumentation.open_phase()
+            if auto is not None and (phase is None or auto[1] >= phase[1]):
+                phase = auto
+        return Progress(
+            step_index=recorder.step_index,
+            step_elapsed_s=max(now_ns - self._last_progress_ns, 0) * 1e-9,
+            phase=None if phase is None else phase[0],
+            phase_elapsed_s=None if phase is None else max(now_ns - phase[1], 0) * 1e-9,
+        )
+
     def _final_flush(self) -> None:
         """Last export at close: first give the device until the close deadline to finish."""
         timer = self._device_timer
@@ -348,7 +349,8 @@ class StepMonitor:
                     time.sleep(0.001)
             except Exception:
                 self._log.warning("device-ready", "device timer ready() raised", exc_info=True)
-        self.export_now(timeout_s=max(self._close_deadline - time.monotonic(), 0.001))
+        remaining_s = self._close_deadline - time.monotonic() - _INTERRUPT_MARGIN_S / 2
+        self._export(timeout_s=max(remaining_s, 0.001), final=True)
 
     def export_now(self, *, timeout_s: float | None = None) -> bool:
         """Export every step finished so far as one window (the export thread calls this).
@@ -356,39 +358,45 @@ class StepMonitor:
         Args:
             timeout_s: Bound for this export (default: the exporter timeout).
 
+        A window that holds no finished step carries where the rank is instead (its step,
+        phase and time without progress: docs/schema.md), so every call sends one.
+
         Returns:
-            True when a window was exported; False when there was nothing to export or the
-            export failed (counted). Never raises.
+            True when a window was exported; False when the export failed (counted). Never
+            raises.
         """
+        return self._export(timeout_s=timeout_s, final=False)
+
+    def _export(self, *, timeout_s: float | None, final: bool) -> bool:
         with self._export_lock:
             try:
-                return self._export_locked(timeout_s)
+                return self._export_locked(timeout_s, final=final)
             except Exception:
-                self._export_failures += 1
+                self._account.export_failures += 1
+                self._account.settle(delivered=False, reason="build_failed")
                 self._log.warning(
                     "export-crash", "building or exporting a window failed", exc_info=True
                 )
                 return False
 
-    def _export_locked(self, timeout_s: float | None) -> bool:
+    def _export_locked(self, timeout_s: float | None, *, final: bool) -> bool:
         records: list[StepRecord] = []
         buffer = self._buffer
         timer = self._device_timer
-        while buffer:
-            device = buffer[0][4]
-            if device is not None and timer is not None and not timer.ready(device[1]):
-                break  # the device is still running this step: it goes in a later window
-            records.append(buffer.popleft())
+        account = self._account
+        with account.lock:  # steps leave the buffer and enter the window in one move
+            while buffer:
+                device = buffer[0][4]
+                if device is not None and timer is not None and not timer.ready(device[1]):
+                    break  # the device is still running this step: it goes in a later window
+                records.append(buffer.popleft())
+            account.steps_in_flight = len(records)
         kernels: KernelWindow | None = None
         if self._kernel_source is not None:
             try:
                 kernels = self._kernel_source.drain()
             except Exception:
                 self._log.warning("kernel-drain", "kernel source drain() raised", exc_info=True)
-        if not records and (
-            kernels is None or not (kernels.durations_s or kernels.idle_durations_s)
-        ):
-            return False
         builder = self._builder
         for position, (index, start_ns, end_ns, phases, device) in enumerate(records):
             if position % _YIELD_EVERY_STEPS == _YIELD_EVERY_STEPS - 1:
@@ -405,35 +413,45 @@ class StepMonitor:
         if kernels is not None:
             builder.add_kernels(kernels)
         if records:
+            self._last_progress_ns = records[-1][2]
             start_unix_nano = self._wall_ns(records[0][1])
             end_unix_nano = self._wall_ns(records[-1][2])
+            if account.windows_built == 0:  # the first window says this monitor reports progress
+                builder.set_progress(Progress(step_index=records[-1][0] + 1, step_elapsed_s=0.0))
         else:
+            # No step finished: say where the rank is (a rank stuck in a step still reports).
+            now_ns = self._clock.monotonic_ns()
+            builder.set_progress(self._where(now_ns))
             start_unix_nano = self._last_window_end_ns
-            end_unix_nano = self._wall_ns(self._clock.monotonic_ns())
+            end_unix_nano = self._wall_ns(now_ns)
+        if final:
+            builder.mark_closed()
         metrics = builder.build(start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano)
         if metrics is None:
             return False
         if self._health is not None:
             metrics = self._with_health(metrics, start_unix_nano, end_unix_nano)
-        self._last_window_end_ns = end_unix_nano
+        self._last_window_end_ns = max(end_unix_nano, self._last_window_end_ns)
         timeout = self._export_timeout_s if timeout_s is None else timeout_s
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
+        with account.lock:
+            account.windows_built += 1
+            account.window_in_flight = True
         try:
             result = self._exporter.export(metrics, timeout_millis=timeout * 1000.0)
         except Exception:
             result = MetricExportResult.FAILURE
             self._log.warning("export-raise", "the metric exporter raised", exc_info=True)
         if result is MetricExportResult.SUCCESS:
-            self._windows_exported += 1
-            self._steps_exported += len(records)
+            account.settle(delivered=True)
             self._consecutive_failures = 0
             return True
-        self._export_failures += 1
+        account.export_failures += 1
+        account.settle(delivered=False, reason="closed" if self._interrupted else "export_failed")
         self._consecutive_failures += 1
-        if self._consecutive_failures % RECONNECT_AFTER_FAILURES == 0:
+        if self._consecutive_failures % RECONNECT_AFTER_FAILURES == 0 and not self._stop.is_set():
             self._reconnect()
-        self._export_dropped += len(records)
         self._log.warning(
             "export-failed", "export of a %d-step window failed; steps dropped", len(records)
         )
@@ -459,16 +477,15 @@ class StepMonitor:
 
     @property
     def stats(self) -> MonitorStats:
-        """Counters since construction (a consistent-enough snapshot; never raises)."""
-        return MonitorStats(
-            steps_recorded=self._recorder.steps_recorded,
-            steps_exported=self._steps_exported,
-            steps_dropped=self._recorder.buffer_dropped + self._export_dropped,
-            windows_exported=self._windows_exported,
-            export_failures=self._export_failures,
-            misuse=self._recorder.misuse_count,
-            observations_overflowed=self._builder.overflow_observations,
-            observations_rejected=self._builder.rejected_observations,
+        """Counters since construction; they add up (``_account``). Never raises."""
+        recorder = self._recorder
+        return self._account.snapshot(
+            steps_recorded=recorder.steps_recorded,
+            buffer_steps=len(self._buffer),
+            buffer_dropped=recorder.buffer_dropped,
+            misuse=recorder.misuse_count,
+            overflowed=self._builder.overflow_observations,
+            rejected=self._builder.rejected_observations,
         )
 
     @property
@@ -476,10 +493,14 @@ class StepMonitor:
         """Seconds between exports."""
         return self._interval_s
 
-    def close(self, *, timeout_s: float = 5.0) -> None:
+    def close(self, *, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Remove hooks, flush the last window and shut the exporter down, within ``timeout_s``.
 
-        Idempotent; never raises. Steps still unexported when the time is up count as dropped.
+        Returns within ``timeout_s`` (2 s by default) whatever the endpoint does: an export
+        still in flight near the deadline is cut short (the OTLP/HTTP exporter's socket is shut
+        down). The last window says the monitor closed (``stepwatch.monitor.closed``), so the
+        rank's silence afterwards is not taken for a hang. Steps and windows still unexported
+        when the time is up count as dropped with reason ``closed``. Idempotent; never raises.
         """
         if self._closed:
             return
@@ -494,21 +515,34 @@ class StepMonitor:
                 logger.warning("removing auto-mode hooks failed", exc_info=True)
         try:
             self._stop.set()
-            if self._thread is not None:
-                self._thread.join(max(deadline - time.monotonic(), 0.0))
-                if self._thread.is_alive():
+            thread = self._thread
+            if thread is not None:
+                thread.join(max(deadline - time.monotonic() - _INTERRUPT_MARGIN_S, 0.0))
+                if thread.is_alive():
+                    # An export is still in flight (a black-hole endpoint): cut it short.
+                    self._interrupted = True
+                    self._shutdown_exporter(deadline)
+                    thread.join(max(deadline - time.monotonic(), 0.0))
+                if thread.is_alive():
                     logger.warning("stepwatch export thread still busy after %.1f s", timeout_s)
             else:
                 self._final_flush()
-            if self._thread is None or not self._thread.is_alive():
-                self._export_dropped += len(self._buffer)
-                self._buffer.clear()
-                remaining_ms = max(deadline - time.monotonic(), 0.001) * 1000.0
-                self._exporter.shutdown(timeout_millis=remaining_ms)
+            if thread is None or not thread.is_alive():
+                with self._account.lock:
+                    self._account.drop_steps("closed", len(self._buffer))
+                    self._buffer.clear()
+                self._shutdown_exporter(deadline)
             if self._kernel_source is not None:
                 self._kernel_source.close()
         except Exception:
             logger.warning("closing the stepwatch monitor failed", exc_info=True)
+
+    def _shutdown_exporter(self, deadline: float) -> None:
+        remaining_ms = max(deadline - time.monotonic(), 0.001) * 1000.0
+        try:
+            self._exporter.shutdown(timeout_millis=remaining_ms)
+        except Exception:
+            logger.warning("shutting the stepwatch exporter down failed", exc_info=True)
 
     def _close_at_exit(self) -> None:
         self.close(timeout_s=AT_EXIT_TIMEOUT_S)

@@ -271,6 +271,27 @@ class StepRecorder:
         except Exception:
             self.misuse("step-end", "recording a step failed; step ignored", exc_info=True)
 
+    @property
+    def step_index(self) -> int:
+        """Index of the step in progress, or of the next one between steps (any thread)."""
+        return self._step_index
+
+    def open_phase(self) -> tuple[str, int] | None:
+        """The innermost ``phase()`` open now and when it was entered (monotonic ns), or None.
+
+        Read by the export thread from what ``phase()`` already records on entry (its depth and
+        start time): nothing is added to the hot path. A phase entered at the same moment as
+        another is told apart by the later start; nested phases give the inner one.
+        """
+        try:
+            best: tuple[str, int] | None = None
+            for name, context in list(self.phase_contexts.items()):
+                if context._depth > 0 and (best is None or context._start_ns >= best[1]):
+                    best = (name, context._start_ns)
+            return best
+        except Exception:  # the training thread changed the dict: no phase this time
+            return None
+
     def misuse(self, key: str, message: str, *args: object, exc_info: bool = False) -> None:
         """Count a call ignored for bad usage and log it (rate-limited per ``key``)."""
         self.misuse_count += 1

@@ -11,7 +11,9 @@ cardinality limit (2000 series) is never relevant and can never be silently hit:
 one ``stepwatch.step.duration`` series, one ``stepwatch.step.last`` series, one
 ``stepwatch.device.idle.duration`` series, at most ``max_phase_series`` phase series and at most
 ``max_kernel_series`` kernel series (defaults 32 and 256). Phases or kernel classes past the cap
-are folded into ``other`` and counted in :attr:`WindowBuilder.overflow_observations`.
+are folded into ``other`` and counted in :attr:`WindowBuilder.overflow_observations`. A window
+without a finished step carries at most three progress gauges instead (where the rank is:
+:meth:`WindowBuilder.set_progress`), and the monitor's last one ``stepwatch.monitor.closed``.
 
 Bytes on the wire (bench/kernel_bytes.py: under 1 KB gzipped per rank per step on the DLRM
 trace, every kernel class and every docs/schema.md attribute kept): kernel histograms carry no
@@ -26,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 from stepwatch.core import _schema
 from stepwatch.core._errors import ConfigError
@@ -73,6 +75,23 @@ class KernelWindow:
 
     durations_s: Mapping[tuple[str, str], Sequence[float]]
     idle_durations_s: Sequence[float] = ()
+
+
+class Progress(NamedTuple):
+    """Where a rank is when a window is built (the progress gauges of docs/schema.md).
+
+    Attributes:
+        step_index: The step in progress (the next one to finish).
+        step_elapsed_s: Seconds since the rank last finished a step (since the monitor
+            started when none has): how long it has made no progress.
+        phase: The innermost phase open now, or None between phases.
+        phase_elapsed_s: Seconds since that phase was entered (None without a phase).
+    """
+
+    step_index: int
+    step_elapsed_s: float
+    phase: str | None = None
+    phase_elapsed_s: float | None = None
 
 
 class KernelSource(Protocol):
@@ -234,6 +253,8 @@ class WindowBuilder:
         self._phases: dict[str, ExponentialHistogram] = {}
         self._kernels: dict[tuple[str, str], ExponentialHistogram] = {}
         self._last_step: int | None = None
+        self._progress: Progress | None = None
+        self._closed = False
 
     def _record(self, histogram: ExponentialHistogram, value: float) -> None:
         if not histogram.record(value):
@@ -278,6 +299,18 @@ class WindowBuilder:
             self.rejected_observations += histogram.record_many(durations)
         self.rejected_observations += self._idle.record_many(window.idle_durations_s)
 
+    def set_progress(self, progress: Progress) -> None:
+        """Say where the rank is now (the window then carries the progress gauges).
+
+        The monitor sets it on windows that hold no finished step, so a rank stuck inside a
+        step still reports its step, its phase and for how long (docs/schema.md).
+        """
+        self._progress = progress
+
+    def mark_closed(self) -> None:
+        """Make this the monitor's last window (``stepwatch.monitor.closed`` = 1)."""
+        self._closed = True
+
     @property
     def empty(self) -> bool:
         """True when nothing was added since the last build."""
@@ -298,16 +331,9 @@ class WindowBuilder:
         Returns:
             The metrics, or ``None`` when nothing was added since the last build.
         """
-        from opentelemetry.sdk.metrics.export import (
-            Gauge,
-            Metric,
-            MetricsData,
-            NumberDataPoint,
-            ResourceMetrics,
-            ScopeMetrics,
-        )
+        from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics, ScopeMetrics
 
-        if self.empty and self._last_step is None:
+        if self.empty and self._last_step is None and self._progress is None and not self._closed:
             self._reset()
             return None
         end_unix_nano = max(end_unix_nano, start_unix_nano)
@@ -322,20 +348,7 @@ class WindowBuilder:
                 _histogram_metric(_schema.STEP_DURATION, [({}, self._steps.snapshot())], bounds)
             )
         if self._last_step is not None:
-            point = NumberDataPoint(
-                attributes={},
-                start_time_unix_nano=start_unix_nano,
-                time_unix_nano=end_unix_nano,
-                value=self._last_step,
-            )
-            metrics.append(
-                Metric(
-                    name=_schema.STEP_LAST,
-                    description=_DESCRIPTION,
-                    unit="{step}",
-                    data=Gauge(data_points=[point]),
-                )
-            )
+            metrics.append(_gauge(_schema.STEP_LAST, "{step}", [({}, self._last_step)], bounds))
         if self._idle.count:
             metrics.append(
                 _histogram_metric(
@@ -365,6 +378,10 @@ class WindowBuilder:
                     _schema.KERNEL_DURATION, kernels, bounds, min_max=self._kernel_min_max
                 )
             )
+        if self._progress is not None:
+            metrics.extend(_progress_metrics(self._progress, bounds))
+        if self._closed:
+            metrics.append(_gauge(_schema.MONITOR_CLOSED, "1", [({}, 1)], bounds))
         self._reset()
         return MetricsData(
             resource_metrics=[
@@ -375,6 +392,46 @@ class WindowBuilder:
                 )
             ]
         )
+
+
+def _gauge(
+    name: str,
+    unit: str,
+    points: Sequence[tuple[dict[str, str], int | float]],
+    bounds: tuple[int, int],
+) -> Metric:
+    from opentelemetry.sdk.metrics.export import Gauge, Metric, NumberDataPoint
+
+    return Metric(
+        name=name,
+        description=_DESCRIPTION,
+        unit=unit,
+        data=Gauge(
+            data_points=[
+                NumberDataPoint(
+                    attributes=attributes,
+                    start_time_unix_nano=bounds[0],
+                    time_unix_nano=bounds[1],
+                    value=value,
+                )
+                for attributes, value in points
+            ]
+        ),
+    )
+
+
+def _progress_metrics(progress: Progress, bounds: tuple[int, int]) -> list[Metric]:
+    """The progress gauges of docs/schema.md, stamped at the window's end (the export)."""
+    phase = {_schema.PHASE: progress.phase} if progress.phase is not None else {}
+    metrics = [
+        _gauge(_schema.STEP_CURRENT, "{step}", [({}, progress.step_index)], bounds),
+        _gauge(_schema.STEP_ELAPSED, "s", [(phase, progress.step_elapsed_s)], bounds),
+    ]
+    if progress.phase is not None and progress.phase_elapsed_s is not None:
+        metrics.append(
+            _gauge(_schema.PHASE_ELAPSED, "s", [(phase, progress.phase_elapsed_s)], bounds)
+        )
+    return metrics
 
 
 def _histogram_metric(

@@ -42,6 +42,8 @@ class DetectorConfig:
         reference_ranks: above twice this many ranks, the cross-rank centre and scale are
             estimated from about this many ranks (chosen by a hash of the rank id).
         workers: threads testing disjoint blocks of metrics (results do not depend on it).
+        hang_steps: ``hang``: no progress for this many usual steps ...
+        hang_min_s: ... and for at least this many seconds (``rules/hang.py``).
     """
 
     fdr_q: float = 1e-6
@@ -63,6 +65,8 @@ class DetectorConfig:
     major_share: float = 0.01
     reference_ranks: int = 2048
     workers: int = 2
+    hang_steps: float = 10.0
+    hang_min_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 < self.fdr_q < 1:
@@ -77,3 +81,5 @@ class DetectorConfig:
             raise ConfigError("sustained_windows/sustained_min_ratio: need >= 2 and > 1")
         if self.stall_min_steps <= 0 or self.stall_min_ratio <= 1:
             raise ConfigError("stall_min_steps/stall_min_ratio: need > 0 and > 1")
+        if not (self.hang_steps > 0 and self.hang_min_s >= 0):
+            raise ConfigError("hang_steps/hang_min_s: need > 0 and >= 0")

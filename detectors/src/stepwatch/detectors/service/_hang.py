@@ -1,0 +1,93 @@
+"""Hangs between full passes: the latest progress of a job, as findings, in a few milliseconds.
+
+A full detector pass reads and tests a job's whole trailing range (every 30 s under
+``stepwatch up``); a hang needs only where each rank is now (:func:`~stepwatch.detectors.frame.
+read_progress`: six ``last()`` statements), so the service probes for it every few seconds
+(``STEPWATCH_HANG_PROBE_INTERVAL_S``) and the finding exists within threshold + probe interval
+of the onset. Both paths give the same verdict (:func:`~stepwatch.detectors.analysis.rules.
+hang.find_hangs`); matching by kind and ranks keeps one finding across them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from stepwatch.core import settings
+from stepwatch.core._diagnosis import Diagnosis
+from stepwatch.detectors.analysis._analyse import Finding
+from stepwatch.detectors.analysis._config import DetectorConfig
+from stepwatch.detectors.analysis.rules.hang import KIND, find_hangs
+from stepwatch.detectors.frame._progress import JobProgress
+
+
+def detector_config(config: DetectorConfig | None, environ: Mapping[str, str]) -> DetectorConfig:
+    """``config``, else the defaults with the hang thresholds of the settings.
+
+    Raises:
+        ConfigError: a hang setting does not parse or is out of range (names the variable).
+    """
+    if config is not None:
+        return config
+    steps = settings.HANG_STEPS.resolve(None, environ)
+    min_s = settings.HANG_MIN_S.resolve(None, environ)
+    return DetectorConfig(
+        hang_steps=DetectorConfig.hang_steps if steps is None else steps,
+        hang_min_s=DetectorConfig.hang_min_s if min_s is None else min_s,
+    )
+
+
+def hang_findings(progress: JobProgress, config: DetectorConfig) -> list[Finding]:
+    """The job's hang, if it is in one now, as a finding (start: the job's last progress)."""
+    findings = []
+    for hang in find_hangs(progress, hang_steps=config.hang_steps, hang_min_s=config.hang_min_s):
+        diagnosis = Diagnosis(
+            job=progress.job,
+            kind=KIND,
+            ranks=hang.ranks,
+            hosts=hang.hosts,
+            phase=hang.phase,
+            start_unix_nano=hang.onset_unix_nano,
+            end_unix_nano=None,
+            severity="critical",
+            score=hang.score,
+            summary=hang.summary,
+            slowdown=hang.slowdown,
+        )
+        detected = hang.onset_unix_nano + round(hang.threshold_s * 1e9)
+        findings.append(
+            Finding(
+                diagnosis=diagnosis,
+                detected_unix_nano=min(detected, progress.now_unix_nano),
+                last_seen_unix_nano=progress.now_unix_nano,
+            )
+        )
+    return findings
+
+
+def with_hangs(findings: Sequence[Finding], hangs: Sequence[Finding]) -> list[Finding]:
+    """The engine's findings, their hang carrying its cost; ``hangs`` when the engine had none.
+
+    The engine sees a hang only when the frame holds the hung ranks' earlier windows (a hang
+    older than the range read has none); its ``slowdown`` is the hang's cost.
+    """
+    engine = [f for f in findings if f.diagnosis.kind == KIND]
+    if not engine:
+        return [*findings, *hangs]
+    if not hangs:
+        return list(findings)
+    cost = hangs[0].diagnosis.slowdown
+    return [
+        Finding(
+            diagnosis=_with_slowdown(f.diagnosis, cost),
+            detected_unix_nano=f.detected_unix_nano,
+            last_seen_unix_nano=f.last_seen_unix_nano,
+        )
+        if f.diagnosis.kind == KIND
+        else f
+        for f in findings
+    ]
+
+
+def _with_slowdown(diagnosis: Diagnosis, slowdown: float) -> Diagnosis:
+    return dataclasses.replace(diagnosis, slowdown=max(slowdown, 1.0))
