@@ -58,6 +58,7 @@ def _variables(*settings_used: Setting[str]) -> str:
 def _detect(args: argparse.Namespace) -> int:
     from stepwatch.core._errors import ConfigError
     from stepwatch.detectors import IncrementalDetector, JsonLinesSink, detect_job
+    from stepwatch.detectors.frame import job_time_range
     from stepwatch.detectors.sinks import format_table
 
     client = influx_client(args, os.environ)
@@ -96,6 +97,19 @@ def _detect(args: argparse.Namespace) -> int:
         start, end = now - round(since_s * 1e9), now
     if end <= start:
         raise ConfigError("--to: must be after --from")
+    # The frame spans the job's data, not the request; a job without data in the range
+    # is said so (a typo in --job must not read as "healthy").
+    span = job_time_range(client, args.job)
+    if span is None:
+        print(f"no data stored for job {args.job!r}", file=sys.stderr)
+        return 1
+    if span[1] < start or span[0] > end:
+        print(
+            f"no data for job {args.job!r} between {format_time(start)} and {format_time(end)} "
+            f"(its data spans {format_time(span[0])} to {format_time(span[1])})",
+            file=sys.stderr,
+        )
+        return 1
     diagnoses = detect_job(
         client, args.job, start_unix_nano=start, end_unix_nano=end, window_s=window_s
     )
