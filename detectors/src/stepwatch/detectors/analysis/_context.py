@@ -224,6 +224,15 @@ class Context(Basis):
         """``rank 5`` or ``ranks 0-3,8``: the summaries' name for the ranks."""
         return _format_ranks(self.rank_ids(indices))
 
+    def who(self, indices: Sequence[int]) -> str:
+        """``rank 0 (stage 0, dp 0)``: the ranks and, when they share one, their group."""
+        return f"{self.rank_text(indices)}{self.groups.where(indices)}"
+
+    @property
+    def peer_noun(self) -> str:
+        """What a rank is compared with: ``its stage``, ``its group`` or ``peers``."""
+        return self.groups.noun
+
     def since(self, window: int) -> str:
         """Start of ``window`` as UTC ``HH:MM:SS`` (the summaries' "since")."""
         unix_nano = self.frame.window_start_unix_nano(window)

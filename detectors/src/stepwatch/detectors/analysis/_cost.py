@@ -177,6 +177,13 @@ def estimate(
     weight = steps_per_window(context)[span]
     costs = [1.0]
     saving = late_saving(context, indices, span) if indices else None
+    if saving is not None and kind == "jit_stall":
+        # Stalls strike some steps of a rank: what they cost is its lead beyond its usual
+        # one (a rank that is also a straggler leads every window; that is the other
+        # finding's cost).
+        usual = late_saving(context, indices, slice(0, step.shape[0]))
+        if usual is not None and np.isfinite(usual).any():
+            saving = saving - max(0.0, float(np.nanmedian(usual)))
     if saving is not None:
         costs.append(ratio_of(step[span], saving, weight))
     if kind == "link_degradation" and indices:  # the job moves at its slowest rank's pace

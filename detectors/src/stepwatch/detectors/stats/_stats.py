@@ -26,6 +26,8 @@ MAD_TO_SD = 1.482602218505602
 MAD_EFFICIENCY = 0.37
 #: Trailing windows whose median MAD floors the pooled scale (a jump in noise counts at once).
 RECENT_WINDOWS = 3
+#: Fewest ranks reporting for that floor (a few ranks' MAD is too noisy to floor anything).
+RECENT_MIN_RANKS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,8 +284,10 @@ def multiscale_outliers(
         # ... but never below the last few windows' level: when the noise jumps (a new
         # data mix, variable sequence lengths) the long pool lags by half its length, and
         # every rank the new noise touches would read as an outlier meanwhile.
+        # With a handful of ranks one window's MAD is itself noise (and a straggler moves
+        # it): the floor needs enough ranks to be an estimate.
         recent, _ = _trailing_median(window_mad, RECENT_WINDOWS)
-        pooled = np.fmax(pooled, recent)
+        pooled = np.where(reporting >= RECENT_MIN_RANKS, np.fmax(pooled, recent), pooled)
         scale = np.where(np.isfinite(pooled), np.maximum(pooled, min_scale), np.nan)
         z = deviation / scale.astype(deviation.dtype)
         # The MAD is a noisy scale with few ranks: a Student-t reference with the pooled

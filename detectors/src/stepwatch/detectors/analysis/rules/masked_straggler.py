@@ -28,12 +28,12 @@ def _straggler(context: Context, group: EpisodeGroup) -> Description:
     wait_name = f"phase:{COMMUNICATION_CATEGORY}"
     wait = context.ratio(wait_name, indices, first, last)
     wait_text = (
-        f"its collective wait {wait:.2f}x peers (peers wait for it)"
+        f"its collective wait {wait:.2f}x {context.peer_noun} (they wait for it)"
         if wait_name in context.metrics.names
         else "its peers wait for it in the collective"
     )
     summary = (
-        f"{context.rank_text(indices)} {phase} {ratio:.2f}x peers with normal kernels; "
+        f"{context.who(indices)} {phase} {ratio:.2f}x {context.peer_noun} with normal kernels; "
         f"{wait_text} since {context.since(first)}"
     )
     return Description(RULE.kind, summary, ratio, phase, indices=indices)
