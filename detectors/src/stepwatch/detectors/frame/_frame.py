@@ -324,9 +324,9 @@ def frame_from_series(
         if series.name == _schema.STEP_DURATION:
             hosts[rank] = series.tags.get(_schema.HOST_NAME, "") or hosts.get(rank, "")
             for tag, known in coordinates.items():
-                value = _coordinate(series.tags.get(tag, ""))
-                if value is not None:
-                    known[rank] = value
+                number = _coordinate(series.tags.get(tag, ""))
+                if number is not None:
+                    known[rank] = number
     ordered = sorted(ranks)
     rank_index = {rank: index for index, rank in enumerate(ordered)}
     step = _Accumulator(n_bins, rank_index)
