@@ -275,7 +275,9 @@ def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
     ``config.stall_min_ratio`` times the peers' gap, *and* the peers to have waited for
     at least half of it in the same or the next window (their longest collective, else
     their longest step): a pause every rank takes at once (a synchronous checkpoint) makes
-    no one wait and is not a stall of one rank.
+    no one wait and is not a stall of one rank. A gap shorter than ``stall_min_steps``
+    counts only on a rank with another one in the frame: once, it is the noise of a
+    shared host; recurring, it is a rank that keeps stopping.
     """
     frame = basis.frame
     config = basis.config
@@ -307,7 +309,12 @@ def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
         )
         ratio = gap / np.maximum(peer_gap, 1e-3 * step)
         effect = np.where(np.isfinite(ratio) & (ratio > 0), np.log(ratio), np.nan)
-    return hit & np.isfinite(gap), effect
+        hit &= np.isfinite(gap)
+        # A pause of a few steps happens once to any rank of a shared host (descheduled,
+        # a page fault): short ones count only on a rank that keeps stopping.
+        short = hit & (gap < config.stall_min_steps * step)
+        recurring = hit.sum(axis=0, keepdims=True) >= 2
+    return hit & (~short | recurring), effect
 
 
 def _shifted(values: _ArrayT, by: int) -> _ArrayT:

@@ -57,8 +57,8 @@ def _late(context: Context, group: EpisodeGroup) -> Description | None:
         parts.append(
             f"{context.rank_text(late)} reached {item.name} last (waited "
             f"{1e3 * float(np.nanmax(item.wait_s[late])):.2f} ms in it, its peers "
-            f"{1e3 * item.peers_median_s:.2f} ms; {context.rank_text(longest)} waited longest, "
-            f"{1e3 * float(np.nanmax(item.wait_s[longest])):.2f} ms)"
+            f"{1e3 * item.peers_median_s:.2f} ms; {context.rank_text(longest)} waited "
+            f"longest, up to {1e3 * float(np.nanmax(item.wait_s[longest])):.2f} ms)"
         )
         saving += item.saving_s()
     step = float(np.nanmedian(context.step_median[group.span]))
