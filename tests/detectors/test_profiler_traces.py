@@ -11,10 +11,7 @@ all-to-all kernel) names ranks 7 and 2; rank 2 waited 1.8 ms, a third of the med
 
 from __future__ import annotations
 
-import tarfile
 from pathlib import Path
-
-import pytest
 
 from stepwatch.core import Diagnosis, InfluxClient
 from stepwatch.detectors import detect_job
@@ -22,6 +19,9 @@ from stepwatch.detectors.frame import job_time_range
 from stepwatch.exporters import create_exporter, resolve_exporter_config
 from stepwatch.exporters.kernels import ingest_traces
 from stepwatch.otel_bridge import Bridge, InfluxV1Writer
+from tests.exporters.kernels.conftest import dlrm_traces  # the 8 traces, extracted once
+
+__all__ = ["dlrm_traces"]  # a fixture: pytest finds it in this module
 
 KINETO = Path(__file__).resolve().parents[1] / "data" / "kineto"
 ORIGIN_UNIX_NANO = 1_795_291_200_000_000_000
@@ -54,20 +54,10 @@ def ingest_and_detect(influx: InfluxClient, files: list[Path], job: str) -> list
     return detect_job(influx, job, start_unix_nano=span[0] - 10**9, end_unix_nano=span[1] + 10**9)
 
 
-@pytest.fixture(scope="module")
-def dlrm_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    target = tmp_path_factory.mktemp("dlrm")
-    with tarfile.open(KINETO / "param_dlrm_8rank" / "dlrm_kineto.tar.gz") as archive:
-        archive.extractall(target, filter="data")
-    files = sorted(target.rglob("*.json"))
-    assert len(files) == 8
-    return files
-
-
 def test_dlrm_names_the_late_ranks_not_the_waiters_and_the_cost_of_one_step(
-    influx: InfluxClient, dlrm_files: list[Path]
+    influx: InfluxClient, dlrm_traces: list[Path]
 ) -> None:
-    found = ingest_and_detect(influx, dlrm_files, "dlrm")
+    found = ingest_and_detect(influx, dlrm_traces, "dlrm")
     assert [(d.kind, d.ranks) for d in found] == [("masked_straggler", (4, 5, 7))], found
     (late,) = found
     assert "rank 7 reached nccl_sendrecv last" in late.summary
