@@ -159,7 +159,7 @@ def main() -> int:
         f"= {100 * total.cost_within_10 / max(total.costed, 1):.1f}%"
     )
     if args.influx:
-        picked = [s for s in scenarios if s.world_size <= 32][: args.influx]
+        picked = [s for s in scenarios if s.world_size <= 32 and s.severity >= 1.5][: args.influx]
         started = time.perf_counter()
         influx_scores = run_through_influx(picked)
         ok = sum(f.localised for s in influx_scores for f in s.faults if f.required)

@@ -149,7 +149,9 @@ def score(
         kind = [d for d in related if d.kind == fault.kind]
         exact = [d for d in kind if _localised(d, fault)]
         candidates = exact or kind or related
-        best = candidates[0] if candidates else None
+        # The first report of it (findings come most expensive first; an episodic fault
+        # may be reported as several stretches).
+        best = min(candidates, key=lambda d: d.start_unix_nano) if candidates else None
         latency = None
         if best is not None and best in kind and detected_unix_nano is not None:
             when = detected_unix_nano.get(best.finding_id)
