@@ -30,7 +30,9 @@ CASES = [
     ("jit_stall@150:5:1.3", 32, None),
     ("dataloader_stall@150:5:1.1", 32, None),
     ("job_regression@150:all:1.1", 32, None),
-    ("gpu_health@150:5:1.1", 32, None),
+    # 1.2: a 10% slower SM clock on one of 32 ranks costs the job < 1% (the others' own
+    # jitter hides it), below the bar by design; at 20% it costs ~4%.
+    ("gpu_health@150:5:1.2", 32, None),
     ("rank_missing@150:5", 32, None),
 ]
 

@@ -109,7 +109,9 @@ def ratio_of(step: FloatArray, saving: FloatArray, weight: FloatArray) -> float:
     return max(1.0, total / (total - saved)) if total > 0 else 1.0
 
 
-def late_saving(context: Context, indices: Sequence[int], span: slice) -> FloatArray | None:
+def late_saving(
+    context: Context, indices: Sequence[int], span: slice, *, busy: Sequence[slice] = ()
+) -> FloatArray | None:
     """``(windows,)`` seconds per step the job would save if ``indices`` kept pace with the
     next slowest replica; when every replica holds one of them (a whole pipeline stage),
     with the next slowest rank outside them (``None``: they are every rank)."""
@@ -130,7 +132,7 @@ def late_saving(context: Context, indices: Sequence[int], span: slice) -> FloatA
         # that gap is the job's usual loss to rotating arrival (mean wait minus the
         # shortest collective): the others' mean lead plus it is the expected latest.
         # Likewise for the finding's own ranks when they are many (a whole stage).
-        usual = _usual_spread(context, span.start)
+        usual = _usual_spread(context, span.start, busy)
         if usual is not None:
             expected = np.nanmean(np.where(mine[None, :], np.nan, lead), axis=1) + usual
             others = np.fmax(others, expected)
@@ -140,16 +142,35 @@ def late_saving(context: Context, indices: Sequence[int], span: slice) -> FloatA
     return np.where(np.isfinite(theirs) & np.isfinite(others), theirs - others, np.nan)
 
 
-def _usual_spread(context: Context, before: int) -> float | None:
-    """Median loss to rotating arrival over the windows before ``before`` (not the first
-    window, warm-up), ``None`` with fewer than :data:`MIN_CLEAN_WINDOWS` of them."""
+def _usual_spread(context: Context, before: int, busy: Sequence[slice]) -> float | None:
+    """Median loss to rotating arrival over the windows before ``before`` outside every
+    ``busy`` span (not the first window, warm-up); ``None`` with fewer than
+    :data:`MIN_CLEAN_WINDOWS` of them, or when the waits cannot be arrival spread.
+
+    Waits measure arrival spread only while the collective's own time is steady (NCCL on
+    a network). When it is not (gloo on a starved CPU, where the all-reduce itself takes
+    anywhere from 1 to 15 ms), the waits exceed anything the spread of the ranks' window
+    means allows, more than ``2 sqrt(steps per window)`` times it, and are not used.
+    """
     lost = imbalance_lost_s(context, ())
     if lost is None or before - 1 < MIN_CLEAN_WINDOWS:
         return None
-    window = lost[1:before]
+    clean = np.zeros(lost.shape[0], dtype=bool)
+    clean[1:before] = True
+    for other in busy:
+        clean[other] = False
+    window = lost[clean]
     if np.isfinite(window).sum() < MIN_CLEAN_WINDOWS:
         return None
-    return float(np.nanmedian(window))
+    usual = float(np.nanmedian(window))
+    lead = lead_s(context)[clean]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        spread = float(np.nanmedian(np.nanmax(lead, axis=1) - np.nanmean(lead, axis=1)))
+        steps = float(np.nanmedian(steps_per_window(context)[clean]))
+    if not (spread > 0 and usual <= 2.0 * math.sqrt(max(steps, 1.0)) * spread):
+        return None
+    return usual
 
 
 def step_excess(context: Context, indices: Sequence[int], span: slice) -> FloatArray:
@@ -201,7 +222,7 @@ def estimate(
         span = slice(span.start, min(span.stop + 1, step.shape[0]))
     weight = steps_per_window(context)[span]
     costs = [1.0]
-    saving = late_saving(context, indices, span) if indices else None
+    saving = late_saving(context, indices, span, busy=busy) if indices else None
     if saving is not None and kind == "jit_stall":
         # Stalls strike some steps of a rank: what they cost is its lead beyond its usual
         # one (a rank that is also a straggler leads every window; that is the other
