@@ -10,11 +10,14 @@
   the share cancels the rank's own sequence-length noise) and the link group (ranks sharing
   ``host.name``, pipeline stages via ``stepwatch.pp_rank``).
 
-The engine runs L2 (:mod:`._crossrank`), cuts each rank's flags into episodes
-(:mod:`._episodes`), lets the episode rules of :mod:`.rules` name and describe them, then
-the job rules (``rank_missing``, L1's ``job_regression``); every rule's :class:`Verdict`
-becomes a :class:`Finding` here. The blame for a masked straggler goes to the rank whose
-host-side compute grew, never to the peers that wait.
+The engine runs L2 (:mod:`._crossrank`, every rank against its peer group:
+:mod:`._groups`), cuts each rank's flags into episodes (:mod:`._episodes`), lets the episode
+rules of :mod:`.rules` name and describe them, drops the ranks of a pipeline that only waited
+for a culprit of their replica, then runs the job rules (``rank_missing``,
+``stage_imbalance``, ``workload_imbalance``, L1's ``job_regression``); every rule's
+:class:`Verdict` becomes a :class:`Finding` here, with its cost (:mod:`._cost`), the severity
+of that cost, and only when it costs the job enough. The blame for a masked straggler goes
+to the rank whose host-side compute grew, never to the peers that wait.
 """
 
 from __future__ import annotations
