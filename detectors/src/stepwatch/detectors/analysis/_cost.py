@@ -47,6 +47,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._crossrank import OUTSIDE, outside_gap_s
 from stepwatch.detectors.analysis._rule import Verdict
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
@@ -173,6 +174,37 @@ def _usual_spread(context: Context, before: int, busy: Sequence[slice]) -> float
     return usual
 
 
+def _paused_s(
+    context: Context, indices: Sequence[int], span: slice, busy: Sequence[slice]
+) -> FloatArray | None:
+    """``(windows,)`` seconds per step the stalls of ``indices`` cost in the windows they
+    were flagged in: the longest stall beyond the job's usual rotating loss, over the
+    window's steps. A stall between phases is its time outside the phases; one inside
+    them, with the device idle (``burst:idle``), its longest idle beyond the others'."""
+    names = context.metrics.names
+    lengths: list[FloatArray] = []
+    mine = list(indices)
+    if f"stall:{OUTSIDE}" in names:
+        gap = outside_gap_s(context)
+        flagged = context.metrics.flags[span][:, mine, names.index(f"stall:{OUTSIDE}")]
+        if gap is not None and flagged.any():
+            lengths.append(np.where(flagged, gap[span][:, mine], np.nan))
+    if "burst:idle" in names:
+        flagged = context.metrics.flags[span][:, mine, names.index("burst:idle")]
+        idle = np.where(context.present, context.frame.idle_max_s, np.nan)[span]
+        if flagged.any() and np.isfinite(idle).any():
+            typical = nanmedian(idle, axis=1)
+            lengths.append(np.where(flagged, idle[:, mine] - typical, np.nan))
+    if not lengths:
+        return None
+    usual = _usual_spread(context, span.start, busy) or 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        longest = np.nanmax(np.concatenate(lengths, axis=1), axis=1)
+    steps = np.maximum(steps_per_window(context)[span], 1.0)
+    return np.where(np.isfinite(longest), np.clip(longest - usual, 0.0, None) / steps, 0.0)
+
+
 def step_excess(context: Context, indices: Sequence[int], span: slice) -> FloatArray:
     """``(windows,)`` the ranks' median step above their peers' median step."""
     step = np.where(context.present, context.frame.step_s, np.nan)[span]
@@ -230,6 +262,12 @@ def estimate(
         usual = late_saving(context, indices, slice(0, step.shape[0]))
         if usual is not None and np.isfinite(usual).any():
             saving = saving - max(0.0, float(np.nanmedian(usual)))
+        # A window mean dilutes one stalled step among the window's steps and compares it
+        # with the others' *mean* latest arrival: a stall between phases is better costed by
+        # its own length beyond the others' usual spread, once per window it struck.
+        paused = _paused_s(context, indices, span, busy)
+        if paused is not None:
+            saving = np.fmax(saving, paused)
     if saving is not None:
         costs.append(ratio_of(step[span], saving, weight))
     if kind == "link_degradation" and indices:  # the job moves at its slowest rank's pace

@@ -263,12 +263,28 @@ def _stalls(basis: Basis) -> tuple[list[str], BoolArray, FloatArray]:
     return names, flags, effect
 
 
+def outside_gap_s(basis: Basis) -> FloatArray | None:
+    """``(W, R)`` time outside every phase in each rank's longest step, at least: its longest
+    step minus the longest occurrence of each phase (the communication phase left out when
+    the phases overlap it: it lies inside another). ``None`` without phases."""
+    frame = basis.frame
+    if not frame.phases:
+        return None
+    overlap = bool(basis.overlap_waiting)
+    columns = [
+        i for i, p in enumerate(frame.phases) if not (overlap and p == COMMUNICATION_CATEGORY)
+    ]
+    longest = np.where(
+        np.isfinite(frame.phase_max_s[:, :, columns]), frame.phase_max_s[:, :, columns], 0.0
+    )
+    return np.where(basis.present, frame.step_max_s - longest.sum(axis=2), np.nan)
+
+
 def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
     """Stalls outside every phase: ``(W, R)`` flags and log ratios, ``None`` without phases.
 
-    The time outside the phases of a rank's longest step is at least its longest step
-    minus the longest occurrence of each phase (the communication phase left out when the
-    phases overlap it: it lies inside another). A rank stopped between phases (a GC pause,
+    The time outside the phases of a rank's longest step (:func:`outside_gap_s`) shows a
+    rank that stopped between phases (a GC pause,
     a checkpoint write, a compile) has a long step whose phases look normal; the peers that
     waited for it have long steps too, but the wait is inside their collective. So a flag
     needs that gap to reach ``config.stall_outside_min_steps`` job median steps and
@@ -282,16 +298,9 @@ def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
     frame = basis.frame
     config = basis.config
     step = basis.job_step_s
-    if not frame.phases or step <= 0:
+    gap = outside_gap_s(basis)
+    if gap is None or step <= 0:
         return None
-    overlap = bool(basis.overlap_waiting)
-    columns = [
-        i for i, p in enumerate(frame.phases) if not (overlap and p == COMMUNICATION_CATEGORY)
-    ]
-    longest = np.where(
-        np.isfinite(frame.phase_max_s[:, :, columns]), frame.phase_max_s[:, :, columns], 0.0
-    )
-    gap = np.where(basis.present, frame.step_max_s - longest.sum(axis=2), np.nan)
     peer_gap = np.maximum(nanmedian(basis.peers(gap), axis=1), 0.0)
     if COMMUNICATION_CATEGORY in frame.phases:
         held = frame.phase_max_s[:, :, frame.phases.index(COMMUNICATION_CATEGORY)]

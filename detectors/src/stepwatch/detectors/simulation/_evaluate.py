@@ -36,6 +36,9 @@ class FaultScore:
             when not detected or detection times are unknown).
         diagnosis: the best related diagnosis.
         required: the fault costs enough that it must be reported (see the module).
+        reported_slowdown: the cost the right-kind reports give it: their slowdowns
+            weighted by how long each lasted (an episodic fault may be reported as several
+            stretches), ``None`` without one.
     """
 
     fault: TruthFault
@@ -45,13 +48,14 @@ class FaultScore:
     latency_windows: float | None
     diagnosis: Diagnosis | None
     required: bool = True
+    reported_slowdown: float | None = None
 
     @property
     def cost_error(self) -> float | None:
         """Reported slowdown / true slowdown - 1 for a right-kind report (``None`` else)."""
-        if not self.right_kind or self.diagnosis is None or self.fault.kind == "rank_missing":
+        if self.reported_slowdown is None or self.fault.kind == "rank_missing":
             return None
-        return self.diagnosis.slowdown / self.fault.slowdown - 1.0
+        return self.reported_slowdown / self.fault.slowdown - 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +85,7 @@ class Score:
                     "latency_windows": item.latency_windows,
                     "reported_kind": None if item.diagnosis is None else item.diagnosis.kind,
                     "slowdown": item.fault.slowdown,
-                    "reported_slowdown": None
-                    if item.diagnosis is None
-                    else item.diagnosis.slowdown,
+                    "reported_slowdown": item.reported_slowdown,
                     "required": item.required,
                 }
                 for item in self.faults
@@ -157,6 +159,15 @@ def score(
             when = detected_unix_nano.get(best.finding_id)
             if when is not None:
                 latency = max(0.0, (when - fault.start_unix_nano) / window_ns)
+        reported = None
+        if kind:
+            chosen = exact or kind
+            weights = [
+                max((d.end_unix_nano or truth.end_unix_nano) - d.start_unix_nano, 1) for d in chosen
+            ]
+            reported = sum(w * d.slowdown for w, d in zip(weights, chosen, strict=True)) / sum(
+                weights
+            )
         required = True
         if min_slowdown is not None and fault.kind != "rank_missing":
             bar = min_slowdown(fault.kind)
@@ -170,6 +181,7 @@ def score(
                 latency_windows=latency,
                 diagnosis=best,
                 required=required,
+                reported_slowdown=reported,
             )
         )
     chosen = {item.diagnosis.finding_id for item in results if item.diagnosis is not None}
