@@ -137,10 +137,18 @@ def late_saving(
         if usual is not None:
             expected = np.nanmean(np.where(mine[None, :], np.nan, lead), axis=1) + usual
             others = np.fmax(others, expected)
-            if mine.sum() > 1:
-                own = np.nanmean(np.where(mine[None, :], lead, np.nan), axis=1) + usual
+            if mine.sum() > 1:  # the latest of a few: the spread shrinks with their count
+                scale = _expected_max(int(mine.sum())) / _expected_max(mine.size)
+                own = np.nanmean(np.where(mine[None, :], lead, np.nan), axis=1) + usual * scale
                 theirs = np.fmax(theirs, own)
     return np.where(np.isfinite(theirs) & np.isfinite(others), theirs - others, np.nan)
+
+
+def _expected_max(count: int) -> float:
+    """About the expected largest of ``count`` standard normal draws (its median)."""
+    from scipy.special import ndtri
+
+    return float(ndtri(1.0 - 0.5 / max(count, 2)))
 
 
 def _usual_spread(context: Context, before: int, busy: Sequence[slice]) -> float | None:
