@@ -161,11 +161,12 @@ def score(
                 latency = max(0.0, (when - fault.start_unix_nano) / window_ns)
         reported = None
         if kind:
-            chosen = exact or kind
+            reporting = exact or kind
             weights = [
-                max((d.end_unix_nano or truth.end_unix_nano) - d.start_unix_nano, 1) for d in chosen
+                max((d.end_unix_nano or truth.end_unix_nano) - d.start_unix_nano, 1)
+                for d in reporting
             ]
-            reported = sum(w * d.slowdown for w, d in zip(weights, chosen, strict=True)) / sum(
+            reported = sum(w * d.slowdown for w, d in zip(weights, reporting, strict=True)) / sum(
                 weights
             )
         required = True
