@@ -33,7 +33,9 @@ def main() -> int:
         step_s=args.window_s,
         kernel_classes=args.classes,
         faults=[
-            Fault.parse(f"compute_straggler@{windows // 2}:{args.ranks // 3}:1.2"),
+            # 1.5: a 1.2x gemm on one of 10,000 ranks costs the job < 2% (the latest of
+            # the others is later still), below the raise bar.
+            Fault.parse(f"compute_straggler@{windows // 2}:{args.ranks // 3}:1.5"),
             Fault.parse(f"rank_missing@{windows // 3}:{args.ranks // 5}"),
         ],
         seed=1,

@@ -100,8 +100,10 @@ NOTES = {
 }
 
 
-def record(server: ManagedInfluxDB, work: Path, fault: str, *, steps: int) -> RunRecord:
-    name = fault
+def record(
+    server: ManagedInfluxDB, work: Path, fault: str, *, steps: int, suffix: str = ""
+) -> RunRecord:
+    name = f"{fault}{suffix}"
     job = f"real-{fault}-{uuid.uuid4().hex[:6]}"
     started = time.monotonic()
     with LocalStack(work / job, influx_url=server.url, database=f"rec_{job}") as stack:
@@ -138,13 +140,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--faults", default=DEFAULT_FAULTS, help="comma-separated demo faults")
     parser.add_argument("--steps", type=int, default=300, help="steps per run (default 300)")
+    parser.add_argument(
+        "--suffix", default="", help="added to each file name (a second run: --suffix -2)"
+    )
     args = parser.parse_args(argv)
     with (
         tempfile.TemporaryDirectory() as directory,
         ManagedInfluxDB(Path(directory) / "influxdb") as server,
     ):
         for fault in [f for f in args.faults.split(",") if f]:
-            run = record(server, Path(directory), fault, steps=args.steps)
+            run = record(server, Path(directory), fault, steps=args.steps, suffix=args.suffix)
             print(f"{run.name:<11} {run.lines:>6} lines  {run.seconds:>6.1f} s  {run.job}")
     return 0
 

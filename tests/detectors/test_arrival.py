@@ -84,6 +84,16 @@ def _with_stall(frame: JobFrame, ranks: list[int], *, absent: list[int]) -> JobF
     for rank in ranks:
         phase_max[ONSET, rank, forward] = 1.5
         step_max[ONSET, rank] = 1.52
+        # The means carry the stall too: 1.5 s over the window's steps.
+        phase[ONSET, rank, forward] += 1.5 / count[ONSET, rank]
+        step[ONSET, rank] += 1.5 / count[ONSET, rank]
+    waited = [PHASES.index("backward"), PHASES.index("communication")]
+    for rank in range(RANKS):
+        if rank in ranks:
+            continue
+        window = ONSET + 1 if rank in absent else ONSET  # the others wait it out
+        step[window, rank] += 1.5 / count[window, rank]
+        phase[window, rank, waited] += 1.5 / count[window, rank]
     for rank in absent:
         count[ONSET, rank] = 0
         step_max[ONSET + 1, rank] = 1.52

@@ -25,11 +25,15 @@ FINDING = Diagnosis(
     end_unix_nano=None,
     severity="critical",
     score=3.4,
-    summary="rank 17 backward compute 1.31x peers (gemm 1.42x) since 07:55:00",
+    summary=(
+        "rank 17 (stage 2, dp 5) backward compute 1.31x its stage (gemm 1.42x) since 07:55:00; "
+        "costs the job ~1.27x step time"
+    ),
     ranks=(17,),
     hosts=("node-3",),
     phase="backward",
     kernel_class="gemm",
+    slowdown=1.27,
 )
 
 

@@ -23,6 +23,7 @@ from stepwatch.detectors import (
     InfluxDiagnosisSink,
     MemorySink,
     SimulatedJob,
+    Topology,
     detect_job,
     read_diagnoses,
     read_frame,
@@ -280,3 +281,40 @@ def test_simulated_ranks_over_otlp_through_the_bridge(influx: InfluxClient) -> N
         )
     }
     assert kinds == {("compute_straggler", (2,))}
+
+
+def test_one_shot_and_incremental_give_the_same_findings_and_costs(influx: InfluxClient) -> None:
+    # A pipeline job with structure (heavier first and last stages), a straggler and a
+    # heavy stage: `detect` over the job and one `--every` pass at its end agree.
+    from stepwatch.detectors.simulation._suite import stage_work
+
+    faults = [
+        Fault.parse("stage_imbalance@0:12-15:1.4"),
+        Fault("compute_straggler", 40, (5,), 2.0, kernel_class="gemm"),
+    ]
+    job = simulate(
+        16, steps=200, topology=Topology(4, 1, 4), faults=faults, seed=9, job="same-job",
+        stage_work=stage_work(4), gc_rate=0.01,
+    )  # fmt: skip
+    write_direct(job, influx)
+    truth = job.truth
+    one_shot = detect_job(
+        influx, "same-job", start_unix_nano=truth.start_unix_nano, end_unix_nano=truth.end_unix_nano
+    )
+    result = IncrementalDetector(
+        influx,
+        "same-job",
+        lookback_s=(truth.end_unix_nano - truth.start_unix_nano) / 1e9,
+        clock=_Clock(truth.end_unix_nano),
+    ).run_pass()
+    assert sorted((d.kind, d.ranks) for d in one_shot) == [
+        ("compute_straggler", (5,)),
+        ("stage_imbalance", (12, 13, 14, 15)),
+    ]
+    assert [d.slowdown for d in one_shot] == sorted((d.slowdown for d in one_shot), reverse=True)
+    incremental = sorted(result.open_now, key=lambda d: -d.slowdown)
+    assert [(d.kind, d.ranks, round(d.slowdown, 3)) for d in incremental] == [
+        (d.kind, d.ranks, round(d.slowdown, 3)) for d in one_shot
+    ]
+    stored = sorted((d for d, _ in read_diagnoses(influx, "same-job")), key=lambda d: -d.slowdown)
+    assert [round(d.slowdown, 3) for d in stored] == [round(d.slowdown, 3) for d in one_shot]

@@ -32,6 +32,7 @@ def fault_summary(fault: TruthFault) -> str:
         where += ",..."
     return (
         f"{fault.kind} x{fault.severity:.2f} on {where} from {format_time(fault.start_unix_nano)}"
+        f" (costs the job {fault.slowdown:.2f}x step time)"
     )
 
 
@@ -58,6 +59,7 @@ def _variables(*settings_used: Setting[str]) -> str:
 def _detect(args: argparse.Namespace) -> int:
     from stepwatch.core._errors import ConfigError
     from stepwatch.detectors import IncrementalDetector, JsonLinesSink, detect_job
+    from stepwatch.detectors.frame import job_time_range
     from stepwatch.detectors.sinks import format_table
 
     client = influx_client(args, os.environ)
@@ -96,6 +98,19 @@ def _detect(args: argparse.Namespace) -> int:
         start, end = now - round(since_s * 1e9), now
     if end <= start:
         raise ConfigError("--to: must be after --from")
+    # The frame spans the job's data, not the request; a job without data in the range
+    # is said so (a typo in --job must not read as "healthy").
+    span = job_time_range(client, args.job)
+    if span is None:
+        print(f"no data stored for job {args.job!r}", file=sys.stderr)
+        return 1
+    if span[1] < start or span[0] > end:
+        print(
+            f"no data for job {args.job!r} between {format_time(start)} and {format_time(end)} "
+            f"(its data spans {format_time(span[0])} to {format_time(span[1])})",
+            file=sys.stderr,
+        )
+        return 1
     diagnoses = detect_job(
         client, args.job, start_unix_nano=start, end_unix_nano=end, window_s=window_s
     )
@@ -127,6 +142,12 @@ def _simulate(args: argparse.Namespace) -> int:
         start = (time.time_ns() // window_ns - n_windows) * window_ns
     else:
         start = parse_moment(args.start, argument="--start", now_unix_nano=time.time_ns())
+    stage_work = None
+    if args.stage_work:
+        try:
+            stage_work = [float(value) for value in args.stage_work.split(",")]
+        except ValueError as exc:
+            raise ConfigError(f"--stage-work: {args.stage_work!r} is not numbers") from exc
     job = simulate(
         args.ranks,
         steps=args.steps,
@@ -138,6 +159,11 @@ def _simulate(args: argparse.Namespace) -> int:
         step_s=step_s,
         start_unix_nano=start,
         kernel_classes=args.kernel_classes,
+        sequence_noise=args.sequence_noise,
+        microbatches=args.microbatches,
+        stage_work=stage_work,
+        gc_rate=args.gc_rate,
+        checkpoint_every=args.checkpoint_every,
     )
     if args.truth:
         job.truth.write(args.truth)
@@ -186,9 +212,11 @@ def _evaluate(args: argparse.Namespace) -> int:
     else:
         for item in result.faults:
             latency = "n/a" if item.latency_windows is None else f"{item.latency_windows:.0f}"
+            error = "n/a" if item.cost_error is None else f"{item.cost_error:+.1%}"
             print(
                 f"{item.fault.kind:<18} detected={item.detected!s:<5} kind={item.right_kind!s:<5} "
-                f"localised={item.localised!s:<5} latency_windows={latency}"
+                f"localised={item.localised!s:<5} latency_windows={latency} "
+                f"cost={item.fault.slowdown:.2f}x cost_error={error}"
             )
         print(f"false alarms: {len(result.false_alarms)}")
         for alarm in result.false_alarms:
@@ -231,13 +259,27 @@ def register(subparsers: Any) -> None:
     sim.add_argument(
         "--fault",
         action="append",
-        help="KIND@STEP:RANKS[:SEVERITY], e.g. compute_straggler@200:17:1.3 (repeatable)",
+        help="KIND@STEP:RANKS[:SEVERITY][:PHASE], e.g. compute_straggler@200:17:1.3, "
+        "jit_stall@100:3:2:outside (a stall between phases) (repeatable)",
     )
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--job", default="sim")
     sim.add_argument("--steps-per-window", type=int, default=5)
     sim.add_argument("--step-time", type=float, default=1.0, help="nominal step seconds")
     sim.add_argument("--kernel-classes", type=int, default=8)
+    sim.add_argument(
+        "--sequence-noise", type=float, default=0.05, help="log-sd of each replica's step work"
+    )
+    sim.add_argument("--microbatches", type=int, default=8, help="1F1B micro-batches per step")
+    sim.add_argument(
+        "--stage-work", help="relative work of each pipeline stage, e.g. 1.05,1,1,1.07"
+    )
+    sim.add_argument(
+        "--gc-rate", type=float, default=0.0, help="chance per rank and step of a GC pause"
+    )
+    sim.add_argument(
+        "--checkpoint-every", type=int, default=0, help="steps between checkpoint pauses"
+    )
     sim.add_argument("--start", default="now", help="first window start (default: ends now)")
     target = sim.add_mutually_exclusive_group()
     target.add_argument("--write-direct", action="store_true", help="write to InfluxDB directly")

@@ -10,11 +10,14 @@
   the share cancels the rank's own sequence-length noise) and the link group (ranks sharing
   ``host.name``, pipeline stages via ``stepwatch.pp_rank``).
 
-The engine runs L2 (:mod:`._crossrank`), cuts each rank's flags into episodes
-(:mod:`._episodes`), lets the episode rules of :mod:`.rules` name and describe them, then
-the job rules (``rank_missing``, L1's ``job_regression``); every rule's :class:`Verdict`
-becomes a :class:`Finding` here. The blame for a masked straggler goes to the rank whose
-host-side compute grew, never to the peers that wait.
+The engine runs L2 (:mod:`._crossrank`, every rank against its peer group:
+:mod:`._groups`), cuts each rank's flags into episodes (:mod:`._episodes`), lets the episode
+rules of :mod:`.rules` name and describe them, drops the ranks of a pipeline that only waited
+for a culprit of their replica, then runs the job rules (``rank_missing``,
+``stage_imbalance``, ``workload_imbalance``, L1's ``job_regression``); every rule's
+:class:`Verdict` becomes a :class:`Finding` here, with its cost (:mod:`._cost`), the severity
+of that cost, and only when it costs the job enough. The blame for a masked straggler goes
+to the rank whose host-side compute grew, never to the peers that wait.
 """
 
 from __future__ import annotations
@@ -25,8 +28,14 @@ from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.detectors.analysis import rules
 from stepwatch.detectors.analysis._config import DetectorConfig
 from stepwatch.detectors.analysis._context import Basis, Context
+from stepwatch.detectors.analysis._cost import estimate
 from stepwatch.detectors.analysis._crossrank import flag_metrics
-from stepwatch.detectors.analysis._episodes import find_episodes, merge_episodes
+from stepwatch.detectors.analysis._episodes import (
+    drop_waiters,
+    find_episodes,
+    merge_episodes,
+    narrow_to_late,
+)
 from stepwatch.detectors.analysis._rule import Verdict, severity_of
 from stepwatch.detectors.frame._frame import JobFrame
 
@@ -51,14 +60,16 @@ class Finding:
 
 
 def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Finding]:
-    """Run L1, L2 and L3 on a frame and classify; the findings sorted by start.
+    """Run L1, L2 and L3 on a frame, classify, and cost every finding.
 
     Args:
         frame: the job's windows (:func:`read_frame` or ``SimulatedJob.frame()``).
         config: thresholds; :class:`DetectorConfig` defaults when omitted.
 
     Returns:
-        The findings, by start time, then kind.
+        The findings, most expensive first (their ``slowdown``), then by start and kind.
+        Each carries its cost; findings that cost the job less than
+        ``config.min_slowdown_for(kind)`` are not raised.
 
     Notes:
         Needs at least ``config.min_ranks`` ranks for cross-rank tests (fewer: only job-level
@@ -78,7 +89,8 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
     context = Context.with_metrics(basis, flag_metrics(basis))
     registry = rules.registry()
     verdicts: list[Verdict] = []
-    for rule, group in merge_episodes(find_episodes(context.metrics, config), registry):
+    for rule, merged in merge_episodes(find_episodes(context.metrics, config), registry):
+        group = narrow_to_late(context, rule.kind, merged)
         description = rule.describe(context, group)
         verdicts.append(
             Verdict(
@@ -91,10 +103,48 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
                 score=context.score(description.indices, group.first, group.last),
             )
         )
+    verdicts = drop_waiters(context, verdicts)
     for job_rule in registry.job_rules:
         verdicts.extend(job_rule.find(context, tuple(verdicts)))
-    findings = [_finding(context, verdict) for verdict in verdicts]
-    return sorted(findings, key=lambda f: (f.diagnosis.start_unix_nano, f.diagnosis.kind))
+    busy = [slice(v.first, v.last + 1) for v in verdicts]
+    findings = []
+    for verdict in verdicts:
+        costed = _costed(context, verdict, busy)
+        if costed is not None:
+            findings.append(_finding(context, costed))
+    return sorted(
+        findings,
+        key=lambda f: (-f.diagnosis.slowdown, f.diagnosis.start_unix_nano, f.diagnosis.kind),
+    )
+
+
+def _costed(context: Context, verdict: Verdict, busy: list[slice]) -> Verdict | None:
+    """The verdict with its cost and the severity of that cost; ``None`` below the bar.
+
+    A verdict whose rule measured no cost and whose kind has no cost model keeps its
+    severity and a cost of 1.0 (unknown), and is always raised.
+    """
+    what = verdict.description
+    slowdown = what.slowdown
+    if slowdown is None:
+        span = slice(verdict.first, verdict.last + 1)
+        slowdown = estimate(context, what.kind, what.indices, span, busy=busy)
+    if slowdown is None:
+        return verdict
+    slowdown = max(1.0, float(slowdown))
+    if slowdown < context.config.min_slowdown_for(what.kind):
+        return None
+    summary = with_cost(what.summary, slowdown)
+    return dataclasses.replace(
+        verdict,
+        description=dataclasses.replace(what, summary=summary, slowdown=slowdown),
+        severity=severity_of(slowdown),
+    )
+
+
+def with_cost(summary: str, slowdown: float) -> str:
+    """A finding's summary followed by its cost in words (every costed finding says it)."""
+    return f"{summary}; costs the job ~{slowdown:.2f}x step time"
 
 
 def _finding(context: Context, verdict: Verdict) -> Finding:
@@ -114,9 +164,8 @@ def _finding(context: Context, verdict: Verdict) -> Finding:
         severity=verdict.severity,
         score=verdict.score,
         summary=what.summary,
+        slowdown=1.0 if what.slowdown is None else what.slowdown,
     )
-    # The place for a finding's cost (the what-if slowdown: how much longer the job's step
-    # is than if the verdict's ranks behaved like their peers), the same for every rule.
     return Finding(
         diagnosis=diagnosis,
         detected_unix_nano=int(ends[verdict.detected]),

@@ -36,6 +36,10 @@ class DetectorConfig:
             in a collective show the stall in their step and communication time too, so
             only phases that cannot contain waiting localise it.
         stall_min_ratio: smallest ratio of that longest occurrence to the peers' one.
+        stall_outside_min_steps: smallest stall *outside* every phase, in job median steps.
+            Lower than ``stall_min_steps``: the phases account for a step, so a gap between
+            them that the peers demonstrably waited for in their collective (required as
+            well) is a stall whatever its length; its cost decides whether it is raised.
         clock_min_drop: smallest relative SM clock drop for ``gpu_health``.
         min_ranks: fewest ranks for cross-rank tests.
         major_share: compute classes below this share of compute time are tested pooled.
@@ -44,6 +48,17 @@ class DetectorConfig:
         workers: threads testing disjoint blocks of metrics (results do not depend on it).
         hang_steps: ``hang``: no progress for this many usual steps ...
         hang_min_s: ... and for at least this many seconds (``rules/hang.py``).
+        min_slowdown: smallest cost (what-if slowdown of the job's step) a finding needs to
+            be raised at all; kinds without a cost model (``rank_missing``, ``hang``) are
+            always raised.
+        structure_min_slowdown: the same for ``stage_imbalance``: healthy pipelines are
+            unbalanced by design (embedding, loss head: a few % of a step), and moving
+            layers pays only from about this much.
+        imbalance_min_slowdown: the same for ``workload_imbalance``: ranks finishing at
+            different times cost every synchronous job some of its step (kernel and
+            sequence-length jitter grow the expected latest arrival like the square root of
+            the log of the rank count: ~8% at 4,096 ranks with 3% jitter); it is raised
+            when it costs more than that.
     """
 
     fdr_q: float = 1e-6
@@ -60,6 +75,7 @@ class DetectorConfig:
     sustained_min_ratio: float = 1.5
     stall_min_steps: float = 20.0
     stall_min_ratio: float = 10.0
+    stall_outside_min_steps: float = 0.25
     clock_min_drop: float = 0.03
     min_ranks: int = 4
     major_share: float = 0.01
@@ -67,6 +83,17 @@ class DetectorConfig:
     workers: int = 2
     hang_steps: float = 10.0
     hang_min_s: float = 10.0
+    min_slowdown: float = 1.02
+    structure_min_slowdown: float = 1.05
+    imbalance_min_slowdown: float = 1.2
+
+    def min_slowdown_for(self, kind: str) -> float:
+        """The smallest cost at which a finding of ``kind`` is raised."""
+        if kind == "stage_imbalance":
+            return max(self.min_slowdown, self.structure_min_slowdown)
+        if kind == "workload_imbalance":
+            return max(self.min_slowdown, self.imbalance_min_slowdown)
+        return self.min_slowdown
 
     def __post_init__(self) -> None:
         if not 0 < self.fdr_q < 1:
@@ -83,3 +110,6 @@ class DetectorConfig:
             raise ConfigError("stall_min_steps/stall_min_ratio: need > 0 and > 1")
         if not (self.hang_steps > 0 and self.hang_min_s >= 0):
             raise ConfigError("hang_steps/hang_min_s: need > 0 and >= 0")
+        for name in ("min_slowdown", "structure_min_slowdown", "imbalance_min_slowdown"):
+            if not getattr(self, name) >= 1.0:
+                raise ConfigError(f"{name}: must be >= 1.0, got {getattr(self, name)}")

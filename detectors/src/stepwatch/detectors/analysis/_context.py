@@ -11,11 +11,18 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from stepwatch.detectors.analysis._config import DetectorConfig
+from stepwatch.detectors.analysis._groups import (
+    PeerGroups,
+    baseline_windows,
+    coordinate_groups,
+    infer_groups,
+)
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_CATEGORY, JobFrame
 from stepwatch.detectors.stats._stats import BoolArray, FloatArray, nanmedian, safe_log
 
@@ -35,6 +42,8 @@ class Basis:
         minor_classes: the long tail of compute classes, tested pooled.
         step_median: ``(W,)`` median step time of the ranks reporting.
         overlap_waiting: series that hold the wait for peers (:func:`_overlap_waiting`).
+        baseline: ``(W,)`` the first windows, which define the job's structure.
+        groups: the peer groups (pipeline stages, or groups inferred from the baseline).
     """
 
     frame: JobFrame
@@ -47,6 +56,8 @@ class Basis:
     minor_classes: list[int]
     step_median: FloatArray
     overlap_waiting: frozenset[str]
+    baseline: BoolArray
+    groups: PeerGroups
 
     @classmethod
     def of(cls, frame: JobFrame, config: DetectorConfig) -> Basis:
@@ -76,6 +87,14 @@ class Basis:
             target.append(index)
         with np.errstate(invalid="ignore"):
             step_median = nanmedian(np.where(present, frame.step_s, np.nan), axis=1)[:, 0]
+        overlap_waiting = _overlap_waiting(frame, present)
+        # Each rank's first window holds its warm-up steps: not the structure.
+        settled = present & (np.cumsum(present, axis=0) > 1)
+        baseline = baseline_windows(settled)
+        groups = coordinate_groups(frame.pp_ranks, frame.dp_ranks)
+        if groups is None:
+            profile = _profile(frame, compute_s, overlap_waiting, settled)
+            groups = infer_groups(profile, baseline, dp_ranks=frame.dp_ranks)
         return cls(
             frame=frame,
             config=config,
@@ -86,7 +105,9 @@ class Basis:
             major_classes=major_classes,
             minor_classes=minor_classes,
             step_median=step_median,
-            overlap_waiting=_overlap_waiting(frame, present),
+            overlap_waiting=overlap_waiting,
+            baseline=baseline,
+            groups=groups,
         )
 
     @property
@@ -99,6 +120,24 @@ class Basis:
     def peers(self, values: FloatArray) -> FloatArray:
         """The reference ranks' columns of ``(W, R)`` values (all ranks for ordinary jobs)."""
         return values if self.reference is None else values[:, self.reference]
+
+
+def _profile(
+    frame: JobFrame, compute_s: FloatArray, waiting: frozenset[str], settled: BoolArray
+) -> FloatArray:
+    """``(W, R, M)`` log-times that show what work a rank does: its phases that cannot
+    hold waiting for peers, and its compute kernels (NaN outside ``settled``)."""
+    columns = [
+        frame.phase_s[:, :, index]
+        for index, phase in enumerate(frame.phases)
+        if phase != COMMUNICATION_CATEGORY and f"phase:{phase}" not in waiting
+    ]
+    if np.isfinite(compute_s).any():
+        columns.append(compute_s)
+    if not columns:
+        columns.append(frame.step_s)
+    stacked = np.stack(columns, axis=2)
+    return safe_log(np.where(settled[:, :, None], stacked, np.nan))
 
 
 def _overlap_waiting(frame: JobFrame, present: BoolArray) -> frozenset[str]:
@@ -128,6 +167,19 @@ def _overlap_waiting(frame: JobFrame, present: BoolArray) -> frozenset[str]:
         if float(np.nanmedian(values[present])) >= overlap:
             waiting.add(f"phase:{phase}")
     return frozenset(waiting)
+
+
+class EpisodeGroupLike(Protocol):
+    """Ranks and windows (an :class:`~._rule.EpisodeGroup`)."""
+
+    @property
+    def indices(self) -> tuple[int, ...]: ...
+
+    @property
+    def first(self) -> int: ...
+
+    @property
+    def last(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +223,15 @@ class Context(Basis):
     def rank_text(self, indices: Sequence[int]) -> str:
         """``rank 5`` or ``ranks 0-3,8``: the summaries' name for the ranks."""
         return _format_ranks(self.rank_ids(indices))
+
+    def who(self, indices: Sequence[int]) -> str:
+        """``rank 0 (stage 0, dp 0)``: the ranks and, when they share one, their group."""
+        return f"{self.rank_text(indices)}{self.groups.where(indices)}"
+
+    @property
+    def peer_noun(self) -> str:
+        """What a rank is compared with: ``its stage``, ``its group`` or ``peers``."""
+        return self.groups.noun
 
     def since(self, window: int) -> str:
         """Start of ``window`` as UTC ``HH:MM:SS`` (the summaries' "since")."""
@@ -244,6 +305,42 @@ class Context(Basis):
         ratio = math.exp(float(np.nanmedian(own_time - peer_time)))
         return frame.kernel_classes[classes[best]], ratio
 
+    def work_s(self) -> FloatArray:
+        """``(W, R)`` each rank's own work per step: its compute and memory kernel time,
+        else its phases that hold no waiting for peers (NaN where silent)."""
+        frame = self.frame
+        kernels = [i for i, c in enumerate(frame.kernel_categories) if c in ("compute", "memory")]
+        if kernels:
+            work = frame.kernel_s[:, :, kernels].sum(axis=2)
+        else:
+            own = [
+                i
+                for i, p in enumerate(frame.phases)
+                if p != COMMUNICATION_CATEGORY and f"phase:{p}" not in self.overlap_waiting
+            ]
+            work = frame.phase_s[:, :, own].sum(axis=2) if own else frame.step_s
+        with np.errstate(invalid="ignore"):
+            return np.where(self.present & (work > 0), work, np.nan)
+
+    def top_class_between(
+        self, mine: Sequence[int], others: Sequence[int] | np.ndarray
+    ) -> tuple[str | None, float]:
+        """The compute kernel class in which ``mine`` spend the most seconds above
+        ``others`` (medians over the frame), and its ratio (``None``: none above)."""
+        frame = self.frame
+        classes = [*self.major_classes, *self.minor_classes]
+        if not classes or not len(mine) or not len(others):
+            return None, 1.0
+        kernel = frame.kernel_s[:, :, classes]
+        own = nanmedian(nanmedian(kernel[:, list(mine)], axis=1)[:, 0], axis=0)[0]
+        theirs = nanmedian(nanmedian(kernel[:, list(others)], axis=1)[:, 0], axis=0)[0]
+        with np.errstate(invalid="ignore"):
+            excess = np.where(np.isfinite(own - theirs), own - theirs, -np.inf)
+        best = int(np.argmax(excess))
+        if not excess[best] > 0 or not theirs[best] > 0:
+            return None, 1.0
+        return frame.kernel_classes[classes[best]], float(own[best] / theirs[best])
+
     def stall_ratios(self, indices: Sequence[int], first: int, last: int) -> dict[str, float]:
         """Flagged ``stall:`` phases → longest occurrence / peers' longest (largest in span)."""
         metrics = self.metrics
@@ -257,6 +354,11 @@ class Context(Basis):
                     float(np.nanmax(metrics.effect[first : last + 1, indices, m][hit]))
                 )
         return ratios
+
+    def flagged(self, group: EpisodeGroupLike) -> set[str]:
+        """The metrics flagged on the group's ranks in its windows."""
+        block = self.metrics.flags[group.first : group.last + 1][:, list(group.indices), :]
+        return {self.metrics.names[m] for m in np.flatnonzero(block.any(axis=(0, 1)))}
 
     def score(self, indices: Sequence[int], first: int, last: int) -> float:
         """Strongest robust z of the ranks' flags over the windows, capped at 99."""

@@ -15,6 +15,7 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
+from stepwatch.detectors.analysis._arrival import collectives, is_short, late_flags
 from stepwatch.detectors.analysis._context import Basis, Metrics
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.stats._stats import (
@@ -33,6 +34,8 @@ MINOR_CLASSES = "(minor classes)"
 ARRIVAL = "arrival"
 #: Host-side phases that never contain waiting for peers (one-off stalls show there).
 STALL_PHASES = ("data", "forward", "optimizer")
+#: The ``stall:`` metric of a stall outside every phase (between them).
+OUTSIDE = "outside"
 
 _ArrayT = TypeVar("_ArrayT", FloatArray, BoolArray)
 
@@ -125,8 +128,15 @@ def flag_metrics(basis: Basis) -> Metrics:
     series = _series(basis)
     values = [item.values for item in series]
     thresholds = _thresholds(basis, series)
-    # One-off stalls take the last columns (filled here, not tested across scales).
+    # One-off stalls take the last columns (filled here, not tested across scales), then,
+    # on frames too short for the statistics (a profiler trace), late arrivals.
     stall_names, stall_flags, stall_effect = _stalls(basis)
+    if is_short(basis.present, min_ranks=config.min_ranks, windows=config.sustained_windows):
+        found = collectives(frame, basis.step_median, min_ranks=config.min_ranks)
+        late = late_flags(found, basis.present)
+        stall_names = [*stall_names, *late[0]]
+        stall_flags = np.concatenate([stall_flags, late[1]], axis=2)
+        stall_effect = np.concatenate([stall_effect, late[2]], axis=2)
     tested = len(series)
     shape = (frame.n_windows, frame.n_ranks, tested + len(stall_names))
     flags = np.zeros(shape, dtype=bool)
@@ -149,6 +159,8 @@ def flag_metrics(basis: Basis) -> Metrics:
         block = np.stack(values[start:stop], axis=2)
         logs = safe_log(block, dtype=basis.dtype)  # silent ranks are NaN already
         del block
+        # Each rank against its own group: the groups' structural offsets taken out.
+        logs = basis.groups.centre(logs, basis.baseline)
         limit = thresholds[:, None, start:stop]
         tests = multiscale_outliers(
             logs,
@@ -242,7 +254,76 @@ def _stalls(basis: Basis) -> tuple[list[str], BoolArray, FloatArray]:
             )
             effect[:, :, column] = np.where(np.isfinite(ratio) & (ratio > 0), np.log(ratio), np.nan)
         flags[:, :, column] = hit
-    return [f"stall:{phase}" for phase in phases], flags, effect
+    names = [f"stall:{phase}" for phase in phases]
+    outside = _outside_stalls(basis)
+    if outside is not None:
+        names.append(f"stall:{OUTSIDE}")
+        flags = np.concatenate([flags, outside[0][:, :, None]], axis=2)
+        effect = np.concatenate([effect, outside[1][:, :, None]], axis=2)
+    return names, flags, effect
+
+
+def outside_gap_s(basis: Basis) -> FloatArray | None:
+    """``(W, R)`` time outside every phase in each rank's longest step, at least: its longest
+    step minus the longest occurrence of each phase (the communication phase left out when
+    the phases overlap it: it lies inside another). ``None`` without phases."""
+    frame = basis.frame
+    if not frame.phases:
+        return None
+    overlap = bool(basis.overlap_waiting)
+    columns = [
+        i for i, p in enumerate(frame.phases) if not (overlap and p == COMMUNICATION_CATEGORY)
+    ]
+    longest = np.where(
+        np.isfinite(frame.phase_max_s[:, :, columns]), frame.phase_max_s[:, :, columns], 0.0
+    )
+    return np.where(basis.present, frame.step_max_s - longest.sum(axis=2), np.nan)
+
+
+def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
+    """Stalls outside every phase: ``(W, R)`` flags and log ratios, ``None`` without phases.
+
+    The time outside the phases of a rank's longest step (:func:`outside_gap_s`) shows a
+    rank that stopped between phases (a GC pause,
+    a checkpoint write, a compile) has a long step whose phases look normal; the peers that
+    waited for it have long steps too, but the wait is inside their collective. So a flag
+    needs that gap to reach ``config.stall_outside_min_steps`` job median steps and
+    ``config.stall_min_ratio`` times the peers' gap, *and* the peers to have waited for
+    at least half of it in the same or the next window (their longest collective, else
+    their longest step): a pause every rank takes at once (a synchronous checkpoint) makes
+    no one wait and is not a stall of one rank. A gap shorter than ``stall_min_steps``
+    counts only on a rank with another one in the frame: once, it is the noise of a
+    shared host; recurring, it is a rank that keeps stopping.
+    """
+    frame = basis.frame
+    config = basis.config
+    step = basis.job_step_s
+    gap = outside_gap_s(basis)
+    if gap is None or step <= 0:
+        return None
+    peer_gap = np.maximum(nanmedian(basis.peers(gap), axis=1), 0.0)
+    if COMMUNICATION_CATEGORY in frame.phases:
+        held = frame.phase_max_s[:, :, frame.phases.index(COMMUNICATION_CATEGORY)]
+    else:
+        held = frame.step_max_s
+    held = np.where(basis.present, held, np.nan)
+    waited = np.fmax(
+        nanmedian(basis.peers(held), axis=1), nanmedian(basis.peers(_shifted(held, -1)), axis=1)
+    )
+    with np.errstate(invalid="ignore", divide="ignore"):
+        hit = (
+            (gap >= config.stall_outside_min_steps * step)
+            & (gap >= config.stall_min_ratio * peer_gap)
+            & (waited >= 0.5 * gap)
+        )
+        ratio = gap / np.maximum(peer_gap, 1e-3 * step)
+        effect = np.where(np.isfinite(ratio) & (ratio > 0), np.log(ratio), np.nan)
+        hit &= np.isfinite(gap)
+        # A pause of a few steps happens once to any rank of a shared host (descheduled,
+        # a page fault): short ones count only on a rank that keeps stopping.
+        short = hit & (gap < config.stall_min_steps * step)
+        recurring = hit.sum(axis=0, keepdims=True) >= 2
+    return hit & (~short | recurring), effect
 
 
 def _shifted(values: _ArrayT, by: int) -> _ArrayT:

@@ -1,14 +1,29 @@
-"""Rank episodes: runs of flagged windows on one rank, their onset, classified and merged."""
+"""Rank episodes: runs of flagged windows on one rank, their onset, classified and merged;
+and the findings on ranks that only waited for a culprit of their own pipeline, dropped."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
 from stepwatch.detectors.analysis._config import DetectorConfig
-from stepwatch.detectors.analysis._context import Metrics
-from stepwatch.detectors.analysis._rule import EpisodeGroup, EpisodeRule, Flagged, Registry
+from stepwatch.detectors.analysis._context import Context, Metrics
+from stepwatch.detectors.analysis._rule import (
+    EpisodeGroup,
+    EpisodeRule,
+    Flagged,
+    Registry,
+    Verdict,
+)
+
+#: Without communication data: kinds that name a rank doing its own work slowly ...
+CULPRITS = frozenset({"compute_straggler", "gpu_health", "dataloader_stall", "jit_stall"})
+#: ... and kinds a rank that only waits inside its pipeline for one can look like.
+WAITERS = frozenset({"pipeline_bubble", "link_degradation", "masked_straggler"})
+#: A rank waited when its communication time is this much above the culprit's.
+WAITED_RATIO = 1.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,3 +118,94 @@ def merge_episodes(
             detected = min(e.detected for e in group)
             result.append((rule, EpisodeGroup(indices, first, last, detected)))
     return result
+
+
+def drop_waiters(context: Context, verdicts: list[Verdict]) -> list[Verdict]:
+    """The verdicts without those on ranks that only waited for a culprit in their replica.
+
+    In a pipeline, the stages of one data-parallel replica wait for each other: when one
+    rank is slow, the other stages of its replica idle or spin in their point-to-point
+    kernels for the same windows, and look slow too. Of two findings on disjoint ranks of
+    the same replicas (``stepwatch.dp_rank``) whose windows overlap (or follow within
+    ``gap_windows``), the one whose ranks spent more time in communication waited
+    (arrival order within the pipeline: the late rank waits least); it is dropped. Without
+    communication data, a finding of a waiting kind yields to one of a culprit kind.
+    Needs data-parallel coordinates; without them nothing is dropped.
+    """
+    groups = context.groups
+    if not groups.replicas_known or groups.n_groups < 2:
+        return verdicts
+    wait = _wait(context)
+    slack = context.config.gap_windows
+    ranked = [v for v in verdicts if v.description.indices]
+    kept = []
+    for verdict in verdicts:
+        mine = set(verdict.description.indices)
+        waited = mine and any(
+            other is not verdict
+            and other.first <= verdict.last + slack
+            and verdict.first <= other.last + slack
+            and not mine & set(other.description.indices)
+            and _replicas(context, mine) <= _replicas(context, other.description.indices)
+            and _waited_for(context, wait, verdict, other)
+            for other in ranked
+        )
+        if not waited:
+            kept.append(verdict)
+    return kept
+
+
+def _wait(context: Context) -> np.ndarray | None:
+    frame = context.frame
+    kernels = frame.category_s("communication")
+    if np.isfinite(kernels).any():
+        return kernels
+    return frame.phase("communication")
+
+
+def _replicas(context: Context, indices: Sequence[int] | set[int]) -> set[int]:
+    return {int(context.groups.replicas[i]) for i in indices}
+
+
+def _waited_for(
+    context: Context, wait: np.ndarray | None, waiter: Verdict, culprit: Verdict
+) -> bool:
+    """``waiter``'s ranks spent clearly more time in communication than ``culprit``'s."""
+    if wait is None:
+        return waiter.description.kind in WAITERS and culprit.description.kind in CULPRITS
+    span = slice(min(waiter.first, culprit.first), max(waiter.last, culprit.last) + 1)
+    with np.errstate(invalid="ignore"):
+        theirs = float(np.nanmean(wait[span][:, list(waiter.description.indices)]))
+        ours = float(np.nanmean(wait[span][:, list(culprit.description.indices)]))
+    return bool(theirs > WAITED_RATIO * ours)
+
+
+#: Kinds whose episodes may hold a culprit together with the ranks of its pipeline that
+#: waited for it (same signature: device idle, longer phases, longer steps).
+NARROWED = frozenset({"masked_straggler", "jit_stall", "link_degradation"})
+
+
+def narrow_to_late(context: Context, kind: str, group: EpisodeGroup) -> EpisodeGroup:
+    """Keep, in each pipeline replica, only the ranks that waited least in communication.
+
+    The stages of a replica wait for its slow rank in their point-to-point kernels (which
+    spin), so over the episode the culprit spends the least time in communication of its
+    replica's flagged ranks; the others only waited (arrival order within the pipeline).
+    Needs data-parallel coordinates and communication data; otherwise the group as is.
+    """
+    groups = context.groups
+    if kind not in NARROWED or not groups.replicas_known or groups.n_groups < 2:
+        return group
+    wait = _wait(context)
+    if wait is None:
+        return group
+    with np.errstate(invalid="ignore"):
+        mean = np.nanmean(wait[group.span][:, list(group.indices)], axis=0)
+    by_replica: dict[int, list[tuple[float, int]]] = {}
+    for value, index in zip(mean.tolist(), group.indices, strict=True):
+        by_replica.setdefault(int(groups.replicas[index]), []).append((value, index))
+    kept = []
+    for members in by_replica.values():
+        lowest = min(value for value, _ in members)
+        kept += [i for value, i in members if not value > WAITED_RATIO * lowest]
+    return group.with_indices(sorted(kept)) if kept else group

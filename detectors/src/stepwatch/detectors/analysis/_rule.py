@@ -12,7 +12,8 @@ Two shapes:
 
 The engine (:mod:`._analyse`) turns every :class:`Verdict` into a :class:`Finding`. A rule
 never builds a :class:`~stepwatch.core.Diagnosis` itself, so what every finding carries
-(severity, score, and next its ``slowdown`` cost) is decided in one place.
+(its ``slowdown`` cost, the severity that follows from it, the score) is decided in one
+place; a rule that measures its own cost says so in :attr:`Description.slowdown`.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class Description:
         kernel_class: the kernel class that moved, if any.
         indices: the ranks blamed (indices into the frame), empty for job-wide findings.
         hosts: the hosts blamed.
+        slowdown: the finding's cost when the rule measures it itself (the what-if slowdown
+            of the job's step); ``None``: the engine estimates it (:mod:`._cost`), or, for
+            kinds it has no model for, the finding carries 1.0 and keeps its severity.
     """
 
     kind: str
@@ -89,6 +93,7 @@ class Description:
     kernel_class: str | None = None
     indices: tuple[int, ...] = ()
     hosts: tuple[str, ...] = ()
+    slowdown: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +106,8 @@ class Verdict:
         last: last window showing it.
         detected: window at which it was confirmed (flags only use past windows).
         open: still going at the end of the frame (the diagnosis has no end yet).
-        severity: ``info``, ``warning`` or ``critical`` (:func:`severity_of` a ratio).
+        severity: ``info``, ``warning`` or ``critical``; the engine replaces it with the
+            severity of the finding's cost whenever it has one (:func:`severity_of`).
         score: strength of the evidence (robust z for rank findings).
     """
 
@@ -202,7 +208,11 @@ class Registry:
 
 
 def severity_of(ratio: float) -> str:
-    """``critical`` from 1.2x (or 1/1.2x), ``warning`` from 1.05x, else ``info``."""
+    """``critical`` from 1.2x (or 1/1.2x), ``warning`` from 1.05x, else ``info``.
+
+    Applied to a finding's cost (its slowdown of the job's step), or to a rule's ratio when
+    the finding has no cost.
+    """
     ratio = max(ratio, 1.0 / ratio) if ratio > 0 else 1.0
     if ratio >= 1.2:
         return "critical"

@@ -49,6 +49,13 @@ class JobFrame:
         idle_s: ``(W, R)`` device-idle time per step.
         idle_max_s: ``(W, R)`` longest per-step idle time.
         sm_clock_hz: ``(W, R)`` mean SM clock (GPU health) or ``None`` when not reported.
+        dp_ranks: ``(R,)`` data-parallel replica of each rank, -1 when unknown (``None``: none
+            reported).
+        tp_ranks: ``(R,)`` tensor-parallel rank of each rank, -1 when unknown (``None``: none
+            reported).
+        phase_min_s: ``(W, R, P)`` shortest single phase occurrence (the histograms' ``min``),
+            or ``None`` when not read. The shortest time a rank spent in its collective in a
+            window is the collective with (almost) no waiting: the transfer itself.
     """
 
     job: str
@@ -69,6 +76,9 @@ class JobFrame:
     idle_s: FloatArray
     idle_max_s: FloatArray
     sm_clock_hz: FloatArray | None = None
+    dp_ranks: np.ndarray | None = None
+    tp_ranks: np.ndarray | None = None
+    phase_min_s: FloatArray | None = None
 
     @property
     def n_windows(self) -> int:
@@ -117,24 +127,35 @@ def _series_rank(series: QuerySeries) -> int | None:
 
 @dataclasses.dataclass
 class _Accumulator:
-    """Sums and maxima per (bin, rank[, key]) while parsing query results."""
+    """Sums, maxima and minima per (bin, rank[, key]) while parsing query results."""
 
     n_bins: int
     rank_index: dict[int, int]
     keys: dict[str, int] = dataclasses.field(default_factory=dict)
-    rows: list[tuple[int, int, int, float, float, float]] = dataclasses.field(default_factory=list)
+    rows: list[tuple[int, int, int, float, float, float, float]] = dataclasses.field(
+        default_factory=list
+    )
 
     def add(
-        self, bin_index: int, rank: int, key: str, total: float, count: float, peak: float
+        self,
+        bin_index: int,
+        rank: int,
+        key: str,
+        total: float,
+        count: float,
+        peak: float,
+        low: float = math.nan,
     ) -> None:
         key_index = self.keys.setdefault(key, len(self.keys))
-        self.rows.append((bin_index, self.rank_index[rank], key_index, total, count, peak))
+        self.rows.append((bin_index, self.rank_index[rank], key_index, total, count, peak, low))
 
-    def arrays(self, n_ranks: int) -> tuple[FloatArray, FloatArray, FloatArray]:
+    def arrays(self, n_ranks: int) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
+        """``(total, count, peak, low)``, each ``(bins, ranks, keys)``; NaN where no row."""
         shape = (self.n_bins, n_ranks, max(len(self.keys), 1))
         total = np.zeros(shape)
         count = np.zeros(shape)
         peak = np.full(shape, np.nan)
+        low = np.full(shape, np.nan)
         if self.rows:
             data = np.array(self.rows, dtype=np.float64)
             index = (
@@ -145,13 +166,21 @@ class _Accumulator:
             np.add.at(total, index, data[:, 3])
             np.add.at(count, index, data[:, 4])
             np.fmax.at(peak, index, data[:, 5])
-        return total, count, peak
+            np.fmin.at(low, index, data[:, 6])
+        return total, count, peak, low
 
 
 def _number(value: object) -> float:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     return math.nan
+
+
+#: Empty analysis windows kept after a job's last data: a frame ends at the window holding
+#: ``end_unix_nano`` or this many windows after the last data, whichever comes first, so a
+#: range far past the data (``--to 2030``) costs nothing, while a job that went silent
+#: still ends in enough empty windows to close its findings (``gap_windows`` is 6).
+TRAILING_EMPTY_WINDOWS = 64
 
 
 def read_frame(
@@ -163,6 +192,11 @@ def read_frame(
     window_s: float | None = None,
 ) -> JobFrame:
     """Read one job's windows in ``[start, end]`` into a :class:`JobFrame`.
+
+    The frame spans the windows that hold data, not the request: from the first window
+    with data (or the one holding ``start``, when later) to the one holding ``end`` or
+    :data:`TRAILING_EMPTY_WINDOWS` after the last data. A job with no data in the range
+    gives a frame of no windows and no ranks.
 
     Args:
         client: InfluxDB client on the stepwatch database.
@@ -187,11 +221,15 @@ def read_frame(
         f"AND time <= {end_unix_nano}"
     )
     rank_tag = quote_ident(_schema.RANK)
+    coordinates = ", ".join(
+        quote_ident(tag)
+        for tag in (_schema.HOST_NAME, _schema.PP_RANK, _schema.DP_RANK, _schema.TP_RANK)
+    )
     statements = [
         f'SELECT "sum", "count", "max", "start_time_unix_nano" FROM '
         f"{quote_ident(_schema.STEP_DURATION)} WHERE {where} "
-        f"GROUP BY {rank_tag}, {quote_ident(_schema.HOST_NAME)}, {quote_ident(_schema.PP_RANK)}",
-        f'SELECT "sum", "count", "max" FROM {quote_ident(_schema.PHASE_DURATION)} '
+        f"GROUP BY {rank_tag}, {coordinates}",
+        f'SELECT "sum", "count", "max", "min" FROM {quote_ident(_schema.PHASE_DURATION)} '
         f"WHERE {where} GROUP BY {rank_tag}, {quote_ident(_schema.PHASE)}",
         f'SELECT "sum", "count", "max" FROM {quote_ident(_schema.KERNEL_DURATION)} '
         f"WHERE {where} GROUP BY {rank_tag}, {quote_ident(_schema.KERNEL_CLASS)}, "
@@ -205,11 +243,30 @@ def read_frame(
     if window_s is None:
         window_s = export_window_s(results)
     window_ns = round(window_s * 1e9)
-    origin = (start_unix_nano // window_ns) * window_ns
-    n_bins = max(1, (end_unix_nano - origin) // window_ns + 1)
+    span = _data_span(results)
+    if span is None:  # nothing stored in the range: no windows, no ranks
+        return frame_from_series(
+            job, [], origin_unix_nano=start_unix_nano, n_bins=0, window_s=window_s
+        )
+    first, last = span
+    origin = (max(start_unix_nano, first) // window_ns) * window_ns
+    stop = min(end_unix_nano, last + TRAILING_EMPTY_WINDOWS * window_ns)
+    n_bins = max(1, (stop - origin) // window_ns + 1)
     return frame_from_series(
         job, results, origin_unix_nano=origin, n_bins=n_bins, window_s=window_s
     )
+
+
+def _data_span(results: Sequence[QuerySeries]) -> tuple[int, int] | None:
+    """The earliest and latest row time of any ranked series (``None``: no rows)."""
+    times = [
+        int(row[0])
+        for series in results
+        if _series_rank(series) is not None
+        for row in series.values
+        if row and isinstance(row[0], int | float)
+    ]
+    return (min(times), max(times)) if times else None
 
 
 def export_window_s(results: Sequence[QuerySeries]) -> float:
@@ -238,6 +295,10 @@ def export_window_s(results: Sequence[QuerySeries]) -> float:
     return min(1.0, 2.0 * max(0.05, round(median_s * 20.0) / 20.0))
 
 
+def _coordinate(text: str) -> int | None:
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
 def frame_from_series(
     job: str,
     results: Sequence[QuerySeries],
@@ -249,7 +310,11 @@ def frame_from_series(
     """Build a :class:`JobFrame` from the series of :func:`read_frame`'s statements."""
     window_ns = round(window_s * 1e9)
     hosts: dict[int, str] = {}
-    pp: dict[int, int] = {}
+    coordinates: dict[str, dict[int, int]] = {
+        _schema.PP_RANK: {},
+        _schema.DP_RANK: {},
+        _schema.TP_RANK: {},
+    }
     ranks: set[int] = set()
     for series in results:
         rank = _series_rank(series)
@@ -258,9 +323,10 @@ def frame_from_series(
         ranks.add(rank)
         if series.name == _schema.STEP_DURATION:
             hosts[rank] = series.tags.get(_schema.HOST_NAME, "") or hosts.get(rank, "")
-            text = series.tags.get(_schema.PP_RANK, "")
-            if text.lstrip("-").isdigit():
-                pp[rank] = int(text)
+            for tag, known in coordinates.items():
+                number = _coordinate(series.tags.get(tag, ""))
+                if number is not None:
+                    known[rank] = number
     ordered = sorted(ranks)
     rank_index = {rank: index for index, rank in enumerate(ordered)}
     step = _Accumulator(n_bins, rank_index)
@@ -278,7 +344,7 @@ def frame_from_series(
         if series.name == _schema.GPU_SM_CLOCK:
             target, key, layout = clock, "clock", ("gauge",)
         else:
-            layout = ("sum", "count", "max")
+            layout = ("sum", "count", "max", "min")
             if series.name == _schema.STEP_DURATION:
                 target, key = step, "step"
             elif series.name == _schema.PHASE_DURATION:
@@ -303,21 +369,21 @@ def frame_from_series(
                 if math.isfinite(value):
                     target.add(bin_index, rank, key, value, 1.0, value)
                 continue
-            total, count, peak = numbers
+            total, count, peak, low = numbers
             if not (math.isfinite(total) and math.isfinite(count)):
                 continue
-            target.add(bin_index, rank, key, total, count, peak)
+            target.add(bin_index, rank, key, total, count, peak, low)
     n_ranks = len(ordered)
-    step_total, step_count, step_peak = step.arrays(n_ranks)
+    step_total, step_count, step_peak, _ = step.arrays(n_ranks)
     steps = step_count[:, :, 0]
     with np.errstate(invalid="ignore", divide="ignore"):
         per_step = np.where(steps > 0, 1.0 / np.where(steps > 0, steps, 1.0), np.nan)
     phase_names = tuple(phase.keys)
-    phase_total, _, phase_peak = phase.arrays(n_ranks)
+    phase_total, _, phase_peak, phase_low = phase.arrays(n_ranks)
     kernel_names = tuple(kernel.keys)
-    kernel_total, _, _ = kernel.arrays(n_ranks)
-    idle_total, _, idle_peak = idle.arrays(n_ranks)
-    clock_total, clock_count, _ = clock.arrays(n_ranks)
+    kernel_total, _, _, _ = kernel.arrays(n_ranks)
+    idle_total, _, idle_peak, _ = idle.arrays(n_ranks)
+    clock_total, clock_count, _, _ = clock.arrays(n_ranks)
     sm_clock: FloatArray | None = None
     if clock.keys:
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -326,6 +392,14 @@ def frame_from_series(
             )
     phase_order = sorted(range(len(phase_names)), key=lambda i: _phase_rank(phase_names[i]))
     kernel_order = sorted(range(len(kernel_names)), key=lambda i: kernel_names[i])
+    no_phases = np.zeros((n_bins, n_ranks, 0))
+
+    def coordinate(tag: str) -> np.ndarray | None:
+        known = coordinates[tag]
+        if not known:
+            return None
+        return np.array([known.get(rank, -1) for rank in ordered], dtype=np.int64)
+
     return JobFrame(
         job=job,
         window_s=window_s,
@@ -333,17 +407,17 @@ def frame_from_series(
         + window_ns * np.arange(1, n_bins + 1, dtype=np.int64),
         ranks=np.array(ordered, dtype=np.int64),
         hosts=tuple(hosts.get(rank, "") for rank in ordered),
-        pp_ranks=np.array([pp.get(rank, -1) for rank in ordered], dtype=np.int64),
+        pp_ranks=np.array(
+            [coordinates[_schema.PP_RANK].get(rank, -1) for rank in ordered], dtype=np.int64
+        ),
         step_count=steps,
         step_s=step_total[:, :, 0] * per_step,
         step_max_s=np.where(steps > 0, step_peak[:, :, 0], np.nan),
         phases=tuple(phase_names[i] for i in phase_order),
         phase_s=(phase_total * per_step[:, :, None])[:, :, phase_order]
         if phase_names
-        else np.zeros((n_bins, n_ranks, 0)),
-        phase_max_s=phase_peak[:, :, phase_order]
-        if phase_names
-        else np.zeros((n_bins, n_ranks, 0)),
+        else no_phases,
+        phase_max_s=phase_peak[:, :, phase_order] if phase_names else no_phases,
         kernel_classes=tuple(kernel_names[i] for i in kernel_order),
         kernel_categories=tuple(categories[kernel_names[i]] for i in kernel_order),
         kernel_s=(kernel_total * per_step[:, :, None])[:, :, kernel_order]
@@ -354,6 +428,9 @@ def frame_from_series(
         if idle.keys
         else np.full(steps.shape, np.nan),
         sm_clock_hz=sm_clock,
+        dp_ranks=coordinate(_schema.DP_RANK),
+        tp_ranks=coordinate(_schema.TP_RANK),
+        phase_min_s=phase_low[:, :, phase_order] if phase_names else no_phases,
     )
 
 

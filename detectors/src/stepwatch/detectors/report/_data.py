@@ -166,7 +166,8 @@ def load_report_data(
         findings = read_findings(
             client, job, start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano
         )
-    found = sorted(findings, key=lambda f: (f.start_unix_nano, f.kind))
+    # Most expensive first: operators fix what costs the job most.
+    found = sorted(findings, key=lambda f: (-f.slowdown, f.start_unix_nano, f.kind))
     inside = [f.start_unix_nano for f in found if start_unix_nano < f.start_unix_nano]
     change = min(inside) if inside else (start_unix_nano + end_unix_nano) // 2
     kernels = kernel_shifts(

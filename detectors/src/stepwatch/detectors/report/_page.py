@@ -27,6 +27,7 @@ from stepwatch.detectors.report._svg import (
     ratio_bar,
     stamp,
 )
+from stepwatch.detectors.sinks._alertmanager import cost_text
 
 
 def write_report(
@@ -119,8 +120,8 @@ def findings_html(data: ReportData) -> str:
         items.append(
             f'<li class="{html.escape(finding.severity)}"><b>#{number} '
             f"{html.escape(finding.summary)}</b><br>"
-            f"{html.escape(finding.kind.replace('_', ' '))}, {html.escape(finding.severity)} "
-            f"(score {finding.score:.2f}); "
+            f"{html.escape(finding.kind.replace('_', ' '))}, {html.escape(finding.severity)}, "
+            f"cost {html.escape(cost_text(finding))} (score {finding.score:.2f}); "
             f"{html.escape(finding.location)}; "
             f"since {stamp(finding.start_unix_nano)}, {until}.</li>"
         )

@@ -10,12 +10,11 @@ hang.find_hangs`); matching by kind and ranks keeps one finding across them.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 
 from stepwatch.core import settings
 from stepwatch.core._diagnosis import Diagnosis
-from stepwatch.detectors.analysis._analyse import Finding
+from stepwatch.detectors.analysis._analyse import Finding, with_cost
 from stepwatch.detectors.analysis._config import DetectorConfig
 from stepwatch.detectors.analysis.rules.hang import KIND, find_hangs
 from stepwatch.detectors.frame._progress import JobProgress
@@ -51,7 +50,7 @@ def hang_findings(progress: JobProgress, config: DetectorConfig) -> list[Finding
             end_unix_nano=None,
             severity="critical",
             score=hang.score,
-            summary=hang.summary,
+            summary=with_cost(hang.summary, hang.slowdown),
             slowdown=hang.slowdown,
         )
         detected = hang.onset_unix_nano + round(hang.threshold_s * 1e9)
@@ -66,28 +65,12 @@ def hang_findings(progress: JobProgress, config: DetectorConfig) -> list[Finding
 
 
 def with_hangs(findings: Sequence[Finding], hangs: Sequence[Finding]) -> list[Finding]:
-    """The engine's findings, their hang carrying its cost; ``hangs`` when the engine had none.
+    """The engine's findings, plus ``hangs`` when the engine found none.
 
     The engine sees a hang only when the frame holds the hung ranks' earlier windows (a hang
-    older than the range read has none); its ``slowdown`` is the hang's cost.
+    older than the range read has none); when it does, its finding (same rule, same cost) is
+    the one kept.
     """
-    engine = [f for f in findings if f.diagnosis.kind == KIND]
-    if not engine:
-        return [*findings, *hangs]
-    if not hangs:
+    if any(f.diagnosis.kind == KIND for f in findings):
         return list(findings)
-    cost = hangs[0].diagnosis.slowdown
-    return [
-        Finding(
-            diagnosis=_with_slowdown(f.diagnosis, cost),
-            detected_unix_nano=f.detected_unix_nano,
-            last_seen_unix_nano=f.last_seen_unix_nano,
-        )
-        if f.diagnosis.kind == KIND
-        else f
-        for f in findings
-    ]
-
-
-def _with_slowdown(diagnosis: Diagnosis, slowdown: float) -> Diagnosis:
-    return dataclasses.replace(diagnosis, slowdown=max(slowdown, 1.0))
+    return [*findings, *hangs]

@@ -237,6 +237,10 @@ class IncrementalDetector:
             if match is not None:
                 diagnosis, _ = match
                 matched.add(diagnosis.finding_id)
+                # Same identity and severity; the cost (and the summary saying it) is now's.
+                diagnosis = dataclasses.replace(
+                    diagnosis, slowdown=fresh.slowdown, summary=fresh.summary
+                )
                 if fresh.end_unix_nano is None:
                     still_open.append((diagnosis, finding.last_seen_unix_nano))
                 else:

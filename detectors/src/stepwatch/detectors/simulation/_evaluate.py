@@ -5,12 +5,18 @@ fault and before the fault ended, and it localises to the fault's ranks or hosts
 job-level diagnosis relates to a job-level fault; a job-level diagnosis starting within
 ``early_windows`` of a rank-level fault is that fault's echo, counted as extra, not as a
 false alarm). Diagnoses relating to no fault are false alarms.
+
+Findings that cost the job less than the detectors' bar are not raised by design, so a
+fault is *required* only when its ground-truth cost clearly clears that bar (half as much
+again: ``required_margin``); a fault costing less may be reported or not. Kinds without a
+cost (``rank_missing``) are always required. The cost error is the reported slowdown over
+the fault's ground-truth slowdown, minus one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.detectors.simulation._truth import Truth, TruthFault
@@ -29,6 +35,10 @@ class FaultScore:
         latency_windows: windows from fault onset to the first right-kind report (``None``
             when not detected or detection times are unknown).
         diagnosis: the best related diagnosis.
+        required: the fault costs enough that it must be reported (see the module).
+        reported_slowdown: the cost the right-kind reports give it: their slowdowns
+            weighted by how long each lasted (an episodic fault may be reported as several
+            stretches), ``None`` without one.
     """
 
     fault: TruthFault
@@ -37,6 +47,15 @@ class FaultScore:
     localised: bool
     latency_windows: float | None
     diagnosis: Diagnosis | None
+    required: bool = True
+    reported_slowdown: float | None = None
+
+    @property
+    def cost_error(self) -> float | None:
+        """Reported slowdown / true slowdown - 1 for a right-kind report (``None`` else)."""
+        if self.reported_slowdown is None or self.fault.kind == "rank_missing":
+            return None
+        return self.reported_slowdown / self.fault.slowdown - 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +84,9 @@ class Score:
                     "localised": item.localised,
                     "latency_windows": item.latency_windows,
                     "reported_kind": None if item.diagnosis is None else item.diagnosis.kind,
+                    "slowdown": item.fault.slowdown,
+                    "reported_slowdown": item.reported_slowdown,
+                    "required": item.required,
                 }
                 for item in self.faults
             ],
@@ -104,6 +126,8 @@ def score(
     *,
     detected_unix_nano: Mapping[str, int] | None = None,
     early_windows: int = 6,
+    min_slowdown: Callable[[str], float] | None = None,
+    required_margin: float = 1.5,
 ) -> Score:
     """Score diagnoses of one job against its truth.
 
@@ -112,6 +136,10 @@ def score(
         diagnoses: what the detectors reported for the job.
         detected_unix_nano: finding id → when it was first reportable (for latency).
         early_windows: tolerance for a diagnosis starting before the fault.
+        min_slowdown: the detectors' cost bar per kind (``DetectorConfig.min_slowdown_for``);
+            ``None``: every fault is required.
+        required_margin: a fault is required when its cost's excess over 1 is at least
+            this many times the bar's.
     """
     window_ns = round(truth.window_s * 1e9)
     mine = [d for d in diagnoses if d.job == truth.job]
@@ -123,12 +151,28 @@ def score(
         kind = [d for d in related if d.kind == fault.kind]
         exact = [d for d in kind if _localised(d, fault)]
         candidates = exact or kind or related
-        best = candidates[0] if candidates else None
+        # The first report of it (findings come most expensive first; an episodic fault
+        # may be reported as several stretches).
+        best = min(candidates, key=lambda d: d.start_unix_nano) if candidates else None
         latency = None
         if best is not None and best in kind and detected_unix_nano is not None:
             when = detected_unix_nano.get(best.finding_id)
             if when is not None:
                 latency = max(0.0, (when - fault.start_unix_nano) / window_ns)
+        reported = None
+        if kind:
+            reporting = exact or kind
+            weights = [
+                max((d.end_unix_nano or truth.end_unix_nano) - d.start_unix_nano, 1)
+                for d in reporting
+            ]
+            reported = sum(w * d.slowdown for w, d in zip(weights, reporting, strict=True)) / sum(
+                weights
+            )
+        required = True
+        if min_slowdown is not None and fault.kind != "rank_missing":
+            bar = min_slowdown(fault.kind)
+            required = fault.slowdown - 1.0 >= required_margin * (bar - 1.0)
         results.append(
             FaultScore(
                 fault=fault,
@@ -137,6 +181,8 @@ def score(
                 localised=bool(exact),
                 latency_windows=latency,
                 diagnosis=best,
+                required=required,
+                reported_slowdown=reported,
             )
         )
     chosen = {item.diagnosis.finding_id for item in results if item.diagnosis is not None}
@@ -159,16 +205,31 @@ class SuiteSummary:
     false_alarms_faulty: int
     big_faults: int
     big_within_3: int
+    optional: int = 0
+    optional_reported: int = 0
+    costed: int = 0
+    cost_within_10: int = 0
 
 
-def summarise(scores: Sequence[Score], *, big_severity: float = 1.2) -> SuiteSummary:
-    faults = [item for s in scores for item in s.faults]
+def summarise(scores: Sequence[Score], *, big_slowdown: float = 1.2) -> SuiteSummary:
+    """Totals; ``faults``/``detected``/``right_kind``/``localised`` count required faults,
+    ``big_*`` faults that slow the job by ``big_slowdown`` or more (ground truth),
+    ``costed``/``cost_within_10`` required right-kind reports and those whose cost is
+    within ±10% of the ground truth."""
+    every = [item for s in scores for item in s.faults]
+    faults = [item for item in every if item.required]
+    optional = [item for item in every if not item.required]
     big = [
         item
         for item in faults
-        if item.fault.severity >= big_severity and item.fault.kind != "rank_missing"
+        if item.fault.slowdown >= big_slowdown and item.fault.kind != "rank_missing"
     ]
+    errors = [item.cost_error for item in faults if item.cost_error is not None]
     return SuiteSummary(
+        optional=len(optional),
+        optional_reported=sum(item.right_kind for item in optional),
+        costed=len(errors),
+        cost_within_10=sum(abs(error) <= 0.10 for error in errors),
         scenarios=len(scores),
         faults=len(faults),
         detected=sum(item.detected for item in faults),

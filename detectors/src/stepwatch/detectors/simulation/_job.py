@@ -171,9 +171,10 @@ class SimulatedJob:
                 inverse if values.ndim == 2 else inverse[..., None]
             )
 
-        def peak(values: FloatArray) -> FloatArray:
+        def peak(values: FloatArray, *, lowest: bool = False) -> FloatArray:
             masked = windows(values) * (alive if values.ndim == 2 else alive[..., None])
-            result = np.max(np.where(np.isnan(masked), -np.inf, masked), axis=1)
+            sign = -1.0 if lowest else 1.0
+            result = sign * np.max(np.where(np.isnan(masked), -np.inf, sign * masked), axis=1)
             return np.where(np.isinf(result), np.nan, result)
 
         window_ns = round(self.truth.window_s * 1e9)
@@ -197,4 +198,7 @@ class SimulatedJob:
             idle_s=mean(self.idle_s),
             idle_max_s=peak(self.idle_s),
             sm_clock_hz=mean(self.sm_clock_hz),
+            dp_ranks=np.array([self.placement(r).dp_rank for r in range(len(self.hosts))]),
+            tp_ranks=np.array([self.placement(r).tp_rank for r in range(len(self.hosts))]),
+            phase_min_s=peak(self.phase_s, lowest=True),
         )

@@ -12,19 +12,30 @@ from stepwatch.core._diagnosis import format_time, parse_time
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._schema import DIAGNOSIS_KINDS
 
+#: The kinds the simulator can inject (a hang stops the job: not a timing model).
+SIMULATED_KINDS = tuple(kind for kind in DIAGNOSIS_KINDS if kind != "hang")
+
 _FAULT_RE = re.compile(
-    r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<ranks>[^:]*))?(?::(?P<sev>[^:]+))?$"
+    r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<ranks>[^:]*))?(?::(?P<sev>[^:]*))?"
+    r"(?::(?P<phase>[a-z_]+))?$"
 )
+#: ``jit_stall`` placed outside every phase: the rank stops between its optimizer and its
+#: next step (a GC pause, a checkpoint write); its peers wait in their next all-reduce.
+OUTSIDE = "outside"
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """One injected fault: ``KIND@STEP:RANKS[:SEVERITY]``.
+    """One injected fault: ``KIND@STEP:RANKS[:SEVERITY][:PHASE]``.
 
     Severity is the slowdown factor of the affected component (1.3 = 30% slower): the kernel
     class (stragglers, regressions), the host-side compute time (masked straggler), the link
     (link degradation), the pipeline bubble, the mean step (data-loader and JIT stalls), the
-    SM clock (GPU health, inverse). Ignored for ``rank_missing``.
+    SM clock (GPU health, inverse), the forward and backward work of a pipeline stage
+    (``stage_imbalance``, on every replica of the stage), ``e`` to the log-sd of each
+    replica's per-step work (``workload_imbalance``: sequence lengths, mean work unchanged).
+    Ignored for ``rank_missing``. ``phase`` places a ``jit_stall``: ``forward`` (default)
+    or ``outside`` (between phases, :data:`OUTSIDE`).
     """
 
     kind: str
@@ -33,20 +44,23 @@ class Fault:
     severity: float = 1.3
     end_step: int | None = None
     kernel_class: str | None = None
+    phase: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in DIAGNOSIS_KINDS:
-            raise ConfigError(f"fault: kind {self.kind!r} is not one of {DIAGNOSIS_KINDS}")
+        if self.kind not in SIMULATED_KINDS:
+            raise ConfigError(f"fault: kind {self.kind!r} is not one of {SIMULATED_KINDS}")
+        if self.phase not in (None, "forward", OUTSIDE):
+            raise ConfigError(f"fault: phase {self.phase!r} is not forward or {OUTSIDE}")
         if self.severity <= 1.0 and self.kind != "rank_missing":
             raise ConfigError(f"fault: severity must be > 1, got {self.severity}")
 
     @classmethod
     def parse(cls, text: str) -> Fault:
-        """Parse ``KIND@STEP:RANKS[:SEVERITY]``; RANKS like ``3``, ``3,5``, ``8-15``, ``all``;
-        SEVERITY like ``1.3``, ``30%``, ``3x``."""
+        """Parse ``KIND@STEP:RANKS[:SEVERITY][:PHASE]``; RANKS like ``3``, ``3,5``, ``8-15``,
+        ``all``; SEVERITY like ``1.3``, ``30%``, ``3x``; PHASE ``forward`` or ``outside``."""
         match = _FAULT_RE.match(text.strip())
         if match is None:
-            raise ConfigError(f"fault: {text!r} is not KIND@STEP:RANKS[:SEVERITY]")
+            raise ConfigError(f"fault: {text!r} is not KIND@STEP:RANKS[:SEVERITY][:PHASE]")
         ranks: list[int] = []
         for item in (match["ranks"] or "").split(","):
             item = item.strip()
@@ -63,7 +77,11 @@ class Fault:
         if match["sev"]:
             severity = _parse_severity(match["sev"], text)
         return cls(
-            kind=match["kind"], start_step=int(match["step"]), ranks=tuple(ranks), severity=severity
+            kind=match["kind"],
+            start_step=int(match["step"]),
+            ranks=tuple(ranks),
+            severity=severity,
+            phase=match["phase"],
         )
 
 
@@ -85,6 +103,9 @@ class TruthFault:
     ``start_unix_nano`` is when the injected effect begins: the fault's step, except for
     ``jit_stall``, whose stalls strike random steps from then on, where it is the first stall
     (nothing is observable before it, so detection latency counts from there).
+    ``slowdown`` is its ground-truth cost: the job's mean step time over the fault's steps
+    divided by the same job simulated without this fault (same draws, every other fault
+    kept) over the same steps; 1.0 when unknown (older truth files).
     """
 
     kind: str
@@ -95,6 +116,7 @@ class TruthFault:
     severity: float
     start_unix_nano: int
     end_unix_nano: int | None
+    slowdown: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +156,7 @@ class Truth:
                     "start": format_time(fault.start_unix_nano),
                     "start_unix_nano": fault.start_unix_nano,
                     "end_unix_nano": fault.end_unix_nano,
+                    "slowdown": fault.slowdown,
                 }
                 for fault in self.faults
             ],
@@ -163,6 +186,7 @@ class Truth:
                         end_unix_nano=None
                         if item.get("end_unix_nano") is None
                         else int(item["end_unix_nano"]),
+                        slowdown=float(item.get("slowdown", 1.0)),
                     )
                     for item in data.get("faults", ())
                 ),

@@ -63,12 +63,21 @@ def finding_labels(finding: Diagnosis) -> dict[str, str]:
     return labels
 
 
+def cost_text(finding: Diagnosis) -> str:
+    """``~1.27x the job's step time``, or ``not estimated`` (a kind without a cost model,
+    or a finding stored before findings carried their cost)."""
+    if finding.slowdown > 1.0:
+        return f"~{finding.slowdown:.2f}x the job's step time"
+    return "not estimated"
+
+
 def describe(finding: Diagnosis) -> str:
-    """A few lines of plain text: what, where, since when, how sure."""
+    """A few lines of plain text: what, where, what it costs, since when, how sure."""
     lines = [
         f"{finding.kind.replace('_', ' ')} in job {finding.job} ({finding.severity}, "
         f"score {finding.score:.2f})",
         f"where: {finding.location}",
+        f"cost: {cost_text(finding)}",
         f"since: {rfc3339(finding.start_unix_nano)}",
     ]
     if finding.end_unix_nano is not None:
@@ -177,7 +186,13 @@ class AlertmanagerSink:
             ends = now_unix_nano + int(4 * self.resend_interval_s * 1e9)
         else:
             ends = finding.end_unix_nano
-        annotations = {"summary": finding.summary, "description": describe(finding)}
+        # The cost is an annotation, never a label: labels identify the alert, and the cost
+        # of an open finding moves from pass to pass.
+        annotations = {
+            "summary": finding.summary,
+            "description": describe(finding),
+            "slowdown": f"{finding.slowdown:.2f}",
+        }
         alert: dict[str, Any] = {
             "labels": finding_labels(finding),
             "annotations": annotations,

@@ -68,6 +68,7 @@ def diagnosis_line(diagnosis: Diagnosis, *, last_seen_unix_nano: int | None = No
         "phase": diagnosis.phase or "",
         "kernel_class": diagnosis.kernel_class or "",
         "score": float(diagnosis.score),
+        "slowdown": float(diagnosis.slowdown),
         "state": STATE_OPEN if diagnosis.end_unix_nano is None else STATE_CLOSED,
     }
     if diagnosis.end_unix_nano is not None:
@@ -136,6 +137,8 @@ def read_diagnoses(
                 hosts=tuple(host for host in hosts.split(",") if host),
                 phase=str(record.get("phase") or "") or None,
                 kernel_class=str(record.get("kernel_class") or "") or None,
+                # Findings stored before they carried their cost read as free.
+                slowdown=max(1.0, float(record.get("slowdown") or 1.0)),
             )
             results.append((diagnosis, None if last_seen is None else int(last_seen)))
     return sorted(results, key=lambda item: (item[0].start_unix_nano, item[0].finding_id))

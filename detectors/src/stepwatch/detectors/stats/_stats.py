@@ -24,6 +24,10 @@ BoolArray = npt.NDArray[np.bool_]
 MAD_TO_SD = 1.482602218505602
 #: Asymptotic efficiency of the MAD relative to the standard deviation under normality.
 MAD_EFFICIENCY = 0.37
+#: Trailing windows whose median MAD floors the pooled scale (a jump in noise counts at once).
+RECENT_WINDOWS = 3
+#: Fewest ranks reporting for that floor (a few ranks' MAD is too noisy to floor anything).
+RECENT_MIN_RANKS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,12 +212,14 @@ def cross_rank_outliers(
         averaged over the trailing ``scale_windows`` windows, then centred again on the
         cross-rank median and divided by ``1.4826 * MAD`` across ranks (a robust standard
         deviation that a few outliers cannot inflate), the per-window MADs pooled by their
-        median over ``pool_windows`` trailing windows. One-sided p-values from a Student-t
-        with ``0.37 (n - 1)`` degrees of freedom per independent window pooled (n ranks
-        reporting; 0.37 is the MAD's efficiency), which tends to the normal for thousands of
-        ranks; BH across the ranks of each window. Assumptions: ranks of one job run the
-        same code so their log-times are exchangeable under the null; roughly normal noise
-        in log space after averaging. Edge cases: fewer than ``min_ranks`` ranks → nothing
+        median over ``pool_windows`` trailing windows, never below their median over the
+        last ``RECENT_WINDOWS`` (a jump in noise is not read as outliers while the pool
+        lags). One-sided p-values from a Student-t with ``0.37 (n - 1)`` degrees of freedom
+        per independent window pooled (n ranks reporting; 0.37 is the MAD's efficiency),
+        which tends to the normal for thousands of ranks; BH across the ranks of each
+        window. Assumptions: ranks of one job run the same code (within their peer group)
+        so their log-times are exchangeable under the null; roughly normal noise in log
+        space after averaging. Edge cases: fewer than ``min_ranks`` ranks → nothing
         rejected; NaN (missing rank) → no test; more than half the ranks slow → the median
         moves and the test sees the *fast* ranks as normal (that is a job-level change, see
         :func:`change_points`).
@@ -275,6 +281,13 @@ def multiscale_outliers(
         # The noise level of a job changes slowly: pool the per-window MADs over the
         # trailing ``pool_windows`` windows (median of MADs), steadying small jobs' scale.
         pooled, pooled_count = _trailing_median(window_mad, pool_windows)
+        # ... but never below the last few windows' level: when the noise jumps (a new
+        # data mix, variable sequence lengths) the long pool lags by half its length, and
+        # every rank the new noise touches would read as an outlier meanwhile.
+        # With a handful of ranks one window's MAD is itself noise (and a straggler moves
+        # it): the floor needs enough ranks to be an estimate.
+        recent, _ = _trailing_median(window_mad, RECENT_WINDOWS)
+        pooled = np.where(reporting >= RECENT_MIN_RANKS, np.fmax(pooled, recent), pooled)
         scale = np.where(np.isfinite(pooled), np.maximum(pooled, min_scale), np.nan)
         z = deviation / scale.astype(deviation.dtype)
         # The MAD is a noisy scale with few ranks: a Student-t reference with the pooled

@@ -17,10 +17,13 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     indices, first, last = group.indices, group.first, group.last
     phase = context.top_phase(indices, group.span, COMPUTE_PHASES)
     kernel_class, kernel_ratio = context.top_share(indices, first, last)
-    ratio = context.ratio(f"phase:{phase}", indices, first, last)
+    # The kernels' own time when the job reports it (a phase's wall time also holds waits).
+    name = f"category:{COMPUTE_CATEGORY}"
+    measure = name if name in context.metrics.names else f"phase:{phase}"
+    ratio = context.ratio(measure, indices, first, last)
     detail = f" ({kernel_class} {kernel_ratio:.2f}x)" if kernel_class else ""
     summary = (
-        f"{context.rank_text(indices)} {phase} compute {ratio:.2f}x peers{detail} "
+        f"{context.who(indices)} {phase} compute {ratio:.2f}x {context.peer_noun}{detail} "
         f"since {context.since(first)}"
     )
     return Description(RULE.kind, summary, ratio, phase, kernel_class, indices=indices)

@@ -9,7 +9,7 @@ from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, Episod
 def _describe(context: Context, group: EpisodeGroup) -> Description:
     ratio = context.ratio("phase:data", group.indices, group.first, group.last)
     summary = (
-        f"{context.rank_text(group.indices)} data loading {ratio:.2f}x peers "
+        f"{context.who(group.indices)} data loading {ratio:.2f}x {context.peer_noun} "
         f"since {context.since(group.first)}"
     )
     return Description(RULE.kind, summary, ratio, "data", indices=group.indices)

@@ -13,7 +13,7 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     ratio = context.ratio("clock", indices, first, last)
     compute = context.ratio(f"category:{COMPUTE_CATEGORY}", indices, first, last)
     summary = (
-        f"{context.rank_text(indices)} SM clock {1 / ratio:.2f}x peers (throttled), "
+        f"{context.who(indices)} SM clock {1 / ratio:.2f}x {context.peer_noun} (throttled), "
         f"compute kernels {compute:.2f}x since {context.since(first)}"
     )
     return Description(RULE.kind, summary, ratio, indices=indices)

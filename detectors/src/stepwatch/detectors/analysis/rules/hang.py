@@ -136,7 +136,8 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
         description = Description(
             kind=KIND,
             summary=hang.summary,
-            ratio=hang.slowdown,  # the what-if cost, for the engine's slowdown
+            ratio=hang.slowdown,
+            slowdown=hang.slowdown,  # measured here: 1 + stalled time / usual step
             phase=hang.phase,
             indices=tuple(columns[r] for r in hang.ranks if r in columns),
             hosts=hang.hosts,

@@ -3,13 +3,18 @@
 Signature (precedence 20): burstiness (longest step or idle / mean) or a one-off
 ``stall:<phase>`` flagged. Localisation: the ranks and the host-side phase that stalled
 (the stalled phase when a one-off stall was seen, else the compute phase that grew most).
+The masked form, ``stall:outside``: a rank that stopped *between* phases while its peers
+waited in their collective; no phase (the time is in none), never the waiters.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._crossrank import OUTSIDE
 from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 
@@ -22,14 +27,24 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
             context.mean_effect("burst:idle", indices, first, last),
         )
     )
-    phase = context.top_phase(indices, group.span, COMPUTE_PHASES)
+    phase: str | None = context.top_phase(indices, group.span, COMPUTE_PHASES)
     stalls = context.stall_ratios(indices, first, last)
+    who = f"{context.rank_text(indices)}{context.groups.where(indices)}"
+    if OUTSIDE in stalls:  # the masked form: stopped between phases, the peers waited
+        longest = float(np.nanmax(context.frame.step_max_s[group.span][:, list(indices)]))
+        summary = (
+            f"{who} stopped outside every phase (a GC pause, checkpoint write or compile "
+            f"between phases): longest step {longest:.2f} s while its own phases stayed "
+            f"normal; the other ranks waited for it in their collective, since "
+            f"{context.since(first)}"
+        )
+        return Description(RULE.kind, summary, stalls[OUTSIDE], None, indices=indices)
     if stalls:  # a one-off stall localised to a host-side phase
         phase, stall_ratio = max(stalls.items(), key=lambda item: item[1])
         ratio = max(ratio, stall_ratio)
     summary = (
-        f"{context.rank_text(indices)} host-side stalls with the device idle: longest step "
-        f"{ratio:.2f}x its peers' since {context.since(first)}"
+        f"{who} host-side stalls with the device idle: longest step "
+        f"{ratio:.2f}x {context.groups.noun} since {context.since(first)}"
     )
     return Description(RULE.kind, summary, ratio, phase, indices=indices)
 

@@ -5,6 +5,7 @@ step, phase and kernel-class times per window; upward shifts of at least
 ``config.min_shift`` and ``config.min_step_fraction`` of a step, away from every earlier
 finding, grouped when within 3 windows. A group seen only in series that hold waiting in
 collectives is not a regression. Localisation: the phase and kernel class that moved most.
+Cost: the step's own shift, else the largest shift that holds no waiting over the step.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ class _Shift(NamedTuple):
 def _job_series(context: Context) -> dict[str, FloatArray]:
     """The job's median (over ranks) step, phase and major kernel-class times per window."""
     frame = context.frame
-    # Each rank's first window holds its warm-up steps (lazy initialisation, allocator
-    # and cache warm-up): slower for a reason no later window shares, it would pass for
-    # a level shift or, in a short job, swamp the test of one.
+    # Each rank's first window holds its warm-up steps (lazy initialisation, caches): it
+    # would pass for a level shift or, in a short job, swamp the test of one.
     present = context.present & (np.cumsum(context.present, axis=0) > 1)
 
     def median(values: FloatArray) -> FloatArray:
@@ -78,6 +78,7 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
             (int(frame.window_end_unix_nano[v.last]) - origin) // window_ns,
         )
         for v in earlier
+        if v.description.kind != "stage_imbalance"  # structure: there from the start
     ]
     shifts: list[_Shift] = []
     for name, series in _job_series(context).items():
@@ -99,11 +100,24 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     # Collective time is mostly waiting for the last rank: its median is an extreme-value
     # statistic, too jumpy to call a job regression on its own.
     return [
-        _verdict(context, group) for group in groups if any(s.series not in waiting for s in group)
+        _verdict(context, group, waiting)
+        for group in groups
+        if any(s.series not in waiting for s in group)
     ]
 
 
-def _verdict(context: Context, group: list[_Shift]) -> Verdict:
+def _cost(context: Context, group: list[_Shift], waiting: set[str]) -> float:
+    """The job's step after the shift over before (see the module)."""
+    own = [s for s in group if s.series == "step"]
+    if own:
+        return max(1.0, own[0].ratio)
+    before = context.step_median[: min(s.window for s in group)]
+    base = float(np.nanmedian(before)) if np.isfinite(before).any() else context.job_step_s
+    excess = max((s.excess_s for s in group if s.series not in waiting), default=0.0)
+    return 1.0 + excess / base if base > 0 else 1.0
+
+
+def _verdict(context: Context, group: list[_Shift], waiting: set[str]) -> Verdict:
     frame = context.frame
     index = min(s.window for s in group)
     phases = [s for s in group if s.series.startswith("phase:")]
@@ -113,16 +127,15 @@ def _verdict(context: Context, group: list[_Shift]) -> Verdict:
     top_kernel = max(kernels, key=lambda s: s.excess_s) if kernels else None
     kernel_class = top_kernel.series.split(":", 1)[1] if top_kernel else None
     ratio = steps[0].ratio if steps else max(s.ratio for s in group)
-    detail = []
-    if phase:
-        detail.append(f"{phase} moved most")
-    if top_kernel:
-        detail.append(f"{kernel_class} {top_kernel.ratio:.2f}x")
+    detail = [f"{phase} moved most"] if phase else []
+    detail += [f"{kernel_class} {top_kernel.ratio:.2f}x"] if top_kernel else []
     head = f"job step time {ratio:.2f}x" if steps else "job slower"
     summary = f"{head} since {context.since(index)} on every rank" + (
         f" ({', '.join(detail)})" if detail else ""
     )
-    description = Description(RULE.kind, summary, ratio, phase, kernel_class)
+    description = Description(
+        RULE.kind, summary, ratio, phase, kernel_class, slowdown=_cost(context, group, waiting)
+    )
     return Verdict(
         description=description,
         first=index,

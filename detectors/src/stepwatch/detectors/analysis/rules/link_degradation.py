@@ -20,14 +20,20 @@ _LINK = frozenset(
 
 def _describe(context: Context, group: EpisodeGroup) -> Description:
     indices, hosts = context.host_group(group.indices)
-    # Step time is not tested when it holds the wait for peers: then arrival tells.
-    late = ARRIVAL in context.metrics.names and "step" not in context.metrics.names
-    ratio = context.ratio(ARRIVAL if late else "step", indices, group.first, group.last)
+    # Arrival tells when the ranks are late to the collective (the step holds the wait for
+    # peers, or the time outside the collective grew more than the step).
+    first, last = group.first, group.last
+    step = context.ratio("step", indices, first, last) if "step" in context.metrics.names else 0
+    arrival = (
+        context.ratio(ARRIVAL, indices, first, last) if ARRIVAL in context.metrics.names else 0
+    )
+    late = arrival > step
+    ratio = max(arrival, step, 1.0)
     communication = context.communication_classes()
     what = "reaches the collective late: time outside it" if late else "collective completion"
     summary = (
-        f"host {','.join(hosts)} ({context.rank_text(indices)}) {what} {ratio:.2f}x peers "
-        f"with normal compute since {context.since(group.first)}"
+        f"host {','.join(hosts)} ({context.rank_text(indices)}) {what} {ratio:.2f}x "
+        f"{context.peer_noun} with normal compute since {context.since(first)}"
     )
     kernel_class = communication[0] if len(communication) == 1 else None
     return Description(

@@ -3,11 +3,16 @@
 Its peers wait for it in the collective, so their communication time grows and its own
 shrinks: the blame goes to the rank whose compute-phase wall time or device idle grew
 (precedence 50), never to the waiters. Any other phase flagged alone is one too (70). On
-whole pipeline stages the same signature is a ``pipeline_bubble``.
+whole pipeline stages the same signature is a ``pipeline_bubble``. From a single step (a
+profiler trace, ``late:<collective>`` flags): the ranks that reached a collective last, by
+their short wait in it (:mod:`.._arrival`), with what their lateness cost the step.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
+from stepwatch.detectors.analysis._arrival import collectives
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
 from stepwatch.detectors.analysis.rules import pipeline_bubble
@@ -23,18 +28,57 @@ def _straggler(context: Context, group: EpisodeGroup) -> Description:
     wait_name = f"phase:{COMMUNICATION_CATEGORY}"
     wait = context.ratio(wait_name, indices, first, last)
     wait_text = (
-        f"its collective wait {wait:.2f}x peers (peers wait for it)"
+        f"its collective wait {wait:.2f}x {context.peer_noun} (they wait for it)"
         if wait_name in context.metrics.names
         else "its peers wait for it in the collective"
     )
     summary = (
-        f"{context.rank_text(indices)} {phase} {ratio:.2f}x peers with normal kernels; "
+        f"{context.who(indices)} {phase} {ratio:.2f}x {context.peer_noun} with normal kernels; "
         f"{wait_text} since {context.since(first)}"
     )
     return Description(RULE.kind, summary, ratio, phase, indices=indices)
 
 
+def _late(context: Context, group: EpisodeGroup) -> Description | None:
+    """The ranks that reached a collective last in a single step, and what it cost."""
+    found = [
+        c
+        for c in collectives(context.frame, context.step_median, min_ranks=context.config.min_ranks)
+        if group.first <= c.window <= group.last and c.late[list(group.indices)].any()
+    ]
+    if not found:
+        return None
+    parts: list[str] = []
+    saving = 0.0
+    for item in found:
+        late = [int(i) for i in np.flatnonzero(item.late)]
+        first = np.flatnonzero(~item.late & np.isfinite(item.wait_s))
+        longest = [int(i) for i in first[np.argsort(-item.wait_s[first])][:2]]
+        parts.append(
+            f"{context.rank_text(late)} reached {item.name} last (waited "
+            f"{1e3 * float(np.nanmax(item.wait_s[late])):.2f} ms in it, its peers "
+            f"{1e3 * item.peers_median_s:.2f} ms; {context.rank_text(longest)} waited "
+            f"longest, up to {1e3 * float(np.nanmax(item.wait_s[longest])):.2f} ms)"
+        )
+        saving += item.saving_s()
+    step = float(np.nanmedian(context.step_median[group.span]))
+    slowdown = step / max(step - saving, 0.05 * step) if step > 0 else 1.0
+    indices = tuple(sorted({int(i) for c in found for i in np.flatnonzero(c.late)}))
+    summary = (
+        "; ".join(parts) + f": the others waited for them, {1e3 * saving:.2f} ms of a "
+        f"{1e3 * step:.2f} ms step, since {context.since(group.first)}"
+    )
+    kernel_class = found[0].name if len({c.name for c in found}) == 1 else None
+    return Description(
+        RULE.kind, summary, slowdown, None, kernel_class, indices=indices, slowdown=slowdown
+    )
+
+
 def _describe(context: Context, group: EpisodeGroup) -> Description:
+    if any(name.startswith("late:") for name in context.flagged(group)):
+        late = _late(context, group)
+        if late is not None:
+            return late
     stage = context.stage_group(group.indices)
     if stage is not None:  # whole pipeline stages: the stage is the bubble
         return pipeline_bubble.RULE.describe(context, group.with_indices(stage))
@@ -44,7 +88,13 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
 RULE = EpisodeRule(
     kind="masked_straggler",
     signatures=(
-        Signature(50, lambda flagged: not _HOST_SIDE.isdisjoint(flagged)),
+        Signature(
+            50,
+            lambda flagged: (
+                not _HOST_SIDE.isdisjoint(flagged)
+                or any(name.startswith("late:") for name in flagged)
+            ),
+        ),
         Signature(70, lambda flagged: any(name.startswith("phase:") for name in flagged)),
     ),
     describe=_describe,

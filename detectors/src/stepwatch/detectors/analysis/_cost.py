@@ -1,0 +1,327 @@
+"""What a finding costs the job: the what-if slowdown of its step time.
+
+``slowdown`` = the job's time over the finding's windows / the time it would have taken if
+the finding's ranks had behaved like their peer group. Synchronous training is paced by its
+slowest member: every rank waits in the gradient all-reduce for the last arrival, and in a
+pipeline every stage of a replica waits for the slowest stage (1F1B). So what a late rank
+costs is its lead over the *next* slowest replica, not over the median:
+
+* **Late arrival** (stragglers, masked stragglers, data-loader stalls, GPU health, stalls):
+  per window, ``lead`` = the time a rank spends before its final collective (step minus its
+  wait in it); the saving is how far the finding's replicas lead every other replica
+  (``max lead of theirs - max lead of the others``, never negative). A replica is the ranks
+  of one ``stepwatch.dp_rank`` (they wait for each other inside the pipeline), or the rank
+  itself when coordinates are missing.
+* **Slow transfer** (link degradation flagged on step or communication time): the ranks'
+  step excess over their peers' median step: the job moves at the pace of its slowest rank.
+* **A whole pipeline stage** (a bubble on every replica): the stage's ranks against the
+  next slowest rank outside the stage.
+* **No one left to compare with** (every rank, or no collective reported): the job's step
+  over the finding's windows against its step in the frame's windows outside every finding
+  (``temporal``), when there are at least 3.
+
+Rules that measure their own cost (``stage_imbalance``, ``workload_imbalance``,
+``job_regression``, single-step late arrivals) put it in ``Description.slowdown``. Kinds
+with no cost model here and none from their rule (``rank_missing``, ``hang``: a silent rank
+has no step time to compare) keep ``slowdown = 1.0`` and their rule's severity, and are never
+filtered by cost.
+
+The saving is estimated from window means. The next slowest replica changes from step to
+step, so its expected lead is the others' mean lead plus the job's usual loss to rotating
+arrival, measured in the windows before the finding (mean wait minus the shortest
+collective); with no such windows, the largest window mean among the others, which is
+lower, so a small straggler present from the start comes out slightly expensive.
+
+References:
+    Lin et al. (2025), Understanding Stragglers in Large Model Training Using What-if
+    Analysis, OSDI'25: slowdown = actual / ideal step time, the ideal simulated with the
+    straggling workers' operations replaced by their peers' typical duration.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+
+from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._crossrank import OUTSIDE, outside_gap_s
+from stepwatch.detectors.analysis._rule import Verdict
+from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
+from stepwatch.detectors.stats._stats import FloatArray, nanmedian
+
+#: Kinds costed by the late-arrival what-if when their rule gives no cost.
+LATE_KINDS = frozenset(
+    {
+        "compute_straggler",
+        "masked_straggler",
+        "dataloader_stall",
+        "gpu_health",
+        "jit_stall",
+        "link_degradation",
+        "pipeline_bubble",
+    }
+)
+#: Fewest clean windows for the temporal estimate.
+MIN_CLEAN_WINDOWS = 3
+
+
+def wait_s(context: Context) -> FloatArray | None:
+    """``(W, R)`` time in the final collective per step (communication phase, else the
+    communication kernels), ``None`` when the job reports neither."""
+    frame = context.frame
+    communication = frame.phase(COMMUNICATION_CATEGORY)
+    if communication is not None and np.isfinite(communication).any():
+        return communication
+    kernels = frame.category_s(COMMUNICATION_CATEGORY)
+    return kernels if np.isfinite(kernels).any() else None
+
+
+def lead_s(context: Context) -> FloatArray:
+    """``(W, R)`` time a rank spends before its final collective per step."""
+    cache = context.__dict__.setdefault("_lead_cache", {})
+    if "lead" not in cache:
+        frame = context.frame
+        wait = wait_s(context)
+        lead = (
+            frame.step_s if wait is None else frame.step_s - np.where(np.isfinite(wait), wait, 0.0)
+        )
+        cache["lead"] = np.where(context.present, lead, np.nan)
+    return np.asarray(cache["lead"])
+
+
+def steps_per_window(context: Context) -> FloatArray:
+    """``(W,)`` median steps per window over the ranks reporting (0 where none)."""
+    counts = np.where(context.present, context.frame.step_count, np.nan)
+    median = nanmedian(counts, axis=1)[:, 0]
+    return np.where(np.isfinite(median), median, 0.0)
+
+
+def ratio_of(step: FloatArray, saving: FloatArray, weight: FloatArray) -> float:
+    """``sum(w * step) / sum(w * (step - saving))`` over windows where both are known."""
+    usable = np.isfinite(step) & np.isfinite(saving) & (weight > 0) & (step > 0)
+    if not usable.any():
+        return 1.0
+    total = float(np.sum(weight[usable] * step[usable]))
+    saved = float(np.sum(weight[usable] * np.clip(saving[usable], 0.0, None)))
+    saved = min(saved, 0.95 * total)
+    return max(1.0, total / (total - saved)) if total > 0 else 1.0
+
+
+def late_saving(
+    context: Context, indices: Sequence[int], span: slice, *, busy: Sequence[slice] = ()
+) -> FloatArray | None:
+    """``(windows,)`` seconds per step the job would save if ``indices`` kept pace with the
+    next slowest replica; when every replica holds one of them (a whole pipeline stage),
+    with the next slowest rank outside them (``None``: they are every rank)."""
+    replicas = context.groups.replicas
+    mine = np.isin(replicas, replicas[list(indices)])
+    if mine.all():  # every replica holds one (a whole stage): the ranks against the others
+        mine = np.zeros(replicas.shape[0], dtype=bool)
+        mine[list(indices)] = True
+    if mine.all() or not mine.any():
+        return None
+    lead = lead_s(context)[span]
+    with warnings.catch_warnings():  # windows where one side is silent stay NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        theirs = np.nanmax(np.where(mine[None, :], lead, np.nan), axis=1)
+        others = np.nanmax(np.where(mine[None, :], np.nan, lead), axis=1)
+        # The next slowest rank changes from step to step: the largest *window mean*
+        # among the others is below the mean of the per-step maxima. Before the finding,
+        # that gap is the job's usual loss to rotating arrival (mean wait minus the
+        # shortest collective): the others' mean lead plus it is the expected latest.
+        # Likewise for the finding's own ranks when they are many (a whole stage).
+        usual = _usual_spread(context, span.start, busy)
+        if usual is not None:
+            expected = np.nanmean(np.where(mine[None, :], np.nan, lead), axis=1) + usual
+            others = np.fmax(others, expected)
+            if mine.sum() > 1:  # the latest of a few: the spread shrinks with their count
+                scale = _expected_max(int(mine.sum())) / _expected_max(mine.size)
+                own = np.nanmean(np.where(mine[None, :], lead, np.nan), axis=1) + usual * scale
+                theirs = np.fmax(theirs, own)
+    return np.where(np.isfinite(theirs) & np.isfinite(others), theirs - others, np.nan)
+
+
+def _expected_max(count: int) -> float:
+    """About the expected largest of ``count`` standard normal draws (its median)."""
+    from scipy.special import ndtri
+
+    return float(ndtri(1.0 - 0.5 / max(count, 2)))
+
+
+def _usual_spread(context: Context, before: int, busy: Sequence[slice]) -> float | None:
+    """Median loss to rotating arrival over the windows before ``before`` outside every
+    ``busy`` span (not the first window, warm-up); ``None`` with fewer than
+    :data:`MIN_CLEAN_WINDOWS` of them, or when the waits cannot be arrival spread.
+
+    Waits measure arrival spread only while the collective's own time is steady (NCCL on
+    a network). When it is not (gloo on a starved CPU, where the all-reduce itself takes
+    anywhere from 1 to 15 ms), the waits exceed anything the spread of the ranks' window
+    means allows, more than ``2 sqrt(steps per window)`` times it, and are not used.
+    """
+    lost = imbalance_lost_s(context, ())
+    if lost is None or before - 1 < MIN_CLEAN_WINDOWS:
+        return None
+    clean = np.zeros(lost.shape[0], dtype=bool)
+    clean[1:before] = True
+    for other in busy:
+        clean[other] = False
+    window = lost[clean]
+    if np.isfinite(window).sum() < MIN_CLEAN_WINDOWS:
+        return None
+    usual = float(np.nanmedian(window))
+    lead = lead_s(context)[clean]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        spread = float(np.nanmedian(np.nanmax(lead, axis=1) - np.nanmean(lead, axis=1)))
+        steps = float(np.nanmedian(steps_per_window(context)[clean]))
+    if not (spread > 0 and usual <= 2.0 * math.sqrt(max(steps, 1.0)) * spread):
+        return None
+    return usual
+
+
+def _paused_s(
+    context: Context, indices: Sequence[int], span: slice, busy: Sequence[slice]
+) -> FloatArray | None:
+    """``(windows,)`` seconds per step the stalls of ``indices`` cost in the windows they
+    were flagged in: the longest stall beyond the job's usual rotating loss, over the
+    window's steps. A stall between phases is its time outside the phases; one inside
+    them, with the device idle (``burst:idle``), its longest idle beyond the others'."""
+    names = context.metrics.names
+    lengths: list[FloatArray] = []
+    mine = list(indices)
+    if f"stall:{OUTSIDE}" in names:
+        gap = outside_gap_s(context)
+        flagged = context.metrics.flags[span][:, mine, names.index(f"stall:{OUTSIDE}")]
+        if gap is not None and flagged.any():
+            lengths.append(np.where(flagged, gap[span][:, mine], np.nan))
+    if "burst:idle" in names:
+        flagged = context.metrics.flags[span][:, mine, names.index("burst:idle")]
+        idle = np.where(context.present, context.frame.idle_max_s, np.nan)[span]
+        if flagged.any() and np.isfinite(idle).any():
+            typical = nanmedian(idle, axis=1)
+            lengths.append(np.where(flagged, idle[:, mine] - typical, np.nan))
+    if not lengths:
+        return None
+    usual = _usual_spread(context, span.start, busy) or 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        longest = np.nanmax(np.concatenate(lengths, axis=1), axis=1)
+    steps = np.maximum(steps_per_window(context)[span], 1.0)
+    return np.where(np.isfinite(longest), np.clip(longest - usual, 0.0, None) / steps, 0.0)
+
+
+def step_excess(context: Context, indices: Sequence[int], span: slice) -> FloatArray:
+    """``(windows,)`` the ranks' median step above their peers' median step."""
+    step = np.where(context.present, context.frame.step_s, np.nan)[span]
+    mine = np.zeros(step.shape[1], dtype=bool)
+    mine[list(indices)] = True
+    with np.errstate(invalid="ignore"):
+        theirs = nanmedian(step[:, mine], axis=1)[:, 0]
+        others = nanmedian(step[:, ~mine], axis=1)[:, 0]
+    return theirs - others
+
+
+def temporal_slowdown(context: Context, span: slice, busy: Sequence[slice]) -> float | None:
+    """The job's step over ``span`` against its median step outside every ``busy`` span."""
+    step = context.step_median
+    clean = np.isfinite(step)
+    clean[0] = False  # warm-up
+    for other in busy:
+        clean[other] = False
+    if clean.sum() < MIN_CLEAN_WINDOWS:
+        return None
+    baseline = float(np.median(step[clean]))
+    during = step[span]
+    weight = steps_per_window(context)[span]
+    usable = np.isfinite(during) & (weight > 0)
+    if not usable.any() or baseline <= 0:
+        return None
+    mean = float(np.sum(during[usable] * weight[usable]) / np.sum(weight[usable]))
+    return max(1.0, mean / baseline)
+
+
+def estimate(
+    context: Context,
+    kind: str,
+    indices: Sequence[int],
+    span: slice,
+    *,
+    busy: Sequence[slice] = (),
+) -> float | None:
+    """The what-if slowdown of a finding of ``kind`` on ``indices`` over ``span``.
+
+    Returns ``None`` when the kind has no cost model (``rank_missing``, ``hang``).
+    """
+    if kind not in LATE_KINDS:
+        return None
+    step = context.step_median
+    if kind == "jit_stall":  # a stall outside phases is paid in the peers' next step
+        span = slice(span.start, min(span.stop + 1, step.shape[0]))
+    weight = steps_per_window(context)[span]
+    costs = [1.0]
+    saving = late_saving(context, indices, span, busy=busy) if indices else None
+    if saving is not None and kind == "jit_stall":
+        # Stalls strike some steps of a rank: what they cost is its lead beyond its usual
+        # one (a rank that is also a straggler leads every window; that is the other
+        # finding's cost).
+        usual = late_saving(context, indices, slice(0, step.shape[0]))
+        if usual is not None and np.isfinite(usual).any():
+            saving = saving - max(0.0, float(np.nanmedian(usual)))
+        # A window mean dilutes one stalled step among the window's steps and compares it
+        # with the others' *mean* latest arrival: a stall between phases is better costed by
+        # its own length beyond the others' usual spread, once per window it struck.
+        paused = _paused_s(context, indices, span, busy)
+        if paused is not None:
+            saving = np.fmax(saving, paused)
+    if saving is not None:
+        costs.append(ratio_of(step[span], saving, weight))
+    if kind == "link_degradation" and indices:  # the job moves at its slowest rank's pace
+        excess = step_excess(context, indices, span)
+        costs.append(ratio_of(step[span] + np.clip(excess, 0.0, None), excess, weight))
+    if saving is None:
+        temporal = temporal_slowdown(context, span, busy)
+        if temporal is not None:
+            costs.append(temporal)
+    cost = max(costs)
+    return cost if math.isfinite(cost) else 1.0
+
+
+def imbalance_lost_s(context: Context, earlier: Sequence[Verdict]) -> FloatArray | None:
+    """``(W,)`` seconds per step lost to ranks arriving at different times that none of the
+    ``earlier`` rank findings explains (``None`` without collective times).
+
+    With synchronous collectives a rank's time in the collective is the transfer plus its
+    wait for the last arrival: the mean over ranks of that time minus the shortest
+    collective of the window (the histograms' ``min``, else the shortest mean: the rank
+    that arrived last waited for no one) is what every step loses to the spread of
+    arrivals. A rank finding's lead (:func:`late_saving`) is its share of it.
+    """
+    wait = wait_s(context)
+    if wait is None:
+        return None
+    frame = context.frame
+    wait = np.where(context.present, wait, np.nan)
+    shortest = wait
+    if COMMUNICATION_CATEGORY in frame.phases and frame.phase_min_s is not None:
+        column = frame.phases.index(COMMUNICATION_CATEGORY)
+        shortest = np.where(context.present, frame.phase_min_s[:, :, column], np.nan)
+    # The ranks a finding names are explained: their own collective time (a slow link's
+    # transfer) is theirs, and what the others wait for them is their finding's lead.
+    others = wait.copy()
+    for verdict in earlier:
+        if verdict.description.indices:
+            others[verdict.first : verdict.last + 1, list(verdict.description.indices)] = np.nan
+    with warnings.catch_warnings():  # all-NaN windows (no rank reported) stay NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        lost = np.nanmean(others, axis=1) - np.nanmin(shortest, axis=1)
+    for verdict in earlier:
+        if not verdict.description.indices:
+            continue
+        span = slice(verdict.first, verdict.last + 1)
+        saving = late_saving(context, verdict.description.indices, span)
+        if saving is not None:
+            lost[span] -= np.clip(np.nan_to_num(saving), 0.0, None)
+    return np.asarray(np.clip(lost, 0.0, None), dtype=np.float64)

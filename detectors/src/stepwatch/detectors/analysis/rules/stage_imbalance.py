@@ -1,0 +1,129 @@
+"""``stage_imbalance``: one pipeline stage does more work than the others on every replica.
+
+A job rule. A pipeline is paced by its slowest stage, so a stage holding more layers than
+the others slows the whole job on healthy hardware: a partitioning problem, not a straggler
+(the cross-rank tests compare ranks within their stage, so its ranks are never blamed).
+The work of a rank is its compute and memory kernel time per step (else its phases that
+hold no waiting). The heaviest group (stage, or structural group inferred without
+coordinates) must be the heaviest in most windows and, with ``stepwatch.dp_rank``, on every
+replica. Cost: the pipeline's step if the stage did the work of the next heaviest one
+(``saving = its work - the next heaviest stage's``; the 1F1B fill and drain, about one
+micro-batch of it, are ignored: without the micro-batch count the estimate is high by at
+most ``1/m``). Raised from ``config.structure_min_slowdown``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._cost import ratio_of, steps_per_window
+from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
+from stepwatch.detectors.frame._frame import COMPUTE_PHASES
+from stepwatch.detectors.stats._stats import FloatArray, nanmedian
+
+#: Share of windows in which the stage must be the heaviest.
+MIN_HEAVIEST_SHARE = 0.8
+
+
+def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
+    del earlier
+    groups = context.groups
+    frame = context.frame
+    if groups.n_groups < 2:
+        return []
+    work = context.work_s()
+    per_group = np.stack(
+        [nanmedian(work[:, groups.members(g)], axis=1)[:, 0] for g in range(groups.n_groups)],
+        axis=1,
+    )  # (W, G)
+    reported = np.isfinite(per_group).all(axis=1)
+    if reported.sum() < 3:
+        return []
+    typical = np.median(per_group[reported], axis=0)
+    order = np.argsort(typical)
+    heavy, second = int(order[-1]), int(order[-2])
+    heaviest = np.argmax(np.where(np.isfinite(per_group), per_group, -np.inf), axis=1)
+    if np.mean(heaviest[reported] == heavy) < MIN_HEAVIEST_SHARE:
+        return []
+    if not _on_every_replica(context, work, heavy, second):
+        return []
+    windows = np.flatnonzero(reported)
+    first, last = int(windows[0]), int(windows[-1])
+    span = slice(first, last + 1)
+    saving = per_group[span, heavy] - per_group[span, second]
+    slowdown = ratio_of(context.step_median[span], saving, steps_per_window(context)[span])
+    if slowdown < context.config.min_slowdown_for(RULE.kind):
+        return []
+    description = _describe(context, heavy, second, typical, slowdown)
+    return [
+        Verdict(
+            description=description,
+            first=first,
+            last=last,
+            detected=int(windows[min(2, windows.size - 1)]),
+            open=last >= frame.n_windows - 1 - context.config.gap_windows,
+            severity=severity_of(slowdown),
+            score=float(typical[heavy] / typical[second]),
+        )
+    ]
+
+
+def _on_every_replica(context: Context, work: FloatArray, heavy: int, second: int) -> bool:
+    """The heavy group outweighs the next one within every replica (or, without
+    data-parallel coordinates, on nearly all its ranks)."""
+    groups = context.groups
+    typical = nanmedian(work, axis=0)[0]  # (R,)
+    labels = groups.labels
+    if groups.replicas_known and len(set(groups.replicas.tolist())) >= 2:
+        for replica in set(groups.replicas.tolist()):
+            inside = groups.replicas == replica
+            mine = typical[inside & (labels == heavy)]
+            theirs = typical[inside & (labels == second)]
+            if mine.size and theirs.size and not np.nanmin(mine) > np.nanmax(theirs):
+                return False
+        return True
+    mine = typical[labels == heavy]
+    level = float(np.nanmedian(typical[labels == second]))
+    return bool(np.mean(mine > level) >= MIN_HEAVIEST_SHARE)
+
+
+def _describe(
+    context: Context, heavy: int, second: int, typical: FloatArray, slowdown: float
+) -> Description:
+    groups = context.groups
+    indices = tuple(int(i) for i in groups.members(heavy))
+    others = groups.members(second)
+    ratio = float(typical[heavy] / typical[second])
+    phase = _top_phase(context, indices, others)
+    kernel_class, kernel_ratio = context.top_class_between(indices, others)
+    detail = f" ({kernel_class} {kernel_ratio:.2f}x)" if kernel_class else ""
+    what = "pipeline stage" if groups.source == "coordinates" else "structural group"
+    name = groups.names[heavy].removeprefix("stage ").removeprefix("group ")
+    summary = (
+        f"{what} {name} ({context.rank_text(indices)}) does {ratio:.2f}x the work of the "
+        f"next heaviest, {groups.names[second]}, on every replica{detail}: uneven "
+        f"partitioning, not slow hardware, since {context.since(0)}"
+    )
+    return Description(
+        RULE.kind, summary, ratio, phase, kernel_class, indices=indices, slowdown=slowdown
+    )
+
+
+def _top_phase(context: Context, mine: Sequence[int], others: np.ndarray) -> str | None:
+    """The compute phase the heavy ranks spend most seconds above the others in."""
+    frame = context.frame
+    best, best_excess = None, 0.0
+    for phase in COMPUTE_PHASES:
+        values = frame.phase(phase)
+        if values is None:
+            continue
+        excess = float(np.nanmedian(values[:, list(mine)]) - np.nanmedian(values[:, others]))
+        if excess > best_excess:
+            best, best_excess = phase, excess
+    return best
+
+
+RULE = JobRule(kind="stage_imbalance", order=50, find=_find)

@@ -1,0 +1,242 @@
+"""What each injected fault does to a simulated job, and the truth it leaves.
+
+A fault changes the job's kernel array (what the exporters report) and the per-step parts
+of the timing model (:class:`~._timeline.Parts`). Its change to the parts is kept as an
+:class:`Effect`, so the simulator can time the same job without it: the counterfactual
+that gives the fault's ground-truth cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from stepwatch.core._errors import ConfigError
+from stepwatch.detectors.simulation._timeline import Parts
+from stepwatch.detectors.simulation._topology import RANKS_PER_HOST, Topology
+from stepwatch.detectors.simulation._truth import OUTSIDE, Fault, TruthFault
+from stepwatch.detectors.stats._stats import FloatArray
+
+#: Kinds whose fault names a kernel class (default ``gemm``).
+KERNEL_KINDS = ("compute_straggler", "job_regression")
+#: Share of a ``jit_stall`` rank's steps that stall.
+STALL_SHARE = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Draws:
+    """The healthy job: its kernel array and SM clock (changed in place by the faults that
+    report there) and its parts (never changed: each fault's :class:`Effect` adds to them)."""
+
+    parts: Parts
+    kernel: FloatArray
+    clock: FloatArray
+    #: Each kernel class's (name, category, placement: ``fwdbwd``, ``optimizer``, ...).
+    classes: tuple[tuple[str, str, str], ...]
+    #: ``(steps, ranks)`` each rank's sequence-length factor (its replica's).
+    sequence: FloatArray
+    topology: Topology
+    step_s: float
+    fwdbwd_nominal: float
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.classes)
+
+    def columns(self, *, category: str | None = None, placement: str | None = None) -> np.ndarray:
+        """Indices of the kernel classes of ``category`` and/or ``placement``."""
+        return np.array(
+            [
+                index
+                for index, (_, kind, where) in enumerate(self.classes)
+                if category in (None, kind) and placement in (None, where)
+            ],
+            dtype=np.intp,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Effect:
+    """One fault's change to the parts, and where and when it acted.
+
+    Attributes:
+        apply: the parts with the fault's change added.
+        ranks: the ranks it affects (empty: job-wide).
+        phase: where the detectors should localise it.
+        kernel_class: the kernel class it slows, if any.
+        onset_step: first step it acts on (a stall's first stall).
+        stop_step: the step it stops at (exclusive).
+        counterfactual: the parts as they would be if the fault's ranks behaved like their
+            peers, from the parts without the fault; ``None``: the parts without it. A
+            workload imbalance's what-if is balanced work (each replica the step's mean),
+            not the job without the extra spread.
+    """
+
+    apply: Callable[[Parts], Parts]
+    ranks: tuple[int, ...]
+    phase: str | None
+    kernel_class: str | None
+    onset_step: int
+    stop_step: int
+    counterfactual: Callable[[Parts], Parts] | None = None
+
+
+def _add(name: str, delta: FloatArray) -> Callable[[Parts], Parts]:
+    return lambda parts: parts.replace(**{name: getattr(parts, name) + delta})
+
+
+def _kernel_delta(
+    draws: Draws, columns: np.ndarray, factor: FloatArray
+) -> Callable[[Parts], Parts]:
+    """Multiply kernel ``columns`` by ``factor`` (steps, ranks); the parts change alike."""
+    kernel = draws.kernel
+    before = kernel[..., columns]
+    kernel[..., columns] = before * factor[..., None]
+    grown = before * (factor[..., None] - 1.0)
+    deltas: dict[str, FloatArray] = {}
+    for part, placement in (("work", "fwdbwd"), ("optimizer", "optimizer"), ("other", "other")):
+        chosen = np.isin(columns, draws.columns(placement=placement))
+        if chosen.any():
+            deltas[part] = grown[..., chosen].sum(axis=2)
+
+    def apply(parts: Parts) -> Parts:
+        return parts.replace(**{name: getattr(parts, name) + d for name, d in deltas.items()})
+
+    return apply
+
+
+def apply_fault(draws: Draws, fault: Fault, rng: np.random.Generator) -> Effect:
+    """Inject ``fault`` into ``draws.kernel`` (in place); its change to the parts."""
+    steps, world = draws.parts.data.shape
+    stop = fault.end_step if fault.end_step is not None else steps
+    step_index = np.arange(steps)[:, None]
+    when = (step_index >= fault.start_step) & (step_index < stop)
+    rank_mask = np.zeros(world, dtype=bool)
+    rank_mask[list(fault.ranks)] = True
+    if fault.kind in ("job_regression", "workload_imbalance") or not fault.ranks:
+        rank_mask[:] = True
+    hit = when & rank_mask[None, :]
+    names, step_s = draws.names, draws.step_s
+    kernel_class: str | None = None
+    phase: str | None = None
+    onset = fault.start_step
+    severity = fault.severity
+    fwdbwd = draws.columns(placement="fwdbwd")
+    apply: Callable[[Parts], Parts]
+    counterfactual: Callable[[Parts], Parts] | None = None
+    if fault.kind in KERNEL_KINDS:
+        kernel_class = fault.kernel_class or "gemm"
+        if kernel_class not in names:
+            raise ConfigError(f"fault: unknown kernel class {kernel_class!r}")
+        column = np.array([names.index(kernel_class)])
+        apply = _kernel_delta(draws, column, np.where(hit, severity, 1.0))
+        phase = "backward"
+    elif fault.kind == "gpu_health":
+        columns = draws.columns(category="compute")
+        apply = _kernel_delta(draws, columns, np.where(hit, severity, 1.0))
+        draws.clock[...] = draws.clock / np.where(hit, severity, 1.0)
+    elif fault.kind == "stage_imbalance":  # more layers on the stage: forward and backward
+        apply = _kernel_delta(draws, fwdbwd, np.where(hit, severity, 1.0))
+        phase = "backward"
+    elif fault.kind == "workload_imbalance":
+        # Each replica's work spread with log-sd log(severity), its mean kept: only the
+        # balance changes, not the total.
+        sigma = math.log(severity)
+        replicas = draws.topology.dp
+        spread = np.exp(rng.normal(0.0, sigma, size=(steps, replicas)) - sigma**2 / 2.0)
+        replica_of = (np.arange(world) // draws.topology.tp) % draws.topology.dp
+        apply = _kernel_delta(draws, fwdbwd, np.where(hit, spread[:, replica_of], 1.0))
+        phase = "backward"
+        total = draws.sequence * np.where(hit, spread[:, replica_of], 1.0)
+        balance = np.where(hit, total.mean(axis=1, keepdims=True) / draws.sequence, 1.0)
+
+        def balanced(parts: Parts) -> Parts:
+            return parts.replace(work=parts.work * balance)
+
+        counterfactual = balanced
+    elif fault.kind == "masked_straggler":
+        apply = _add("gap", np.where(hit, (severity - 1.0) * draws.fwdbwd_nominal, 0.0))
+        phase = "backward"
+    elif fault.kind == "dataloader_stall":
+        apply = _add("data", np.where(hit, (severity - 1.0) * step_s, 0.0))
+        phase = "data"
+    elif fault.kind == "jit_stall":
+        stalls = hit & (rng.random(hit.shape) < STALL_SHARE)
+        length = np.where(stalls, 10.0 * (severity - 1.0) * step_s, 0.0)
+        outside = fault.phase == OUTSIDE
+        apply = _add("pause" if outside else "gap", length)
+        phase = None if outside else "forward"
+        stalled_steps = np.flatnonzero(stalls.any(axis=1))
+        if stalled_steps.size:  # random stalls: the slowdown begins with the first one
+            onset = int(stalled_steps[0])
+    elif fault.kind == "pipeline_bubble":
+        apply = _add("extra_bubble", np.where(hit, (severity - 1.0) * draws.fwdbwd_nominal, 0.0))
+    elif fault.kind == "link_degradation":
+        host_index = np.arange(world) // RANKS_PER_HOST
+        rank_mask = np.isin(host_index, host_index[rank_mask])
+        factor = np.where(when & rank_mask[None, :], severity, 1.0)
+
+        def apply(parts: Parts) -> Parts:
+            return parts.replace(transfer=parts.transfer * factor)
+
+    elif fault.kind == "rank_missing":
+
+        def apply(parts: Parts) -> Parts:
+            return dataclasses.replace(parts, alive=parts.alive & ~hit)
+
+    else:
+        raise ConfigError(f"fault: the simulator cannot inject {fault.kind!r}")
+    ranks = tuple(int(r) for r in np.flatnonzero(rank_mask))
+    if fault.kind in ("job_regression", "workload_imbalance"):
+        ranks = ()
+    return Effect(
+        apply=apply,
+        ranks=ranks,
+        phase=phase,
+        kernel_class=kernel_class,
+        onset_step=onset,
+        stop_step=stop,
+        counterfactual=counterfactual,
+    )
+
+
+def fault_truth(
+    fault: Fault,
+    effect: Effect,
+    job_step: FloatArray,
+    counterfactual_step: FloatArray,
+    *,
+    hosts: tuple[str, ...],
+    start_unix_nano: int,
+    steps_per_window: int,
+    step_s: float,
+) -> TruthFault:
+    """The truth of one fault, its cost from the job timed with and without it."""
+    span = slice(effect.onset_step, max(effect.stop_step, effect.onset_step + 1))
+    actual = float(np.nanmean(job_step[span])) if np.isfinite(job_step[span]).any() else 0.0
+    without = counterfactual_step[span]
+    baseline = float(np.nanmean(without)) if np.isfinite(without).any() else 0.0
+    slowdown = max(1.0, actual / baseline) if baseline > 0 and actual > 0 else 1.0
+    window_ns = round(steps_per_window * step_s * 1e9)
+    step_ns = round(step_s * 1e9)
+    onset = effect.onset_step
+    return TruthFault(
+        kind=fault.kind,
+        ranks=effect.ranks,
+        hosts=tuple(sorted({hosts[r] for r in effect.ranks}))
+        if fault.kind == "link_degradation"
+        else (),
+        phase=effect.phase,
+        kernel_class=effect.kernel_class,
+        severity=fault.severity,
+        start_unix_nano=start_unix_nano
+        + (onset // steps_per_window) * window_ns
+        + (onset % steps_per_window) * step_ns,
+        end_unix_nano=None
+        if fault.end_step is None
+        else start_unix_nano + fault.end_step * step_ns,
+        slowdown=slowdown,
+    )
