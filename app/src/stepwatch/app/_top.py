@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 from stepwatch.app._influx_options import add_influx_arguments, influx_client
-from stepwatch.core import Diagnosis, InfluxClient
+from stepwatch.core import Diagnosis, InfluxClient, InfluxUnavailableError
 from stepwatch.core._durations import parse_duration_s
 from stepwatch.core._influx import quote_ident, quote_literal
 from stepwatch.core._schema import (
@@ -239,24 +239,28 @@ def run_top(
     size: Callable[[], tuple[int, int]],
     sleep: Callable[[float], None] = time.sleep,
 ) -> int:
-    """Draw the screen every ``interval_s`` until interrupted (or once)."""
-    while True:
-        width, height = size()
-        screen = render(
-            read_snapshot(client, job, lookback_s=lookback_s),
-            width=width,
-            height=height,
-            interval_s=interval_s,
-            color=color,
-        )
-        out.write(screen if once else _HOME_CLEAR + screen)
-        out.flush()
-        if once:
-            return 0
-        try:
+    """Draw the screen every ``interval_s`` until interrupted (Ctrl-C: exit status 0)."""
+    try:
+        while True:
+            width, height = size()
+            try:
+                snapshot = read_snapshot(client, job, lookback_s=lookback_s)
+            except InfluxUnavailableError as exc:
+                if once:
+                    raise
+                # A live view outlives a restart of InfluxDB: say so and keep trying.
+                screen = f"stepwatch top — job {job}\n{exc}; retrying every {interval_s:g} s\n"
+            else:
+                screen = render(
+                    snapshot, width=width, height=height, interval_s=interval_s, color=color
+                )
+            out.write(screen if once else _HOME_CLEAR + screen)
+            out.flush()
+            if once:
+                return 0
             sleep(interval_s)
-        except KeyboardInterrupt:
-            return 0
+    except KeyboardInterrupt:  # wherever it lands: a query, a redraw or the wait
+        return 0
 
 
 def register(subparsers: Any) -> None:
