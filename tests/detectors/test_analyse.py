@@ -192,3 +192,12 @@ def test_a_jit_stall_truth_starts_at_its_first_stall(seed: int) -> None:
     stalled = np.flatnonzero(job.step_s[:, 5] > 3 * typical)
     assert onset_step >= 150
     assert stalled.size and int(stalled[0]) == onset_step
+
+
+@pytest.mark.parametrize("windows", [1, 2, 3])
+def test_a_job_with_only_a_window_or_two_is_analysed(windows: int) -> None:
+    # A pass can run while a job has only its first windows stored (the service's first
+    # pass, a short job): the 3-window gate must shrink to what exists, not raise.
+    job = simulate(8, steps=5 * windows, faults=[Fault.parse("compute_straggler@0:3:3x")])
+    assert job.frame().n_windows == windows
+    assert all(finding.diagnosis.kind for finding in analyse(job.frame()))

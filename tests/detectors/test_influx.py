@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 from contextlib import redirect_stdout
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from stepwatch.app._cli import main
 from stepwatch.app._replay import iter_line_batches, send_otlp, write_direct
 from stepwatch.core import Diagnosis, InfluxClient
-from stepwatch.core._influx import count_points
+from stepwatch.core._influx import count_points, wait_until
 from stepwatch.core._schema import DIAGNOSIS_MEASUREMENT
 from stepwatch.detectors import (
     DetectorService,
@@ -318,3 +320,32 @@ def test_one_shot_and_incremental_give_the_same_findings_and_costs(influx: Influ
     ]
     stored = sorted((d for d, _ in read_diagnoses(influx, "same-job")), key=lambda d: -d.slowdown)
     assert [round(d.slowdown, 3) for d in stored] == [round(d.slowdown, 3) for d in one_shot]
+
+
+class _BuggyOnce(InfluxClient):
+    """A real client whose first query fails with a bug, not an InfluxDB error."""
+
+    def __init__(self, client: InfluxClient) -> None:
+        super().__init__(client.url, database=client.database)
+        self.queries = 0
+
+    def query(self, influxql: str, *, database: str | None = None, epoch: str = "ns") -> Any:
+        self.queries += 1
+        if self.queries == 1:
+            raise RuntimeError("a bug in a pass")
+        return super().query(influxql, database=database, epoch=epoch)
+
+
+def test_the_service_outlives_a_bug_in_one_pass(
+    influx: InfluxClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = _BuggyOnce(influx)
+    service = DetectorService(client, interval_s=0.05, probe_interval_s=0)
+    with caplog.at_level(logging.ERROR, logger="stepwatch.detectors"):
+        service.start()
+        try:
+            assert wait_until(lambda: client.queries >= 3, timeout_s=10)
+            assert all(thread.is_alive() for thread in service._threads)
+        finally:
+            service.stop()
+    assert any("a bug in a pass" in (r.exc_text or "") for r in caplog.records), caplog.text

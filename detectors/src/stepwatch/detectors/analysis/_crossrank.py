@@ -148,7 +148,8 @@ def flag_metrics(basis: Basis) -> Metrics:
         zmax[:, :, tested:] = np.where(stall_flags, np.nan_to_num(stall_effect), 0.0)
     # Gate for every scale: the last few windows must still show the effect, so a long
     # trailing mean cannot keep a finding open after the condition cleared.
-    gate_scale = min(3, max(config.scales))
+    # (A frame of one or two windows has no 3-window scale: the gate is what it has.)
+    gate_scale = max(1, min(3, max(config.scales), frame.n_windows))
     scales = [
         scale
         for scale in sorted({1, gate_scale, *config.scales})

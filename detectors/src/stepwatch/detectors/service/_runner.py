@@ -396,6 +396,8 @@ class DetectorService:
                 results[job] = run(self._detector(job))
             except StepwatchError as exc:
                 _log.warning("%s for job %s failed: %s", what, job, exc)
+            except Exception:  # a bug on one job's data must not stop the others
+                _log.exception("%s for job %s failed", what, job)
         return results
 
     def _loop(self, run: Callable[[], object], interval_s: float, what: str) -> None:
@@ -404,6 +406,8 @@ class DetectorService:
                 run()
             except StepwatchError as exc:
                 _log.warning("%s failed: %s", what, exc)
+            except Exception:  # the service outlives a bug: logged, retried next period
+                _log.exception("%s failed", what)
             self._stop.wait(interval_s)
 
     def start(self) -> DetectorService:
