@@ -33,7 +33,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 fi
 echo "setup: installing stepwatch and its components (editable)"
-.venv/bin/pip install -q --disable-pip-version-check -e ./core -e "./exporters[torch]" -e ./otel_bridge \
-  -e ./detectors -e ".[all,dev]" 2>&1 \
-  | grep -v "is ignored: it is neither a file nor a directory" || true
+log=$(mktemp)
+if ! .venv/bin/pip install -q --disable-pip-version-check -e ./core -e "./exporters[torch]" \
+  -e ./otel_bridge -e ./detectors -e ".[all,dev]" >"$log" 2>&1; then
+  grep -v "is ignored: it is neither a file nor a directory" "$log" >&2; exit 1
+fi
 .venv/bin/python -c "import stepwatch.core, torch; print('setup: ok, stepwatch', stepwatch.core.__version__, 'torch', torch.__version__)"

@@ -6,8 +6,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # The tests also run the framework callbacks on real trainers (not needed for the demo).
 echo "test: installing the exporters' lightning and huggingface extras"
-.venv/bin/pip install -q --disable-pip-version-check -e "./exporters[lightning,huggingface]" 2>&1 \
-  | grep -v "is ignored: it is neither a file nor a directory" || true
+log=$(mktemp)
+if ! .venv/bin/pip install -q --disable-pip-version-check -e "./exporters[lightning,huggingface]" \
+  >"$log" 2>&1; then
+  grep -v "is ignored: it is neither a file nor a directory" "$log" >&2; exit 1
+fi
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff check"; ruff check .
 echo "== ruff format --check"; ruff format --check .
