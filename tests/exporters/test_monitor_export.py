@@ -94,7 +94,7 @@ def test_argument_beats_metrics_variable_beats_generic_variable() -> None:
 @pytest.mark.parametrize(
     ("arguments", "environ", "named"),
     [
-        ({"protocol": "http/json"}, {}, "protocol"),
+        ({"protocol": "http/xml"}, {}, "protocol"),
         ({}, {"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "udp"}, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"),
         ({"endpoint": "localhost:4318"}, {}, "endpoint"),
         ({"compression": "zstd"}, {}, "compression"),

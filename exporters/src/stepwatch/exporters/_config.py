@@ -5,7 +5,15 @@ exporter reads ``OTEL_EXPORTER_OTLP_TIMEOUT`` as seconds where the specification
 milliseconds). stepwatch resolves every setting itself, once, when the monitor is built, and
 passes explicit values to the exporter (its own OTLP/HTTP exporter, or the SDK's gRPC one), so
 the precedence is the specification's and is tested here:
-https://opentelemetry.io/docs/specs/otel/protocol/exporter/
+https://opentelemetry.io/docs/specs/otel/protocol/exporter/ ("OTLP Exporter Configuration").
+
+Endpoints, as that section says: ``OTEL_EXPORTER_OTLP_ENDPOINT`` is a base URL to which
+``/v1/metrics`` is appended for OTLP/HTTP; ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` "MUST be used
+as-is without any modification". For gRPC an endpoint may come without a scheme
+(``collector:4317``); ``OTEL_EXPORTER_OTLP_[METRICS_]INSECURE=true`` then means plaintext, else
+TLS ("This option only applies to OTLP/gRPC when an endpoint is provided without the http or
+https scheme"). ``http/json`` is a valid protocol value; stepwatch sends OTLP/HTTP in protobuf
+only, so it is taken as ``http/protobuf`` with one warning (the receiver accepts both).
 
 The variables, their order and their parsing are :mod:`stepwatch.core.settings`'s ``OTLP_*``.
 """
@@ -13,6 +21,7 @@ The variables, their order and their parsing are :mod:`stepwatch.core.settings`'
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import urllib.parse
 from collections.abc import Mapping
@@ -20,8 +29,13 @@ from typing import Final, cast
 
 from stepwatch.core import settings
 from stepwatch.core._errors import ConfigError
+from stepwatch.exporters._sdk_env import flag
+
+logger = logging.getLogger("stepwatch.exporters")
 
 PROTOCOLS: Final = ("http/protobuf", "grpc")
+#: Valid in the specification, sent as ``http/protobuf`` (one warning).
+FALLBACK_PROTOCOLS: Final = {"http/json": "http/protobuf"}
 COMPRESSIONS: Final = ("none", "gzip", "deflate")
 DEFAULT_HTTP_ENDPOINT: Final = "http://localhost:4318"
 DEFAULT_GRPC_ENDPOINT: Final = "http://localhost:4317"
@@ -77,24 +91,29 @@ def resolve_exporter_config(
     certificate_file: str | None = None,
     client_key_file: str | None = None,
     client_certificate_file: str | None = None,
+    insecure: bool | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> ExporterConfig:
     """Resolve OTLP settings: argument > ``..._METRICS_*`` variable > ``OTEL_EXPORTER_OTLP_*``.
 
-    HTTP endpoints: a signal-specific value (argument or ``..._METRICS_ENDPOINT``) is used as
-    given unless it has no path, in which case ``/v1/metrics`` is appended (so
-    ``endpoint="http://bridge:4318"`` works); the generic ``OTEL_EXPORTER_OTLP_ENDPOINT`` is a
-    base URL and always gets ``/v1/metrics`` appended, as the specification says.
+    HTTP endpoints: ``..._METRICS_ENDPOINT`` is used as given (the specification); the
+    generic ``OTEL_EXPORTER_OTLP_ENDPOINT`` is a base URL and gets ``/v1/metrics`` appended;
+    the ``endpoint`` argument is used as given unless it has no path, in which case
+    ``/v1/metrics`` is appended (so ``endpoint="http://bridge:4318"`` works). gRPC endpoints
+    may lack the scheme: ``insecure`` (else ``..._INSECURE``) picks ``http://`` (plaintext)
+    over ``https://`` (TLS, the default).
 
     Args:
         endpoint: Collector or bridge URL.
-        protocol: ``http/protobuf`` (default) or ``grpc``.
+        protocol: ``http/protobuf`` (default), ``grpc``, or ``http/json`` (sent as
+            ``http/protobuf``, one warning).
         headers: Request headers; the variables use the ``k1=v1,k2=v2`` URL-encoded form.
         compression: ``none`` (default), ``gzip`` or ``deflate``.
         timeout_s: Per-export bound in seconds; the variables are in milliseconds.
         certificate_file: CA bundle for https (``..._CERTIFICATE``).
         client_key_file: Client key for mutual TLS (``..._CLIENT_KEY``).
         client_certificate_file: Client certificate for mutual TLS (``..._CLIENT_CERTIFICATE``).
+        insecure: Plaintext for a scheme-less gRPC endpoint (``..._INSECURE``; default False).
         environ: The environment to read (``os.environ`` when omitted).
 
     Returns:
@@ -107,24 +126,42 @@ def resolve_exporter_config(
     env = os.environ if environ is None else environ
     protocol_value, protocol_source = _pick(settings.OTLP_PROTOCOL, protocol, env)
     protocol_value = protocol_value or DEFAULT_PROTOCOL
+    if protocol_value in FALLBACK_PROTOCOLS:
+        logger.warning(
+            "%s=%s: stepwatch sends OTLP/HTTP as protobuf; using %s",
+            protocol_source,
+            protocol_value,
+            FALLBACK_PROTOCOLS[protocol_value],
+        )
+        protocol_value = FALLBACK_PROTOCOLS[protocol_value]
     if protocol_value not in PROTOCOLS:
         raise ConfigError(
             f"{protocol_source}: protocol must be one of {PROTOCOLS}, got {protocol_value!r}"
         )
 
+    # How the path is completed for OTLP/HTTP: "base" (always /v1/metrics), "as_is" (the
+    # signal-specific variable), "argument" (appended only when there is no path).
     if endpoint is not None:
-        endpoint_value, generic = endpoint, False
+        endpoint_value, source, path_rule = endpoint, "endpoint", "argument"
     else:
         found, variable = settings.OTLP_ENDPOINT.lookup(env)
-        # The signal-specific variable is used as given; the generic one (the setting's alias)
-        # and the default are base URLs.
-        generic = variable != settings.OTLP_ENDPOINT.variable
+        is_signal = variable == settings.OTLP_ENDPOINT.variable
         default = DEFAULT_GRPC_ENDPOINT if protocol_value == "grpc" else DEFAULT_HTTP_ENDPOINT
         endpoint_value = default if found is None else found
+        source = variable or "endpoint"
+        path_rule = "as_is" if is_signal else "base"
+    if protocol_value == "grpc" and "://" not in endpoint_value:
+        plaintext = insecure if insecure is not None else flag(settings.OTLP_INSECURE, env)
+        endpoint_value = ("http://" if plaintext else "https://") + endpoint_value
     parsed = urllib.parse.urlsplit(endpoint_value)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ConfigError(f"endpoint must be an http:// or https:// URL, got {endpoint_value!r}")
-    if protocol_value == "http/protobuf" and (generic or parsed.path in ("", "/")):
+        raise ConfigError(
+            f"{source}: endpoint must be an http:// or https:// URL (a gRPC one may omit the "
+            f"scheme), got {endpoint_value!r}"
+        )
+    if protocol_value == "http/protobuf" and (
+        path_rule == "base" or (path_rule == "argument" and parsed.path in ("", "/"))
+    ):
         endpoint_value = endpoint_value.rstrip("/") + METRICS_PATH
 
     if headers is not None:
