@@ -128,8 +128,9 @@ class StepMonitor:
         start: Start the export thread now (``False``: call :meth:`export_now` yourself).
 
     Raises:
-        ConfigError: A setting is invalid (the message names it). Raised at construction,
-            before training starts; nothing raises later. Never with ``OTEL_SDK_DISABLED=true``.
+        ConfigError: An argument is invalid, a TLS file is missing, or the rank's identity
+            is missing or does not parse (the message names it). Raised at construction,
+            before training starts; nothing raises later. A bad OTel variable only warns. Never with ``OTEL_SDK_DISABLED=true``.
     """
 
     def __init__(

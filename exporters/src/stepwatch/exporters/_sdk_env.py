@@ -18,10 +18,11 @@ Semantic conventions, "Service" (``service.instance.id``): "MUST be unique for e
 of the same ``service.namespace,service.name`` pair"; a random UUID v4 is recommended. One is
 drawn per process (again after a fork) unless ``OTEL_RESOURCE_ATTRIBUTES`` gives one.
 
-Nothing here raises on a bad variable: a value that cannot be honoured is logged once and
-ignored. Identity (job, rank, world size) is the exception: a bad ``RANK`` raises
-:class:`ConfigError` at construction, because a wrong rank would corrupt every per-rank
-series.
+Nothing here raises on a bad variable: a value that cannot be honoured is logged and
+treated as unset (the specification's rule for numeric, enum and boolean values; ``_config``
+does the same for the exporter's variables but TLS files). Identity is the exception: a bad
+``RANK`` raises :class:`ConfigError` at construction, because a wrong rank would corrupt every
+per-rank series.
 """
 
 from __future__ import annotations
@@ -269,14 +270,19 @@ def export_interval(argument: float | None, environ: Mapping[str, str]) -> float
     """The argument > ``OTEL_METRIC_EXPORT_INTERVAL`` (ms) > 1 s.
 
     Raises:
-        ConfigError: not positive (names the argument or the variable).
+        ConfigError: the argument is not positive (a bad variable is logged and ignored).
     """
     if argument is not None:
         if isinstance(argument, bool) or not argument > 0:
             raise ConfigError(f"export_interval_s must be positive, got {argument!r}")
         return float(argument)
-    # The variable is milliseconds; the setting reads it as seconds and names a bad value.
-    interval_s, _ = settings.METRIC_EXPORT_INTERVAL_S.lookup(environ)
+    # The variable is milliseconds; the setting reads it as seconds. A bad value is logged
+    # and treated as unset (specification, "Environment Variable Specification").
+    try:
+        interval_s, _ = settings.METRIC_EXPORT_INTERVAL_S.lookup(environ)
+    except ConfigError as exc:
+        logger.warning("%s; ignored (treated as unset)", exc)
+        interval_s = None
     return _DEFAULT_INTERVAL_S if interval_s is None else interval_s
 
 
