@@ -130,7 +130,8 @@ class StepMonitor:
     Raises:
         ConfigError: An argument is invalid, a TLS file is missing, or the rank's identity
             is missing or does not parse (the message names it). Raised at construction,
-            before training starts; nothing raises later. A bad OTel variable only warns. Never with ``OTEL_SDK_DISABLED=true``.
+            before training starts; nothing raises later. A bad OTel variable only warns.
+            Nothing raises with ``OTEL_SDK_DISABLED=true``.
     """
 
     def __init__(
