@@ -80,12 +80,43 @@ def test_alertmanager_route_example_is_valid_and_routes() -> None:
         assert result.returncode == 0, result.stderr
         return set(result.stdout.strip().split(","))
 
-    finding = ["alertname=StepwatchFinding", "job=run-42", "kind=compute_straggler"]
-    assert receivers(*finding, "severity=critical") == {"stepwatch-page", "stepwatch-team"}
-    assert receivers(*finding, "severity=warning") == {"stepwatch-team"}
-    assert receivers("alertname=StepwatchBridgeDown", "instance=b:9464") == {"stepwatch-platform"}
+    def sent(severity: str, kind: str, ranks: tuple[int, ...], hosts: tuple[str, ...]) -> list[str]:
+        """The labels the detectors' Alertmanager sink really sends for such a finding."""
+        from stepwatch.core import Diagnosis
+        from stepwatch.detectors.sinks._alertmanager import finding_labels
+
+        finding = Diagnosis(
+            job="run-42",
+            kind=kind,
+            start_unix_nano=1,
+            end_unix_nano=None,
+            severity=severity,
+            score=1.0,
+            summary="s",
+            ranks=ranks,
+            hosts=hosts,
+        )
+        return [f"{key}={value}" for key, value in finding_labels(finding).items()]
+
+    one_rank = ((3,), ("node-0",))
+    assert receivers(*sent("critical", "compute_straggler", *one_rank)) == {
+        "stepwatch-page",
+        "stepwatch-team",
+    }
+    assert receivers(*sent("warning", "compute_straggler", *one_rank)) == {"stepwatch-team"}
+    assert receivers(*sent("info", "job_regression", (), ())) == {"stepwatch-team"}
+    # A GPU-health finding on one host also reaches the node operators; on several, it cannot
+    # be routed by host (no host label) and goes to the team only.
+    assert receivers(*sent("warning", "gpu_health", *one_rank)) == {
+        "stepwatch-hardware",
+        "stepwatch-team",
+    }
+    several = ((3, 11), ("node-0", "node-1"))
+    assert receivers(*sent("warning", "gpu_health", *several)) == {"stepwatch-team"}
+    bridge = ["alertname=StepwatchBridgeDown", "job=stepwatch-bridge", "instance=b:9464"]
+    assert receivers(*bridge) == {"stepwatch-platform"}
     route = load(path)["route"]["routes"][0]
-    assert route["group_by"] == ["alertname", "job"], "one notification group per job"
+    assert route["group_by"] == ["alertname", "training_job"], "one notification group per job"
 
 
 RULES = GRAFANA / "prometheus" / "stepwatch-bridge-rules.yml"

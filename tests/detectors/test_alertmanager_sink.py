@@ -44,13 +44,13 @@ def test_delivered_grouped_and_resolved(
     sink.publish(open_findings)  # idempotent: no duplicate alert
 
     def for_job(status: str) -> Any:
-        return lambda p: p["groupLabels"].get("job") == job and p["status"] == status
+        return lambda p: p["groupLabels"].get("training_job") == job and p["status"] == status
 
     firing = webhook.wait_for(for_job("firing"), timeout_s=20)
     # Two findings of one job → one notification carrying both alerts. The findings began a
     # minute ago; had startsAt said so, Alertmanager would flush the group on the first alert
     # and the second would follow a group_interval later (a race this test once lost in CI).
-    assert firing["groupLabels"] == {"alertname": "StepwatchFinding", "job": job}
+    assert firing["groupLabels"] == {"alertname": "StepwatchFinding", "training_job": job}
     assert sorted(a["labels"]["rank"] for a in firing["alerts"]) == ["17", "3"]
     labels = firing["alerts"][0]["labels"]
     assert labels["kind"] == "compute_straggler"
@@ -59,7 +59,7 @@ def test_delivered_grouped_and_resolved(
     annotations = firing["alerts"][0]["annotations"]
     assert annotations["summary"].startswith("rank ")
     assert "var-job=" + job in annotations["dashboard_url"]
-    assert len(alertmanager.alerts({"job": job})) == 2
+    assert len(alertmanager.alerts({"training_job": job})) == 2
     assert "since: " + rfc3339(open_findings[0].start_unix_nano) in annotations["description"]
 
     end_s = time.time()
@@ -72,6 +72,38 @@ def test_delivered_grouped_and_resolved(
     assert ends == {time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(int(end_s)))}
     firing_for_job = [p for p in webhook.payloads if for_job("firing")(p)]
     assert len(firing_for_job) == 1, "re-publishing must not notify twice"
+
+
+def test_labels_hold_one_value_each_and_route_one_rank(
+    alertmanager: ManagedAlertmanager, webhook: WebhookReceiver
+) -> None:
+    """Issue 13: no ``job`` overload, ``rank``/``host`` only for one blamed rank/host."""
+    import dataclasses
+
+    job = f"run-{uuid.uuid4().hex[:8]}"
+    one = finding(job, rank=9, start_s=time.time() - 30)
+    several = dataclasses.replace(
+        one, kind="workload_imbalance", severity="warning", ranks=(2, 9), hosts=("n-0", "n-1")
+    )
+    AlertmanagerSink(alertmanager.url).publish([one, several])
+    firing = webhook.wait_for(
+        lambda p: p["groupLabels"].get("training_job") == job and len(p["alerts"]) == 2,
+        timeout_s=20,
+    )
+    by_kind = {alert["labels"]["kind"]: alert for alert in firing["alerts"]}
+    single = by_kind["compute_straggler"]["labels"]
+    assert (single["rank"], single["host"]) == ("9", "node-1")
+    assert "job" not in single and single["training_job"] == job
+    multi = by_kind["workload_imbalance"]
+    assert "rank" not in multi["labels"] and "host" not in multi["labels"]
+    assert multi["annotations"]["ranks"] == "2,9"
+    assert multi["annotations"]["hosts"] == "n-0,n-1"
+    for alert in firing["alerts"]:
+        assert all("," not in value for value in alert["labels"].values())
+        assert alert["labels"]["severity"] in ("critical", "warning", "info")
+    # Alertmanager's own matcher finds the one-rank finding by its rank.
+    matched = alertmanager.alerts({"training_job": job, "rank": "9"})
+    assert [a["labels"]["kind"] for a in matched] == ["compute_straggler"]
 
 
 def dataclass_with_end(item: Diagnosis, end_s: float) -> Diagnosis:

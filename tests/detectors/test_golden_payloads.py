@@ -5,6 +5,7 @@ Regenerate after an intended change with ``STEPWATCH_UPDATE_GOLDEN=1`` and revie
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -34,6 +35,18 @@ FINDING = Diagnosis(
     phase="backward",
     kernel_class="gemm",
     slowdown=1.27,
+)
+
+SEVERAL_RANKS = dataclasses.replace(
+    FINDING,
+    kind="workload_imbalance",
+    severity="warning",
+    summary="ranks 3, 17 finish last in turn; costs the job ~1.08x step time",
+    ranks=(3, 17),
+    hosts=("node-0", "node-3"),
+    phase=None,
+    kernel_class=None,
+    slowdown=1.08,
 )
 
 
@@ -71,7 +84,9 @@ def test_alertmanager_payload() -> None:
         transport=recorder,
         clock=lambda: NOW_NS,
     )
-    sink.publish([FINDING])
+    # A one-rank finding (rank and host labels) and one blaming several ranks on several
+    # hosts (no rank/host label; the lists are the ranks/hosts annotations).
+    sink.publish([FINDING, SEVERAL_RANKS])
     check("alertmanager-alert.json", recorder.bodies)
 
 

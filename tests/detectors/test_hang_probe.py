@@ -174,7 +174,9 @@ def test_a_stuck_rank_is_named_alerted_and_closed_when_the_job_moves_again(
             # runs first and shares its thread with the probe, on a loaded 2-core host.
             assert found_after_s < 15.0, found_after_s
             firing = webhook.wait_for(
-                lambda p: p["groupLabels"].get("job") == job.id and p["status"] == "firing",
+                lambda p: (
+                    p["groupLabels"].get("training_job") == job.id and p["status"] == "firing"
+                ),
                 timeout_s=30,
             )
             labels = firing["alerts"][0]["labels"]
@@ -185,7 +187,9 @@ def test_a_stuck_rank_is_named_alerted_and_closed_when_the_job_moves_again(
             (closed,) = _wait(lambda: _hangs(client, job.id, state="closed"), timeout_s=20)
             assert closed.finding_id == hang.finding_id and closed.end_unix_nano is not None
             webhook.wait_for(
-                lambda p: p["groupLabels"].get("job") == job.id and p["status"] == "resolved",
+                lambda p: (
+                    p["groupLabels"].get("training_job") == job.id and p["status"] == "resolved"
+                ),
                 timeout_s=30,
             )
         finally:

@@ -92,27 +92,45 @@ def test_argument_beats_metrics_variable_beats_generic_variable() -> None:
 
 
 @pytest.mark.parametrize(
-    ("arguments", "environ", "named"),
+    ("arguments", "named"),
     [
-        ({"protocol": "http/json"}, {}, "protocol"),
-        ({}, {"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "udp"}, "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"),
-        ({"endpoint": "localhost:4318"}, {}, "endpoint"),
-        ({"compression": "zstd"}, {}, "compression"),
-        ({}, {"OTEL_EXPORTER_OTLP_COMPRESSION": "br"}, "OTEL_EXPORTER_OTLP_COMPRESSION"),
-        ({"timeout_s": 0}, {}, "timeout_s"),
-        ({}, {"OTEL_EXPORTER_OTLP_TIMEOUT": "ten"}, "OTEL_EXPORTER_OTLP_TIMEOUT"),
-        (
-            {},
-            {"OTEL_EXPORTER_OTLP_METRICS_HEADERS": "novalue"},
-            "OTEL_EXPORTER_OTLP_METRICS_HEADERS",
-        ),
+        ({"protocol": "http/xml"}, "protocol"),
+        ({"endpoint": "localhost:4318"}, "endpoint"),
+        ({"compression": "zstd"}, "compression"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"certificate_file": "/no/such/ca.pem"}, "certificate_file"),
     ],
 )
-def test_bad_settings_name_their_source(
-    arguments: dict[str, Any], environ: dict[str, str], named: str
-) -> None:
+def test_bad_arguments_raise_and_name_the_argument(arguments: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
-        resolve_exporter_config(environ=environ, **arguments)
+        resolve_exporter_config(environ={}, **arguments)
+
+
+@pytest.mark.parametrize(
+    ("environ", "field", "default"),
+    [
+        ({"OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "udp"}, "protocol", "http/protobuf"),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost"},
+            "endpoint",
+            "http://localhost:4318/v1/metrics",
+        ),
+        ({"OTEL_EXPORTER_OTLP_COMPRESSION": "br"}, "compression", "none"),
+        ({"OTEL_EXPORTER_OTLP_TIMEOUT": "ten"}, "timeout_s", 10.0),
+        ({"OTEL_EXPORTER_OTLP_METRICS_HEADERS": "a=1,novalue"}, "headers", {}),
+    ],
+)
+def test_bad_variables_warn_name_themselves_and_count_as_unset(
+    environ: dict[str, str], field: str, default: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """OTel specification, "Environment Variable Specification": warn and ignore."""
+    caplog.set_level("WARNING", logger="stepwatch.exporters")
+    config = resolve_exporter_config(environ=environ)
+    value = getattr(config, field)
+    assert (dict(value) if field == "headers" else value) == default
+    (variable,) = environ
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and variable in warnings[0]
 
 
 def test_monitor_reads_the_environment_when_built(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -73,9 +73,9 @@ def test_each_window_carries_the_gpu_health_of_its_rank() -> None:
         (sm_clock,) = metrics[_schema.GPU_SM_CLOCK]
         assert sm_clock.value == (1_410_000_000.0 if window == 0 else 1_095_000_000.0)  # type: ignore[attr-defined]
         (temperature,) = metrics[_schema.HW_TEMPERATURE]
-        assert temperature.attributes[_schema.HW_TYPE] == "gpu"  # type: ignore[attr-defined]
+        assert temperature.attributes[_schema.HW_TYPE] == "temperature"  # type: ignore[attr-defined]
         if window == 0:
-            (xid,) = metrics[_schema.GPU_XID]
+            (xid,) = metrics[_schema.GPU_XID_ERRORS]
             assert xid.attributes[_schema.GPU_XID_CODE] == "79"  # type: ignore[attr-defined]
     monitor.close()
 

@@ -121,40 +121,87 @@ def test_health_window_from_recorded_readings() -> None:
         _schema.HW_POWER,
         _schema.HW_TEMPERATURE,
         _schema.GPU_SM_CLOCK,
-        _schema.GPU_CLOCK_EVENT_REASONS,
+        _schema.GPU_CLOCK_EVENT_MASK,
+        _schema.GPU_CLOCK_EVENT_ACTIVE,
         _schema.HW_ERRORS,
-        _schema.GPU_XID,
+        _schema.GPU_XID_ERRORS,
     }
-    temperature = {p.attributes[_schema.HW_ID]: p.value for p in points[_schema.HW_TEMPERATURE]}
+    # hw.temperature is a temperature sensor's metric (semconv hardware/temperature.md): its
+    # own hw.type and hw.id, the GPU as hw.parent.
+    temperature = {p.attributes[_schema.HW_PARENT]: p.value for p in points[_schema.HW_TEMPERATURE]}
     assert temperature == {"GPU-aaaa": 84.0, "GPU-bbbb": 66.0}  # the last reading
+    for point in points[_schema.HW_TEMPERATURE]:
+        assert point.attributes[_schema.HW_TYPE] == "temperature"
+        assert (
+            point.attributes[_schema.HW_ID] == point.attributes[_schema.HW_PARENT] + ":temperature"
+        )
+    for name in set(points) - {_schema.HW_TEMPERATURE}:
+        assert all(p.attributes[_schema.HW_TYPE] == "gpu" for p in points[name]), name
+        assert all(_schema.HW_PARENT not in p.attributes for p in points[name]), name
     for point in points[_schema.HW_POWER]:
-        assert point.attributes[_schema.HW_TYPE] == "gpu"
         assert point.attributes[_schema.HW_NAME] == "NVIDIA A100-SXM4-80GB"
         assert (point.start_time_unix_nano, point.time_unix_nano) == (1_000, 2_000)
+    masks = {p.attributes[_schema.HW_ID]: p.value for p in points[_schema.GPU_CLOCK_EVENT_MASK]}
+    assert masks == {"GPU-aaaa": 0x24, "GPU-bbbb": 0}
+    assert all(
+        _schema.GPU_CLOCK_EVENT_REASON not in p.attributes
+        for p in points[_schema.GPU_CLOCK_EVENT_MASK]
+    )
     reasons = {
-        (p.attributes[_schema.HW_ID], p.attributes.get(_schema.GPU_CLOCK_EVENT_REASON)): p.value
-        for p in points[_schema.GPU_CLOCK_EVENT_REASONS]
+        (p.attributes[_schema.HW_ID], p.attributes[_schema.GPU_CLOCK_EVENT_REASON]): p.value
+        for p in points[_schema.GPU_CLOCK_EVENT_ACTIVE]
     }
-    assert reasons[("GPU-aaaa", None)] == 0x24
+    assert len(reasons) == 2 * 9  # every known reason, 0 or 1, per GPU
     assert reasons[("GPU-aaaa", "sw_thermal_slowdown")] == 1
     assert reasons[("GPU-aaaa", "sw_power_cap")] == 1
     assert reasons[("GPU-aaaa", "hw_slowdown")] == 0
     assert reasons[("GPU-bbbb", "sw_thermal_slowdown")] == 0
-    errors = {p.attributes[_schema.HW_ID]: p.value for p in points[_schema.HW_ERRORS]}
-    assert errors == {"GPU-aaaa": 0, "GPU-bbbb": 3}  # 2 → 5 between the samples
+    errors = {
+        (p.attributes[_schema.HW_ID], p.attributes[_schema.ERROR_TYPE]): p.value
+        for p in points[_schema.HW_ERRORS]
+    }
+    assert errors == {("GPU-aaaa", "uncorrected"): 0, ("GPU-bbbb", "uncorrected"): 3}  # 2 → 5
     xids = {
         (p.attributes[_schema.HW_ID], p.attributes[_schema.GPU_XID_CODE]): p.value
-        for p in points[_schema.GPU_XID]
+        for p in points[_schema.GPU_XID_ERRORS]
     }
     assert xids == {("GPU-bbbb", "79"): 2, ("GPU-aaaa", "48"): 1}
     (scope_metrics,) = data.resource_metrics[0].scope_metrics
-    for metric in scope_metrics.metrics:
-        if metric.name in (_schema.HW_ERRORS, _schema.GPU_XID):
-            assert metric.data.aggregation_temporality == AggregationTemporality.DELTA
-            assert metric.data.is_monotonic
+    kinds = {m.name: m.data for m in scope_metrics.metrics}
+    for name in (_schema.HW_ERRORS, _schema.GPU_XID_ERRORS):  # counters
+        assert kinds[name].aggregation_temporality == AggregationTemporality.DELTA
+        assert kinds[name].is_monotonic
+    memory = kinds[_schema.HW_GPU_MEMORY_USAGE]  # an UpDownCounter: non-monotonic sum
+    assert memory.aggregation_temporality == AggregationTemporality.CUMULATIVE
+    assert not memory.is_monotonic
+    assert {p.value for p in memory.data_points} == {61_100_000_000, 60_500_000_000}
     units = {m.name: m.unit for m in scope_metrics.metrics}
-    assert units[_schema.HW_POWER] == "W" and units[_schema.HW_TEMPERATURE] == "Cel"
-    assert units[_schema.GPU_SM_CLOCK] == "Hz" and units[_schema.HW_GPU_MEMORY_USAGE] == "By"
+    assert units == {
+        _schema.HW_GPU_UTILIZATION: "1",
+        _schema.HW_GPU_MEMORY_USAGE: "By",
+        _schema.HW_POWER: "W",
+        _schema.HW_TEMPERATURE: "Cel",
+        _schema.GPU_SM_CLOCK: "Hz",
+        _schema.GPU_CLOCK_EVENT_MASK: "1",
+        _schema.GPU_CLOCK_EVENT_ACTIVE: "1",
+        _schema.HW_ERRORS: "{error}",
+        _schema.GPU_XID_ERRORS: "{error}",
+    }
+
+
+def test_memory_usage_is_cumulative_from_the_first_window() -> None:
+    sampler = _sampler(RecordedNvml(READINGS, []))
+    starts = []
+    for window in range(2):
+        sampler.sample()
+        data = sampler.build(
+            start_unix_nano=1_000 * (window + 1), end_unix_nano=1_000 * (window + 2)
+        )
+        assert data is not None
+        points = _points(data)
+        starts.append({p.start_time_unix_nano for p in points[_schema.HW_GPU_MEMORY_USAGE]})
+        assert {p.start_time_unix_nano for p in points[_schema.HW_POWER]} == {1_000 * (window + 1)}
+    assert starts == [{1_000}, {1_000}]  # a cumulative sum keeps its start
 
 
 def test_the_bridge_stores_every_health_point() -> None:
@@ -169,8 +216,17 @@ def test_the_bridge_stores_every_health_point() -> None:
     power = [line for line in conversion.lines if line.startswith("hw.power,")]
     assert len(power) == 2 and all("hw.type=gpu" in line for line in power)
     assert any(
-        line.startswith("stepwatch.gpu.xid,") and "counter=1" in line for line in conversion.lines
+        line.startswith("stepwatch.gpu.xid.errors,") and "counter=1" in line
+        for line in conversion.lines
     )
+    # The semconv attributes are stored as tags, the UpDownCounter as a gauge field.
+    assert conversion.dropped_attributes == 0
+    errors = [line for line in conversion.lines if line.startswith("hw.errors,")]
+    assert len(errors) == 2 and all("error.type=uncorrected" in line for line in errors)
+    (temperature, _) = [line for line in conversion.lines if line.startswith("hw.temperature,")]
+    assert "hw.type=temperature" in temperature and "hw.parent=GPU-aaaa" in temperature
+    memory = [line for line in conversion.lines if line.startswith("hw.gpu.memory.usage,")]
+    assert len(memory) == 2 and all(" gauge=" in line for line in memory)
 
 
 def test_counts_reset_between_windows_and_empty_window_is_none() -> None:
@@ -178,11 +234,11 @@ def test_counts_reset_between_windows_and_empty_window_is_none() -> None:
     sampler = _sampler(backend)
     sampler.sample()
     first = sampler.build(start_unix_nano=0, end_unix_nano=1)
-    assert first is not None and _schema.GPU_XID in _points(first)
+    assert first is not None and _schema.GPU_XID_ERRORS in _points(first)
     assert sampler.build(start_unix_nano=1, end_unix_nano=2) is None  # nothing sampled since
     sampler.sample()
     second = sampler.build(start_unix_nano=2, end_unix_nano=3)
-    assert second is not None and _schema.GPU_XID not in _points(second)
+    assert second is not None and _schema.GPU_XID_ERRORS not in _points(second)
     sampler.close()
     assert backend.closed
 

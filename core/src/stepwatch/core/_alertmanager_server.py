@@ -30,7 +30,7 @@ from stepwatch.core._net import free_port, wait_http_ready
 _CONFIG = """\
 route:
   receiver: webhook
-  group_by: [alertname, job]
+  group_by: [alertname, training_job]
   group_wait: 1500ms
   group_interval: 1s
   repeat_interval: 1h

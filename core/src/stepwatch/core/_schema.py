@@ -38,18 +38,26 @@ STEP_ELAPSED: Final = "stepwatch.step.elapsed"  # gauge, s; attribute stepwatch.
 PHASE_ELAPSED: Final = "stepwatch.phase.elapsed"  # gauge, s; attribute stepwatch.phase
 MONITOR_CLOSED: Final = "stepwatch.monitor.closed"  # gauge, 1; in the monitor's last window
 
-# Device health (GPU only): semantic-convention names where they exist.
-HW_GPU_UTILIZATION: Final = "hw.gpu.utilization"  # gauge, 1
-HW_GPU_MEMORY_USAGE: Final = "hw.gpu.memory.usage"  # gauge, By
-HW_POWER: Final = "hw.power"  # gauge, W
-HW_TEMPERATURE: Final = "hw.temperature"  # gauge, Cel
-HW_ERRORS: Final = "hw.errors"  # counter, {error}
+# Device health (GPU only): the OpenTelemetry hardware semantic conventions where they have a
+# name (https://opentelemetry.io/docs/specs/semconv/hardware/: common.md, gpu.md,
+# temperature.md), stepwatch.gpu.* otherwise, named by the semconv naming rules (no plural
+# unless counting discrete things with a {unit}; no name that is also a namespace).
+# Issue 13 renamed stepwatch.gpu.clock_event.reasons (→ .mask and .active) and
+# stepwatch.gpu.xid (→ stepwatch.gpu.xid.errors).
+HW_GPU_UTILIZATION: Final = "hw.gpu.utilization"  # gauge, 1; hw.type=gpu
+HW_GPU_MEMORY_USAGE: Final = "hw.gpu.memory.usage"  # updowncounter (sum, non-monotonic), By
+HW_POWER: Final = "hw.power"  # gauge, W; hw.type=gpu
+HW_TEMPERATURE: Final = "hw.temperature"  # gauge, Cel; hw.type=temperature, hw.parent=GPU
+HW_ERRORS: Final = "hw.errors"  # counter, {error}; hw.type=gpu, error.type=uncorrected
 GPU_SM_CLOCK: Final = "stepwatch.gpu.sm_clock"  # gauge, Hz
-GPU_CLOCK_EVENT_REASONS: Final = "stepwatch.gpu.clock_event.reasons"  # gauge, 1 (bitmask)
-GPU_XID: Final = "stepwatch.gpu.xid"  # counter, {event}; attribute stepwatch.gpu.xid.code
+GPU_CLOCK_EVENT_MASK: Final = "stepwatch.gpu.clock_event.mask"  # gauge, 1 (NVML bitmask)
+GPU_CLOCK_EVENT_ACTIVE: Final = "stepwatch.gpu.clock_event.active"  # gauge, 1 (0/1 per reason)
+GPU_XID_ERRORS: Final = "stepwatch.gpu.xid.errors"  # counter, {error}; stepwatch.gpu.xid.code
 HW_TYPE: Final = "hw.type"
 HW_ID: Final = "hw.id"
 HW_NAME: Final = "hw.name"
+HW_PARENT: Final = "hw.parent"
+ERROR_TYPE: Final = "error.type"
 GPU_XID_CODE: Final = "stepwatch.gpu.xid.code"
 GPU_CLOCK_EVENT_REASON: Final = "stepwatch.gpu.clock_event.reason"
 
@@ -99,6 +107,8 @@ POINT_TAGS: Final = (
     HW_TYPE,
     HW_ID,
     HW_NAME,
+    HW_PARENT,
+    ERROR_TYPE,
     GPU_XID_CODE,
     GPU_CLOCK_EVENT_REASON,
 )

@@ -334,7 +334,7 @@ OTLP_PROTOCOL = Setting[str](
     "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
     "http/protobuf",
     _text,
-    "http/protobuf or grpc",
+    "http/protobuf, grpc, or http/json (sent as http/protobuf, one warning)",
     aliases=("OTEL_EXPORTER_OTLP_PROTOCOL",),
 )
 OTLP_HEADERS = Setting[str](
@@ -400,6 +400,74 @@ KINETO_LOG_LEVEL = Setting[str](
     None,
     _text,
     "PyTorch's own; when unset, stepwatch's profiler source silences Kineto's per-cycle log",
+)
+
+
+# ---- exporters: who the rank is (torchrun) and the OTel SDK's own variables (issue 13) -----
+# torchrun (torch.distributed.run) sets these for every worker; an argument given to
+# StepMonitor wins over them. https://pytorch.org/docs/stable/elastic/run.html
+TORCHRUN_RANK = Setting[int](
+    "rank", "RANK", None, _int, "global rank, when StepMonitor(rank=) is not given (torchrun)"
+)
+TORCHRUN_WORLD_SIZE = Setting[int](
+    "world_size",
+    "WORLD_SIZE",
+    None,
+    _int,
+    "number of ranks, when StepMonitor(world_size=) is not given (torchrun)",
+)
+TORCHRUN_LOCAL_RANK = Setting[int](
+    "local_rank",
+    "LOCAL_RANK",
+    None,
+    _int,
+    "rank within the node, when StepMonitor(local_rank=) is not given (torchrun)",
+)
+TORCHRUN_RUN_ID = Setting[str](
+    "job_id",
+    "TORCHELASTIC_RUN_ID",
+    None,
+    _text,
+    "the job id, when StepMonitor(job_id=) is not given (torchrun's --rdzv-id; 'none' ignored)",
+)
+# OpenTelemetry specification, "Environment Variable Specification" (general SDK
+# configuration) and "OTLP Exporter Configuration": read by StepMonitor, semantics in
+# stepwatch.exporters._sdk_env. Booleans: only "true" (any case) is true.
+SDK_DISABLED = Setting[str](
+    "sdk_disabled",
+    "OTEL_SDK_DISABLED",
+    "false",
+    _text,
+    "true: StepMonitor is a no-op (times nothing, exports nothing, never raises)",
+)
+SERVICE_NAME = Setting[str](
+    "service_name",
+    "OTEL_SERVICE_NAME",
+    None,
+    _text,
+    "service.name (default stepwatch); wins over service.name in OTEL_RESOURCE_ATTRIBUTES",
+)
+RESOURCE_ATTRIBUTES = Setting[str](
+    "resource_attributes",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    None,
+    _text,
+    "extra resource attributes, k1=v1,k2=v2 percent-encoded (stepwatch.* keys ignored)",
+)
+OTLP_TEMPORALITY_PREFERENCE = Setting[str](
+    "temporality_preference",
+    "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE",
+    None,
+    _text,
+    "delta or lowmemory; cumulative is not honoured (windows stay delta; one warning)",
+)
+OTLP_INSECURE = Setting[str](
+    "insecure",
+    "OTEL_EXPORTER_OTLP_METRICS_INSECURE",
+    "false",
+    _text,
+    "true: plaintext gRPC to an endpoint given without a scheme (else TLS)",
+    aliases=("OTEL_EXPORTER_OTLP_INSECURE",),
 )
 
 

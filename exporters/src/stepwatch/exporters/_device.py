@@ -6,14 +6,23 @@ instead; the training thread only enqueues them (non-blocking) and the export th
 elapsed times once the device has passed them, so a window holds only steps the device has
 finished. Without a GPU the monitor uses the host clock: ``device_timer="auto"`` picks CUDA
 events only when torch is already imported and CUDA is available.
+
+Device health (NVML, ``kernels.HealthSampler``) rides along: :class:`HealthSource` is what a
+monitor samples once per window, :func:`with_health` adds its readings to the window.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stepwatch.core._errors import ConfigError
+from stepwatch.core._ratelog import RateLimitedLog
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import MetricsData
+    from opentelemetry.sdk.resources import Resource
 
 
 class DeviceTimer(Protocol):
@@ -87,3 +96,59 @@ def resolve_device_timer(device_timer: DeviceTimer | str | None) -> DeviceTimer 
             f"device_timer must be 'auto', 'cuda', 'cpu' or a DeviceTimer, got {device_timer!r}"
         )
     return device_timer
+
+
+class HealthSource(Protocol):
+    """Device-health readings for a window (e.g. ``kernels.HealthSampler`` over NVML)."""
+
+    def sample(self) -> None:
+        """Read the devices now (export thread); never raises."""
+
+    def build(self, *, start_unix_nano: int, end_unix_nano: int) -> MetricsData | None:
+        """The readings since the last build as metrics of this rank's resource."""
+
+
+def resolve_health(health: HealthSource | bool | None, resource: Resource) -> HealthSource | None:
+    """``False`` → None; ``None`` → an NVML sampler when ``pynvml`` is installed; ``True`` → one."""
+    from stepwatch.exporters.kernels._nvml import HealthSampler
+
+    if health is False:
+        return None
+    if health is None or health is True:
+        if health is None and importlib.util.find_spec("pynvml") is None:
+            return None
+        return HealthSampler(resource)
+    return health
+
+
+def with_health(
+    health: HealthSource | None,
+    metrics: MetricsData,
+    start_unix_nano: int,
+    end_unix_nano: int,
+    log: RateLimitedLog,
+) -> MetricsData:
+    """``metrics`` plus this window's device-health scope (one request per window)."""
+    from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics
+
+    try:
+        if health is None:
+            return metrics
+        health.sample()
+        extra = health.build(start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano)
+    except Exception:
+        log.warning("health", "device-health sampling raised", exc_info=True)
+        return metrics
+    if extra is None or not extra.resource_metrics:
+        return metrics
+    window = metrics.resource_metrics[0]
+    scopes = [*window.scope_metrics]
+    for resource_metrics in extra.resource_metrics:
+        scopes.extend(resource_metrics.scope_metrics)
+    return MetricsData(
+        resource_metrics=[
+            ResourceMetrics(
+                resource=window.resource, scope_metrics=scopes, schema_url=window.schema_url
+            )
+        ]
+    )

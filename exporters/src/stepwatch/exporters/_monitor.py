@@ -13,36 +13,44 @@ counted in :attr:`StepMonitor.stats`, where every step and window adds up (``_ac
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import logging
 import os
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final, Protocol, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
-from stepwatch.core import settings
+from stepwatch.core import _schema, settings
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters._account import ExportAccount, MonitorStats
 from stepwatch.exporters._auto import Instrumentation, install_hooks
 from stepwatch.exporters._config import DEFAULT_TIMEOUT_S, ExporterConfig, resolve_exporter_config
-from stepwatch.exporters._device import DeviceTimer, resolve_device_timer
-from stepwatch.exporters._export import Exporter, create_exporter
-from stepwatch.exporters._recorder import Clock, StepRecord, StepRecorder, SystemClock
-from stepwatch.exporters._window import (
-    KernelSource,
-    KernelWindow,
-    Progress,
-    WindowBuilder,
-    build_resource,
+from stepwatch.exporters._device import (
+    DeviceTimer,
+    HealthSource,
+    resolve_device_timer,
+    resolve_health,
+    with_health,
 )
-from stepwatch.exporters.kernels._nvml import HealthSampler
+from stepwatch.exporters._export import Exporter, create_exporter
+from stepwatch.exporters._recorder import (
+    _NULL_CONTEXT,
+    Clock,
+    StepRecord,
+    StepRecorder,
+    SystemClock,
+)
+from stepwatch.exporters._sdk_env import (
+    NoHooks,
+    NullPhases,
+    export_interval,
+    rank_resource,
+    sdk_disabled,
+)
+from stepwatch.exporters._window import KernelSource, KernelWindow, Progress, WindowBuilder
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.metrics.export import MetricsData
-    from opentelemetry.sdk.resources import Resource
-
     from stepwatch.exporters._recorder import _NullContext, _PhaseContext, _StepContext
 
 logger = logging.getLogger("stepwatch.exporters")
@@ -73,19 +81,30 @@ class StepMonitor:
     ``phase()`` outside a step is attributed to the next step (``with monitor.phase("data")``
     around the loader's ``next()`` works). Phases may nest; each reports its own wall time.
 
+    Who the rank is: each of ``job_id``, ``rank``, ``world_size`` and ``local_rank`` is the
+    argument when given, else what torchrun set (``TORCHELASTIC_RUN_ID``, ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``); a process with neither rank nor world size is rank 0 of 1.
+
+    OTel SDK variables (``_sdk_env``, docs/exporters.md): ``OTEL_SDK_DISABLED=true`` makes it
+    a no-op that never raises; ``OTEL_SERVICE_NAME``/``OTEL_RESOURCE_ATTRIBUTES`` add to the
+    resource (arguments win), which always has a ``service.instance.id``.
+
     Args:
-        job_id: The training run (``stepwatch.job.id``).
-        rank: Global rank.
-        world_size: Number of ranks.
-        host_name: Node name; ``socket.gethostname()`` when omitted.
-        local_rank: Rank within the node.
+        job_id: The training run (``stepwatch.job.id``); else ``TORCHELASTIC_RUN_ID``.
+        rank: Global rank; else ``RANK``.
+        world_size: Number of ranks; else ``WORLD_SIZE``.
+        host_name: Node name; else ``host.name`` in ``OTEL_RESOURCE_ATTRIBUTES``, else
+            ``socket.gethostname()``.
+        local_rank: Rank within the node; else ``LOCAL_RANK``.
         dp_rank: Data-parallel coordinate.
         tp_rank: Tensor-parallel coordinate.
         pp_rank: Pipeline-parallel coordinate.
-        service_name: ``service.name`` resource attribute.
+        service_name: ``service.name``; else ``OTEL_SERVICE_NAME``, else ``service.name`` in
+            ``OTEL_RESOURCE_ATTRIBUTES``, else ``stepwatch``.
         endpoint: OTLP endpoint (else ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``,
             ``OTEL_EXPORTER_OTLP_ENDPOINT``, ``http://localhost:4318``/``:4317``).
-        protocol: ``http/protobuf`` (default) or ``grpc`` (else the ``..._PROTOCOL`` variables).
+        protocol: ``http/protobuf`` (default) or ``grpc`` (else the ``..._PROTOCOL`` variables;
+            ``http/json`` is sent as ``http/protobuf`` with one warning).
         headers: Request headers (else the ``..._HEADERS`` variables).
         compression: ``none``, ``gzip`` or ``deflate`` (else the ``..._COMPRESSION`` variables).
         timeout_s: Bound on one export, retries included (else ``..._TIMEOUT`` in ms; 10 s).
@@ -109,22 +128,24 @@ class StepMonitor:
         start: Start the export thread now (``False``: call :meth:`export_now` yourself).
 
     Raises:
-        ConfigError: A setting is invalid (the message names it). Raised at construction,
-            before training starts; nothing raises later.
+        ConfigError: An argument is invalid, a TLS file is missing, or the rank's identity
+            is missing or does not parse (the message names it). Raised at construction,
+            before training starts; nothing raises later. A bad OTel variable only warns.
+            Nothing raises with ``OTEL_SDK_DISABLED=true``.
     """
 
     def __init__(
         self,
         *,
-        job_id: str,
-        rank: int,
-        world_size: int,
+        job_id: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
         host_name: str | None = None,
         local_rank: int | None = None,
         dp_rank: int | None = None,
         tp_rank: int | None = None,
         pp_rank: int | None = None,
-        service_name: str = "stepwatch",
+        service_name: str | None = None,
         endpoint: str | None = None,
         protocol: str | None = None,
         headers: Mapping[str, str] | None = None,
@@ -141,7 +162,13 @@ class StepMonitor:
         max_size: int = 160,
         start: bool = True,
     ) -> None:
-        resource = build_resource(
+        environ = os.environ
+        self._disabled = sdk_disabled(environ)
+        if self._disabled:
+            self._init_disabled()
+            return
+        resource = rank_resource(
+            environ,
             job_id=job_id,
             rank=rank,
             world_size=world_size,
@@ -152,7 +179,8 @@ class StepMonitor:
             pp_rank=pp_rank,
             service_name=service_name,
         )
-        self._interval_s = _resolve_interval(export_interval_s)
+        rank = int(cast(int, resource.attributes[_schema.RANK]))
+        self._interval_s = export_interval(export_interval_s, environ)
         if isinstance(buffer_steps, bool) or not isinstance(buffer_steps, int) or buffer_steps < 1:
             raise ConfigError(f"buffer_steps must be a positive integer, got {buffer_steps!r}")
         self.exporter_config: ExporterConfig | None = None
@@ -173,7 +201,7 @@ class StepMonitor:
         self._exporter: Exporter = exporter
         self._builder = WindowBuilder(resource, max_scale=max_scale, max_size=max_size)
         self._kernel_source = kernel_source
-        self._health = _resolve_health(health, resource)
+        self._health = resolve_health(health, resource)
         self._clock: Clock = clock if clock is not None else SystemClock()
         self._device_timer = resolve_device_timer(device_timer)
         self._mono_anchor_ns = self._clock.monotonic_ns()
@@ -213,6 +241,24 @@ class StepMonitor:
             self._thread.start()
             # A monitor nobody closed still flushes its last steps at interpreter exit.
             atexit.register(self._close_at_exit)
+
+    def _init_disabled(self) -> None:
+        """``OTEL_SDK_DISABLED=true``: null contexts, no exporter, no thread, no validation."""
+        self.exporter_config = None
+        self._interval_s = DEFAULT_EXPORT_INTERVAL_S
+        self._log = RateLimitedLog(logger, _LOG_INTERVAL_S)
+        self._recorder = StepRecorder(
+            clock=SystemClock(),
+            device_timer=None,
+            kernel_source=None,
+            buffer_steps=1,
+            log=self._log,
+        )
+        self._step_context = _NULL_CONTEXT  # type: ignore[assignment]
+        self._phase_contexts = NullPhases()  # type: ignore[assignment]
+        self._account = ExportAccount()
+        self._closed = True  # close() has nothing to do
+        logger.info("OTEL_SDK_DISABLED=true: this StepMonitor times and exports nothing")
 
     # ------------------------------------------------------------------ hot path
     def step(self) -> _StepContext:
@@ -270,8 +316,10 @@ class StepMonitor:
 
         Raises:
             ConfigError: ``model`` or ``optimizer`` is not a torch module / optimizer (raised at
-                set-up, before training).
+                set-up, before training). Not raised when the SDK is disabled: no hooks then.
         """
+        if self._disabled:
+            return cast(Instrumentation, NoHooks())
         instrumentation = install_hooks(
             self._recorder,
             model,
@@ -285,35 +333,6 @@ class StepMonitor:
         return instrumentation
 
     # ------------------------------------------------------------------ export
-    def _with_health(
-        self, metrics: MetricsData, start_unix_nano: int, end_unix_nano: int
-    ) -> MetricsData:
-        """``metrics`` plus this window's device-health scope (one request per window)."""
-        from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics
-
-        health = self._health
-        try:
-            if health is None:
-                return metrics
-            health.sample()
-            extra = health.build(start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano)
-        except Exception:
-            self._log.warning("health", "device-health sampling raised", exc_info=True)
-            return metrics
-        if extra is None or not extra.resource_metrics:
-            return metrics
-        window = metrics.resource_metrics[0]
-        scopes = [*window.scope_metrics]
-        for resource_metrics in extra.resource_metrics:
-            scopes.extend(resource_metrics.scope_metrics)
-        return MetricsData(
-            resource_metrics=[
-                ResourceMetrics(
-                    resource=window.resource, scope_metrics=scopes, schema_url=window.schema_url
-                )
-            ]
-        )
-
     def _wall_ns(self, monotonic_ns: int) -> int:
         return self._wall_anchor_ns + (monotonic_ns - self._mono_anchor_ns)
 
@@ -362,9 +381,11 @@ class StepMonitor:
         phase and time without progress: docs/schema.md), so every call sends one.
 
         Returns:
-            True when a window was exported; False when the export failed (counted). Never
-            raises.
+            True when a window was exported; False when the export failed (counted) or the
+            SDK is disabled. Never raises.
         """
+        if self._disabled:
+            return False
         return self._export(timeout_s=timeout_s, final=False)
 
     def _export(self, *, timeout_s: float | None, final: bool) -> bool:
@@ -430,7 +451,7 @@ class StepMonitor:
         if metrics is None:
             return False
         if self._health is not None:
-            metrics = self._with_health(metrics, start_unix_nano, end_unix_nano)
+            metrics = with_health(self._health, metrics, start_unix_nano, end_unix_nano, self._log)
         self._last_window_end_ns = max(end_unix_nano, self._last_window_end_ns)
         timeout = self._export_timeout_s if timeout_s is None else timeout_s
         from opentelemetry.sdk.metrics.export import MetricExportResult
@@ -479,6 +500,15 @@ class StepMonitor:
     def stats(self) -> MonitorStats:
         """Counters since construction; they add up (``_account``). Never raises."""
         recorder = self._recorder
+        if self._disabled:  # all zero
+            return self._account.snapshot(
+                steps_recorded=0,
+                buffer_steps=0,
+                buffer_dropped=0,
+                misuse=0,
+                overflowed=0,
+                rejected=0,
+            )
         return self._account.snapshot(
             steps_recorded=recorder.steps_recorded,
             buffer_steps=len(self._buffer),
@@ -552,36 +582,6 @@ class StepMonitor:
 
     def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
         self.close()
-
-
-class HealthSource(Protocol):
-    """Device-health readings for a window (e.g. ``kernels.HealthSampler`` over NVML)."""
-
-    def sample(self) -> None:
-        """Read the devices now (export thread); never raises."""
-
-    def build(self, *, start_unix_nano: int, end_unix_nano: int) -> MetricsData | None:
-        """The readings since the last build as metrics of this rank's resource."""
-
-
-def _resolve_health(health: HealthSource | bool | None, resource: Resource) -> HealthSource | None:
-    if health is False:
-        return None
-    if health is None or health is True:
-        if health is None and importlib.util.find_spec("pynvml") is None:
-            return None
-        return HealthSampler(resource)
-    return health
-
-
-def _resolve_interval(export_interval_s: float | None) -> float:
-    if export_interval_s is not None:
-        if isinstance(export_interval_s, bool) or not export_interval_s > 0:
-            raise ConfigError(f"export_interval_s must be positive, got {export_interval_s!r}")
-        return float(export_interval_s)
-    # The variable is milliseconds; the setting reads it as seconds and names a bad value.
-    interval_s, _ = settings.METRIC_EXPORT_INTERVAL_S.lookup(os.environ)
-    return DEFAULT_EXPORT_INTERVAL_S if interval_s is None else interval_s
 
 
 #: ``instrument(monitor, model, optimizer, ...)``: :meth:`StepMonitor.instrument` as a function.

@@ -13,6 +13,15 @@ reason is grouping: Alertmanager flushes a new group at once when its first aler
 receiver split over notifications ``group_interval`` apart (5 min by default). With the
 firing time, ``group_wait`` holds and all findings of one pass arrive in one notification.
 API: https://github.com/prometheus/alertmanager/blob/main/api/v2/openapi.yaml
+
+Labels follow Prometheus's conventions (https://prometheus.io/docs/practices/alerting/ and the
+monitoring-mixins' ``severity`` of ``critical``/``warning``/``info``): every label holds one
+value a route can match exactly, and none reuses a label Prometheus gives a meaning. ``job`` is
+Prometheus's scrape-job label (the bridge's own alerts carry ``job="stepwatch-bridge"``), so
+the training run is ``training_job``. A finding that blames one rank (one host) has a ``rank``
+(``host``) label; one that blames several has none, and the full lists are the ``ranks`` and
+``hosts`` annotations. One alert per finding, not per rank: the finding is what opens, is
+re-sent and resolves, and a job-wide finding over 64 ranks would otherwise page 64 times.
 """
 
 from __future__ import annotations
@@ -44,18 +53,21 @@ def rfc3339(time_unix_nano: int) -> str:
 
 
 def finding_labels(finding: Diagnosis) -> dict[str, str]:
-    """Alert labels: what routes and groups it; ``finding`` makes the identity."""
+    """Alert labels, one value each: what routes and groups it; ``finding`` makes the identity.
+
+    ``rank`` and ``host`` only when the finding blames exactly one (the lists are annotations).
+    """
     labels = {
         "alertname": ALERTNAME,
-        "severity": finding.severity,
-        "job": finding.job,
+        "severity": finding.severity,  # info, warning or critical (Diagnosis checks it)
+        "training_job": finding.job,
         "kind": finding.kind,
         "finding": finding.finding_id,
     }
-    if finding.ranks:
-        labels["rank"] = ",".join(str(rank) for rank in finding.ranks)
-    if finding.hosts:
-        labels["host"] = ",".join(finding.hosts)
+    if len(finding.ranks) == 1:
+        labels["rank"] = str(finding.ranks[0])
+    if len(finding.hosts) == 1:
+        labels["host"] = finding.hosts[0]
     if finding.phase:
         labels["phase"] = finding.phase
     if finding.kernel_class:
@@ -193,6 +205,10 @@ class AlertmanagerSink:
             "description": describe(finding),
             "slowdown": f"{finding.slowdown:.2f}",
         }
+        if finding.ranks:
+            annotations["ranks"] = ",".join(str(rank) for rank in finding.ranks)
+        if finding.hosts:
+            annotations["hosts"] = ",".join(finding.hosts)
         alert: dict[str, Any] = {
             "labels": finding_labels(finding),
             "annotations": annotations,

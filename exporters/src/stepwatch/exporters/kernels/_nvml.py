@@ -1,24 +1,34 @@
-"""GPU health from NVML: gauges on semantic-convention names, XID errors as counts.
+"""GPU health from NVML on the OpenTelemetry hardware semantic conventions.
 
 The real calls (``pynvml`` from ``nvidia-ml-py``) sit behind :class:`NvmlBackend`;
 :class:`HealthSampler` reads every device on :meth:`~HealthSampler.sample` and turns the last
 readings of a window into OTel SDK ``MetricsData`` on :meth:`~HealthSampler.build`:
 
-| metric | instrument | unit | value |
+| metric | instrument | unit | value (attributes) |
 |---|---|---|---|
 | ``hw.gpu.utilization`` | gauge | 1 | SM busy ratio, 0..1 |
-| ``hw.gpu.memory.usage`` | gauge | By | device memory used |
+| ``hw.gpu.memory.usage`` | updowncounter (*) | By | device memory used |
 | ``hw.power`` | gauge | W | board power draw |
-| ``hw.temperature`` | gauge | Cel | GPU core temperature |
-| ``hw.errors`` | sum, DELTA, monotonic | {error} | new uncorrected ECC errors |
+| ``hw.temperature`` | gauge | Cel | GPU core temperature (``hw.type=temperature``, **) |
+| ``hw.errors`` | counter, DELTA | {error} | new uncorrected ECC errors (``error.type``) |
 | ``stepwatch.gpu.sm_clock`` | gauge | Hz | SM clock |
-| ``stepwatch.gpu.clock_event.reasons`` | gauge | 1 | bitmask; and 0/1 per reason (*) |
-| ``stepwatch.gpu.xid`` | sum, DELTA, monotonic | {event} | XIDs per ``stepwatch.gpu.xid.code`` |
+| ``stepwatch.gpu.clock_event.mask`` | gauge | 1 | NVML clock-event bitmask |
+| ``stepwatch.gpu.clock_event.active`` | gauge | 1 | 0/1 per ``stepwatch.gpu.clock_event.reason`` |
+| ``stepwatch.gpu.xid.errors`` | counter, DELTA | {error} | XIDs per ``stepwatch.gpu.xid.code`` |
 
-(*) one point per known reason, attribute ``stepwatch.gpu.clock_event.reason``.
+Every point has ``hw.id``, ``hw.name`` and ``hw.type=gpu`` (but temperature, **);
+``hw.errors`` has ``error.type=uncorrected``.
 
-Every point carries ``hw.type=gpu``, ``hw.id`` (the GPU UUID, else its index) and ``hw.name``.
-Per-reason points are always sent (0 or 1) so "last value" queries never see a stale 1.
+Semantic conventions (https://opentelemetry.io/docs/specs/semconv/hardware/): ``gpu.md``
+(``hw.gpu.*``; ``hw.errors`` with ``error.type`` ``corrected``/``uncorrected``),
+``temperature.md`` (``hw.temperature`` is a temperature sensor's metric:
+``hw.type=temperature``), ``common.md`` (``hw.power``). (*) An UpDownCounter observed
+asynchronously: a non-monotonic CUMULATIVE sum whose start is the sampler's first window.
+(**) The sensor is its own component: ``hw.id`` is the GPU's id plus ``:temperature`` and
+``hw.parent`` the GPU's id. ``hw.id`` of a GPU is its UUID, else its NVML index. The
+``stepwatch.gpu.*`` names follow the naming rules (a plural only for a count with a ``{unit}``;
+no metric named like an attribute namespace). Per-reason points are always sent (0 or 1) so
+"last value" queries never see a stale 1.
 
 Without a GPU or without ``pynvml`` the first failing call is logged once and the sampler
 produces nothing. NVML reference: https://docs.nvidia.com/deploy/nvml-api/
@@ -229,6 +239,7 @@ class HealthSampler:
         self._failed = False
         self._last: dict[int, GpuReading] = {}
         self._ecc_baseline: dict[int, int] = {}
+        self._first_start_unix_nano: int | None = None  # start of the cumulative sums
         self._ecc_delta: dict[int, int] = {}
         self._xid_counts: dict[tuple[int, int], int] = {}
 
@@ -289,88 +300,98 @@ class HealthSampler:
             return None
         readings = [self._last[index] for index in sorted(self._last)]
         self._last = {}
+        if self._first_start_unix_nano is None:
+            self._first_start_unix_nano = start_unix_nano
+        first_start = self._first_start_unix_nano
 
-        def point(reading: GpuReading, value: float, **extra: str) -> NumberDataPoint:
-            attributes: dict[str, str] = {
-                _schema.HW_TYPE: "gpu",
-                _schema.HW_ID: reading.uuid or str(reading.index),
-            }
+        def point(
+            reading: GpuReading,
+            value: float,
+            extra: dict[str, str] | None = None,
+            *,
+            start: int = start_unix_nano,
+        ) -> NumberDataPoint:
+            gpu_id = reading.uuid or str(reading.index)
+            attributes: dict[str, str] = {_schema.HW_TYPE: "gpu", _schema.HW_ID: gpu_id}
             if reading.name:
                 attributes[_schema.HW_NAME] = reading.name
-            attributes.update(extra)
+            attributes.update(extra or {})
+            if attributes[_schema.HW_TYPE] == "temperature":  # the GPU's sensor (temperature.md)
+                attributes[_schema.HW_ID] = f"{gpu_id}:temperature"
+                attributes[_schema.HW_PARENT] = gpu_id
             return NumberDataPoint(
                 attributes=attributes,
-                start_time_unix_nano=start_unix_nano,
+                start_time_unix_nano=start,
                 time_unix_nano=end_unix_nano,
                 value=value,
             )
 
-        def gauge(name: str, unit: str, field: str) -> Metric | None:
-            points = [
-                point(reading, getattr(reading, field))
+        def points_of(
+            field: str, extra: dict[str, str] | None = None, *, start: int = start_unix_nano
+        ) -> list[NumberDataPoint]:
+            return [
+                point(reading, getattr(reading, field), extra, start=start)
                 for reading in readings
                 if getattr(reading, field) is not None
             ]
-            if not points:
-                return None
-            return Metric(name=name, description="", unit=unit, data=Gauge(data_points=points))
 
         metrics: list[Metric] = []
-        for name, unit, field in (
-            (_schema.HW_GPU_UTILIZATION, "1", "utilization_ratio"),
-            (_schema.HW_GPU_MEMORY_USAGE, "By", "memory_used_bytes"),
-            (_schema.HW_POWER, "W", "power_w"),
-            (_schema.HW_TEMPERATURE, "Cel", "temperature_c"),
-            (_schema.GPU_SM_CLOCK, "Hz", "sm_clock_hz"),
-        ):
-            metric = gauge(name, unit, field)
-            if metric is not None:
-                metrics.append(metric)
-        reason_points = []
-        for reading in readings:
-            if reading.clock_event_reasons is None:
-                continue
-            mask = int(reading.clock_event_reasons)
-            reason_points.append(point(reading, mask))
-            for bit, reason in CLOCK_EVENT_REASONS:
-                reason_points.append(
-                    point(
-                        reading, 1 if mask & bit else 0, **{_schema.GPU_CLOCK_EVENT_REASON: reason}
-                    )
-                )
-        if reason_points:
-            metrics.append(
-                Metric(
-                    name=_schema.GPU_CLOCK_EVENT_REASONS,
-                    description="",
-                    unit="1",
-                    data=Gauge(data_points=reason_points),
-                )
-            )
+
+        def add(name: str, unit: str, data: Any) -> None:
+            if data.data_points:
+                metrics.append(Metric(name=name, description="", unit=unit, data=data))
+
+        add(_schema.HW_GPU_UTILIZATION, "1", Gauge(points_of("utilization_ratio")))
+        add(
+            _schema.HW_GPU_MEMORY_USAGE,
+            "By",
+            Sum(
+                data_points=points_of("memory_used_bytes", start=first_start),
+                aggregation_temporality=AggregationTemporality.CUMULATIVE,
+                is_monotonic=False,
+            ),
+        )
+        add(_schema.HW_POWER, "W", Gauge(points_of("power_w")))
+        add(
+            _schema.HW_TEMPERATURE,
+            "Cel",
+            Gauge(points_of("temperature_c", {_schema.HW_TYPE: "temperature"})),
+        )
+        add(_schema.GPU_SM_CLOCK, "Hz", Gauge(points_of("sm_clock_hz")))
+        add(_schema.GPU_CLOCK_EVENT_MASK, "1", Gauge(points_of("clock_event_reasons")))
+        active_points = [
+            point(reading, 1 if mask & bit else 0, {_schema.GPU_CLOCK_EVENT_REASON: reason})
+            for reading in readings
+            if (mask := reading.clock_event_reasons) is not None
+            for bit, reason in CLOCK_EVENT_REASONS
+        ]
+        add(_schema.GPU_CLOCK_EVENT_ACTIVE, "1", Gauge(active_points))
         by_index = {reading.index: reading for reading in readings}
         error_points = [
-            point(by_index[index], self._ecc_delta.get(index, 0))
+            point(
+                by_index[index],
+                self._ecc_delta.get(index, 0),
+                {_schema.ERROR_TYPE: "uncorrected"},
+            )
             for index in sorted(by_index)
             if by_index[index].ecc_uncorrected_errors is not None
         ]
         self._ecc_delta = {}
-        if error_points:
-            metrics.append(
-                _delta_sum(_schema.HW_ERRORS, "{error}", error_points, Sum, AggregationTemporality)
-            )
+        add(_schema.HW_ERRORS, "{error}", _delta_sum(error_points, Sum, AggregationTemporality))
         xid_points = [
             point(
                 by_index.get(device, GpuReading(index=device)),
                 count,
-                **{_schema.GPU_XID_CODE: str(code)},
+                {_schema.GPU_XID_CODE: str(code)},
             )
             for (device, code), count in sorted(self._xid_counts.items())
         ]
         self._xid_counts = {}
-        if xid_points:
-            metrics.append(
-                _delta_sum(_schema.GPU_XID, "{event}", xid_points, Sum, AggregationTemporality)
-            )
+        add(
+            _schema.GPU_XID_ERRORS,
+            "{error}",
+            _delta_sum(xid_points, Sum, AggregationTemporality),
+        )
         scope = InstrumentationScope("stepwatch.exporters.kernels")
         return MetricsData(
             resource_metrics=[
@@ -390,18 +411,10 @@ class HealthSampler:
             _log.debug("NVML close failed", exc_info=True)
 
 
-def _delta_sum(
-    name: str, unit: str, points: list[NumberDataPoint], sum_type: Any, temporality: Any
-) -> Metric:
-    from opentelemetry.sdk.metrics.export import Metric
-
-    return Metric(
-        name=name,
-        description="",
-        unit=unit,
-        data=sum_type(
-            data_points=points,
-            aggregation_temporality=temporality.DELTA,
-            is_monotonic=True,
-        ),
+def _delta_sum(points: list[NumberDataPoint], sum_type: Any, temporality: Any) -> Any:
+    """A monotonic DELTA sum (a counter's window) of ``points``."""
+    return sum_type(
+        data_points=points,
+        aggregation_temporality=temporality.DELTA,
+        is_monotonic=True,
     )
