@@ -283,6 +283,54 @@ def _variants_table(traces) -> None:  # type: ignore[no-untyped-def]
         print(f"  {label:<62} {base - size:>7.0f} B")
 
 
+def _wire_bytes(traces) -> None:  # type: ignore[no-untyped-def]
+    """Bytes the real exporter sends per rank per step with default settings, and with none.
+
+    Every window goes through ``OtlpHttpExporter`` (what ``StepMonitor`` uses for
+    http/protobuf, compression from ``OTEL_EXPORTER_OTLP_COMPRESSION``'s default) to a local
+    receiver that answers 200; the exporter counts the request bodies it sent.
+    """
+    import http.server
+    import threading
+
+    from stepwatch.core import settings
+    from stepwatch.exporters import OtlpHttpExporter
+
+    class Sink(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}/v1/metrics"
+    default = str(settings.OTLP_COMPRESSION.default)
+    sizes: dict[str, float] = {}
+    try:
+        for compression in dict.fromkeys((default, "none", "gzip")):
+            exporter = OtlpHttpExporter(endpoint, compression=compression)
+            steps = 0
+            for trace in traces:
+                for window in _windows(trace, len(traces)):
+                    exporter.export(window.metrics)
+                steps += len(trace.steps)
+            sizes[compression] = exporter.stats.body_bytes / steps
+            exporter.shutdown()
+    finally:
+        server.shutdown()
+    print(
+        f"on the wire, default settings (compression={default}): {sizes[default]:.0f} B per rank "
+        f"per step; compression=none: {sizes['none']:.0f} B "
+        f"({sizes['none'] / sizes[default]:.2f}x); gzip: {sizes['gzip']:.0f} B"
+    )
+
+
 def main(argv: list[str]) -> int:
     source = Path(argv[1]) if len(argv) > 1 else DEFAULT_TAR
     encode_metrics = _encoder()
@@ -364,6 +412,7 @@ def main(argv: list[str]) -> int:
             f"{statistics.mean(per_step):.0f} gzip B per rank per step "
             f"({len(multi[0].steps)} steps per window)"
         )
+    _wire_bytes(traces)
     exporter = _EncodingExporter()
     with tempfile.TemporaryDirectory() as scratch:
         files = _trace_files(source, Path(scratch))
