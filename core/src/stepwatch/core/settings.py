@@ -403,6 +403,17 @@ KINETO_LOG_LEVEL = Setting[str](
 )
 
 
+# --- Exporters' histogram layout (issue 13 item 2; read by WindowBuilder's
+# ``histogram_buckets``; StepMonitor wiring pending in exporters/_config.py) ---
+HISTOGRAM_BUCKETS = Setting[str](
+    "histogram_buckets",
+    "STEPWATCH_HISTOGRAM_BUCKETS",
+    "exponential",
+    _text,
+    "exponential, or explicit: fixed log-spaced bounds a Collector's influxdb exporter keeps",
+)
+
+
 def all_settings() -> tuple[Setting[object], ...]:
     """Every setting of this module, in definition order (docs/settings.md lists them)."""
     return tuple(value for value in globals().values() if isinstance(value, Setting))
