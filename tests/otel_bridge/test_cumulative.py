@@ -63,6 +63,7 @@ def test_first_point_is_a_baseline_then_windows_are_differences() -> None:
     assert "min" not in stored and "max" not in stored  # the run's, not the window's
     assert stored["start_time_unix_nano"] == f"{T0 + 10 * SECOND}i"  # the previous point
     assert line.endswith(f" {T0 + 20 * SECOND}")
+    assert ",stepwatch.phase=p0," in line  # the point's attributes are kept
     assert len(state) == 1
 
 

@@ -155,7 +155,7 @@ class Bridge:
         max_duration_s: float | None = MAX_DURATION_S,
         duplicate_rank_takeover_s: float | None = 30.0,
         clock_unix_nano: Callable[[], int] = time.time_ns,
-        max_cumulative_series: int = 200_000,
+        max_cumulative_series: int = 100_000,
     ) -> None:
         for name, port in (("grpc_port", grpc_port), ("http_port", http_port)):
             if port is not None and not 0 <= port <= 65535:

@@ -209,7 +209,13 @@ def convert_to_points(
         checked = resource_check is None or resource_problem is not None
         resource_key = _attributes_key(resource_attrs)
         for scope_metrics in resource_metrics.scope_metrics:
-            scope = (resource_key, scope_metrics.scope.name, scope_metrics.scope.version)
+            scope = b"\x00".join(
+                (
+                    resource_key,
+                    scope_metrics.scope.name.encode(),
+                    scope_metrics.scope.version.encode(),
+                )
+            )
             for metric in scope_metrics.metrics:
                 total = _point_count(metric)
                 if total == 0:
@@ -238,9 +244,10 @@ class _Limits(NamedTuple):
     cumulative: CumulativeState
 
 
-def _attributes_key(attributes: Iterable[KeyValue]) -> tuple[tuple[str, bytes], ...]:
-    """A hashable identity of an attribute set (any value type, any order)."""
-    return tuple(sorted((item.key, item.value.SerializeToString()) for item in attributes))
+def _attributes_key(attributes: Iterable[KeyValue]) -> bytes:
+    """The identity of an attribute set (any value type, any order), length-prefixed."""
+    parts = sorted(item.SerializeToString(deterministic=True) for item in attributes)
+    return b"".join(len(part).to_bytes(4, "little") + part for part in parts)
 
 
 def _scalar_attributes(attributes: Iterable[KeyValue]) -> dict[str, str]:
@@ -324,7 +331,7 @@ def _convert_metric(
     allowlist: frozenset[str],
     batch: PointBatch,
     limits: _Limits,
-    scope: tuple[object, ...],
+    scope: bytes,
 ) -> None:
     kind = metric.WhichOneof("data")
     duration = _is_duration(metric)
@@ -334,7 +341,7 @@ def _convert_metric(
     cumulative = (kind in ("histogram", "exponential_histogram") or monotonic) and getattr(
         metric, str(kind)
     ).aggregation_temporality == TEMPORALITY_CUMULATIVE
-    series = (*scope, metric.name, str(kind))
+    series = b"\x00".join((scope, metric.name.encode(), str(kind).encode()))
     bounds = limits.time_bounds_unix_nano
     points: Sequence[DataPoint] = getattr(metric, str(kind)).data_points
     for point in points:
@@ -347,7 +354,10 @@ def _convert_metric(
                 raise Rejected(REASON_CLOCK_SKEW)
             if cumulative:
                 point = limits.cumulative.delta(
-                    (*series, _attributes_key(point.attributes)), str(kind), point, batch.pending
+                    series + b"\x00" + _attributes_key(point.attributes),
+                    str(kind),
+                    point,
+                    batch.pending,
                 )
             fields = point_fields(
                 str(kind),
