@@ -283,6 +283,156 @@ def _variants_table(traces) -> None:  # type: ignore[no-untyped-def]
         print(f"  {label:<62} {base - size:>7.0f} B")
 
 
+def _as_explicit(metrics_data):  # type: ignore[no-untyped-def]
+    """The window with every exponential histogram sent as explicit buckets on the fixed grid
+    (``WindowBuilder(histogram_buckets="explicit")`` builds the same points from the same
+    snapshots)."""
+    import dataclasses
+
+    from opentelemetry.sdk.metrics.export import ExponentialHistogram
+
+    from stepwatch.exporters._histogram import HistogramSnapshot
+    from stepwatch.exporters._window import _histogram_metric
+
+    resource_metrics = []
+    for resource in metrics_data.resource_metrics:
+        scopes = []
+        for scope in resource.scope_metrics:
+            metrics = []
+            for metric in scope.metrics:
+                if not isinstance(metric.data, ExponentialHistogram):
+                    metrics.append(metric)
+                    continue
+                points = metric.data.data_points
+                series = [
+                    (
+                        dict(point.attributes),
+                        HistogramSnapshot(
+                            count=point.count,
+                            sum=point.sum,
+                            min=point.min,
+                            max=point.max,
+                            scale=point.scale,
+                            zero_count=point.zero_count,
+                            offset=point.positive.offset,
+                            bucket_counts=tuple(point.positive.bucket_counts),
+                        ),
+                    )
+                    for point in points
+                ]
+                bounds = (points[0].start_time_unix_nano, points[0].time_unix_nano)
+                has_min_max = points[0].min is not None
+                metrics.append(
+                    _histogram_metric(
+                        metric.name, series, bounds, min_max=has_min_max, explicit=True
+                    )
+                )
+            scopes.append(dataclasses.replace(scope, metrics=metrics))
+        resource_metrics.append(dataclasses.replace(resource, scope_metrics=scopes))
+    return dataclasses.replace(metrics_data, resource_metrics=resource_metrics)
+
+
+def _explicit_table(traces) -> None:  # type: ignore[no-untyped-def]
+    """Explicit buckets (the Collector-compatible option): bytes, columns, quantile error."""
+    import math
+
+    encode_metrics = _encoder()
+    convert_request = _converter()
+    exponential, explicit, steps = [], [], 0
+    columns: dict[str, set[str]] = {}
+    worst = 0.0
+    for trace in traces:
+        for step, window in zip(trace.steps, _windows(trace, len(traces)), strict=True):
+            steps += 1
+            exponential.append(
+                len(gzip.compress(encode_metrics(window.metrics).SerializeToString(), 6))
+            )
+            request = encode_metrics(_as_explicit(window.metrics))
+            explicit.append(len(gzip.compress(request.SerializeToString(), 6)))
+            if convert_request is None:
+                continue
+            for line in convert_request(request).lines:
+                measurement = line.split(",", 1)[0]
+                keys = {item.split("=", 1)[0] for item in line.split(" ")[1].split(",")}
+                columns.setdefault(measurement, set()).update(keys)
+                if not measurement.startswith("stepwatch.kernel.duration"):
+                    continue
+                kernel_class = line.split("stepwatch.kernel.class=", 1)[1].split(",", 1)[0]
+                if kernel_class == "other":
+                    continue
+                fields = dict(item.split("=", 1) for item in line.split(" ")[1].split(","))
+                values = sorted(
+                    event.duration_ns / 1e9
+                    for event in step.kernels
+                    if classify_kernel(event.name).name.replace(" ", "\\ ") == kernel_class
+                )
+                if not values:
+                    continue
+                for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+                    want = values[max(1, math.ceil(q * len(values))) - 1]
+                    worst = max(worst, abs(float(fields[name]) - want) / want)
+    print(
+        f"explicit buckets (histogram_buckets='explicit', for a Collector's influxdb exporter): "
+        f"{statistics.mean(explicit):.0f} gzip B per rank per step vs "
+        f"{statistics.mean(exponential):.0f} B exponential "
+        f"({statistics.mean(explicit) / statistics.mean(exponential):.2f}x); "
+        f"kernel quantile error at most {100 * worst:.2f}%"
+    )
+    if columns:
+        print(
+            "  InfluxDB columns per measurement (bridge layout, all ranks and steps): "
+            + ", ".join(f"{name} {len(keys)}" for name, keys in sorted(columns.items()))
+        )
+
+
+def _wire_bytes(traces) -> None:  # type: ignore[no-untyped-def]
+    """Bytes the real exporter sends per rank per step with default settings, and with none.
+
+    Every window goes through ``OtlpHttpExporter`` (what ``StepMonitor`` uses for
+    http/protobuf, compression from ``OTEL_EXPORTER_OTLP_COMPRESSION``'s default) to a local
+    receiver that answers 200; the exporter counts the request bodies it sent.
+    """
+    import http.server
+    import threading
+
+    from stepwatch.core import settings
+    from stepwatch.exporters import OtlpHttpExporter
+
+    class Sink(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}/v1/metrics"
+    default = str(settings.OTLP_COMPRESSION.default)
+    sizes: dict[str, float] = {}
+    try:
+        for compression in dict.fromkeys((default, "none", "gzip")):
+            exporter = OtlpHttpExporter(endpoint, compression=compression)
+            steps = 0
+            for trace in traces:
+                for window in _windows(trace, len(traces)):
+                    exporter.export(window.metrics)
+                steps += len(trace.steps)
+            sizes[compression] = exporter.stats.body_bytes / steps
+            exporter.shutdown()
+    finally:
+        server.shutdown()
+    print(
+        f"on the wire, default settings (compression={default}): {sizes[default]:.0f} B per rank "
+        f"per step; compression=none: {sizes['none']:.0f} B "
+        f"({sizes['none'] / sizes[default]:.2f}x); gzip: {sizes['gzip']:.0f} B"
+    )
+
+
 def main(argv: list[str]) -> int:
     source = Path(argv[1]) if len(argv) > 1 else DEFAULT_TAR
     encode_metrics = _encoder()
@@ -364,6 +514,8 @@ def main(argv: list[str]) -> int:
             f"{statistics.mean(per_step):.0f} gzip B per rank per step "
             f"({len(multi[0].steps)} steps per window)"
         )
+    _wire_bytes(traces)
+    _explicit_table(traces)
     exporter = _EncodingExporter()
     with tempfile.TemporaryDirectory() as scratch:
         files = _trace_files(source, Path(scratch))

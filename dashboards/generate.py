@@ -6,9 +6,11 @@ in tests/dashboards does the same and also runs every query against a real Influ
 
 Every query is raw InfluxQL on the stored layout (docs/storage.md): measurement = metric
 name, tags = attribute keys verbatim (``"stepwatch.rank"``), histogram fields
-``count/sum/min/max/mean/p50/p90/p99``. Template variables ``$job``, ``$host``, ``$rank``
-filter every panel; findings come from an InfluxDB annotation query on
-``stepwatch.diagnosis`` (no Grafana credentials needed).
+``count/sum/min/max`` and the bucket bounds, which a Collector's influxdb exporter writes too
+(means are ``sum("sum") / sum("count")``: exact per step); ``p50/p90/p99`` are derived by the
+bridge only, and the panels reading them say so (:data:`panels.BRIDGE_ONLY`). Template
+variables ``$job``, ``$host``, ``$rank`` filter every panel; findings come from an InfluxDB
+annotation query on ``stepwatch.diagnosis`` (no Grafana credentials needed).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from grafana_foundation_sdk.builders import (
 )
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from panels import (  # the sibling module: run this file as a script
+    BRIDGE_ONLY,
     BY_TIME,
     DATASOURCE,
     HOST,
     JOB,
+    MEAN,
     RANK,
     SELECTION,
     Q,
@@ -62,7 +66,7 @@ def overview() -> dash.Dashboard:
             "Step time p50 (median rank)",
             f'SELECT median("p50") FROM {step} WHERE {SELECTION}',
             unit="s",
-        ),
+        ).description(BRIDGE_ONLY),
         stat_panel(
             "Throughput",
             f'SELECT non_negative_derivative(max("gauge"), 1s) '
@@ -87,6 +91,9 @@ def overview() -> dash.Dashboard:
     board = board.with_panel(
         timeseries.Panel()
         .title("Step time: median rank p50 and slowest step")
+        .description(
+            "p50: " + BRIDGE_ONLY + " The slowest step (max) is read from any writer's data."
+        )
         .datasource(DATASOURCE)
         .targets(
             [
@@ -142,7 +149,7 @@ def ranks() -> dash.Dashboard:
     board = board.with_panel(
         rank_heatmap(
             "Step time by rank (mean)",
-            f'SELECT mean("mean") FROM {step} WHERE {SELECTION} {BY_TIME}, {RANK} fill(none)',
+            f"SELECT {MEAN} FROM {step} WHERE {SELECTION} {BY_TIME}, {RANK} fill(none)",
             unit="s",
             description="Wall time per step. A slow rank makes every rank slow (they wait "
             "in collectives), so compare with compute time below.",
@@ -158,14 +165,16 @@ def ranks() -> dash.Dashboard:
             "is the bright row: its compute is slow while its peers wait.",
         )
     )
-    board = board.with_panel(by_rank("Step time p50 by rank", 'mean("p50")', step).span(16))
+    board = board.with_panel(
+        by_rank("Step time p50 by rank", 'mean("p50")', step).span(16).description(BRIDGE_ONLY)
+    )
     return board.with_panel(
         table_panel(
             "Slowest ranks (worst window p90)",
             f'SELECT top("p90", {RANK}, 10) FROM {step} WHERE {SELECTION}',
             span=8,
             height=8,
-        )
+        ).description(BRIDGE_ONLY)
     )
 
 
@@ -179,7 +188,7 @@ def phases() -> dash.Dashboard:
     board = board.with_panel(
         ts(
             "Phase time per step (mean over ranks, stacked)",
-            f'SELECT mean("mean") FROM {phase} WHERE {SELECTION} '
+            f"SELECT {MEAN} FROM {phase} WHERE {SELECTION} "
             f"{BY_TIME}, {m('stepwatch.phase')} fill(none)",
             alias="[[tag_stepwatch.phase]]",
             stacked=True,
@@ -196,8 +205,11 @@ def phases() -> dash.Dashboard:
     board = board.with_panel(
         ts(
             "Cross-rank spread by phase (slowest rank / median rank)",
-            f'SELECT max("mean") / median("mean") FROM {phase} WHERE {SELECTION} '
-            f"{BY_TIME}, {m('stepwatch.phase')} fill(none)",
+            # per rank and window: sum / count (the bridge's "mean", computed here so data a
+            # Collector wrote works too)
+            f'SELECT max("per_step") / median("per_step") FROM (SELECT "sum" / "count" AS '
+            f'"per_step" FROM {phase} WHERE {SELECTION} GROUP BY {m("stepwatch.phase")}) '
+            f"WHERE $timeFilter {BY_TIME}, {m('stepwatch.phase')} fill(none)",
             alias="[[tag_stepwatch.phase]]",
             unit="none",
         ).span(12)
@@ -205,7 +217,7 @@ def phases() -> dash.Dashboard:
     return board.with_panel(
         by_rank(
             "Data-loader time by rank",
-            'mean("mean")',
+            MEAN,
             phase,
             where=f" AND {m('stepwatch.phase')} = 'data'",
         )
@@ -246,14 +258,14 @@ def kernels() -> dash.Dashboard:
             f"{BY_TIME}, {kclass} fill(none)",
             alias="[[tag_stepwatch.kernel.class]]",
             unit="none",
-        )
+        ).description(BRIDGE_ONLY)
     )
     return board.with_panel(
         ts(
             "Kernel p90 duration by class",
             f'SELECT max("p90") FROM {kernel} WHERE {SELECTION} {BY_TIME}, {kclass} fill(none)',
             alias="[[tag_stepwatch.kernel.class]]",
-        )
+        ).description(BRIDGE_ONLY)
     )
 
 
@@ -298,7 +310,7 @@ def comm() -> dash.Dashboard:
     return board.with_panel(
         by_rank(
             "Device idle time per step by rank",
-            'mean("mean")',
+            MEAN,
             m("stepwatch.device.idle.duration"),
         ).span(24)
     )

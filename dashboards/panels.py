@@ -41,6 +41,16 @@ RANK = '"stepwatch.rank"'
 HOST = '"host.name"'
 SELECTION = f"{JOB} = '$job' AND {HOST} =~ /^$host$/ AND {RANK} =~ /^$rank$/ AND $timeFilter"
 BY_TIME = "GROUP BY time($__interval)"
+#: Mean per observation (per step) of a histogram: exact over any number of windows, and built
+#: on ``count``/``sum``, which every writer stores (the bridge and a Collector's influxdb
+#: exporter alike; the bridge's own ``mean`` field is not written by a Collector).
+MEAN = 'sum("sum") / sum("count")'
+#: The description of a panel reading the bridge's derived quantiles.
+BRIDGE_ONLY = (
+    "Needs the stepwatch bridge: p50/p90/p99 are derived from the buckets by the bridge "
+    "(docs/storage.md). Data a Collector's influxdb exporter wrote has count, sum, min, max "
+    "and the bucket fields only, so this shows no data there."
+)
 
 
 def m(name: str) -> str:

@@ -14,6 +14,8 @@ straggler picture), while rank 5's own all-reduce shrinks.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -59,8 +61,14 @@ def write_demo(
     straggler_rank: int = 5,
     straggler_from_window: int = 30,
     seed: int = 7,
+    histogram_buckets: str = "exponential",
+    to_lines: Callable[[Any], list[str]] | None = None,
 ) -> DemoJob:
-    """Write one demo job ending at ``end_unix_nano``; return what was planted."""
+    """Write one demo job ending at ``end_unix_nano``; return what was planted.
+
+    ``histogram_buckets`` is the exporters' layout; ``to_lines`` turns each OTLP request into
+    line protocol instead of the bridge's ``convert_request`` (e.g. by a Collector's rules).
+    """
     from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import (
         encode_metrics,
     )
@@ -75,7 +83,8 @@ def write_demo(
     lines: list[str] = []
     for rank in range(ranks):
         builder = WindowBuilder(
-            build_resource(job_id=job, rank=rank, world_size=ranks, host_name=host_of(rank))
+            build_resource(job_id=job, rank=rank, world_size=ranks, host_name=host_of(rank)),
+            histogram_buckets=histogram_buckets,
         )
         for window in range(windows):
             slow = window >= straggler_from_window
@@ -115,8 +124,8 @@ def write_demo(
             )
             if data is None:
                 continue
-            conversion = convert_request(encode_metrics(data))
-            lines.extend(conversion.lines)
+            request = encode_metrics(data)
+            lines.extend(convert_request(request).lines if to_lines is None else to_lines(request))
             lines.extend(_health_lines(job, rank, window_start + window_ns, rng, slow=slow))
     findings = (
         Diagnosis(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import http.server
 import socket
 import threading
@@ -42,7 +43,7 @@ def test_defaults() -> None:
     config = resolve_exporter_config(environ={})
     assert config.protocol == "http/protobuf"
     assert config.endpoint == "http://localhost:4318/v1/metrics"
-    assert (dict(config.headers), config.compression, config.timeout_s) == ({}, "none", 10.0)
+    assert (dict(config.headers), config.compression, config.timeout_s) == ({}, "gzip", 10.0)
     grpc = resolve_exporter_config(protocol="grpc", environ={})
     assert grpc.endpoint == "http://localhost:4317"
 
@@ -165,6 +166,8 @@ class OtlpReceiver:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if self.headers.get("Content-Encoding") == "gzip":  # the default (issue 13)
+                    body = gzip.decompress(body)
                 request = ExportMetricsServiceRequest()
                 request.ParseFromString(body)
                 with receiver.lock:

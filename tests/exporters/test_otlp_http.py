@@ -710,6 +710,8 @@ def _metrics_data(draw: st.DrawFn) -> MetricsData:
         ExponentialHistogram,
         ExponentialHistogramDataPoint,
         Gauge,
+        Histogram,
+        HistogramDataPoint,
         Metric,
         NumberDataPoint,
         ResourceMetrics,
@@ -742,6 +744,19 @@ def _metrics_data(draw: st.DrawFn) -> MetricsData:
         max=st.one_of(st.none(), st.floats()),
         exemplars=st.just([]),
     )
+    explicit_point = st.builds(
+        HistogramDataPoint,
+        attributes=point_attributes,
+        start_time_unix_nano=_uint64,
+        time_unix_nano=_uint64,
+        count=_uint64,
+        sum=st.one_of(st.none(), st.floats()),
+        bucket_counts=st.lists(st.one_of(st.integers(0, 200), _uint64), max_size=8),
+        explicit_bounds=st.lists(st.floats(), max_size=8),
+        min=st.one_of(st.none(), st.floats()),
+        max=st.one_of(st.none(), st.floats()),
+        exemplars=st.just([]),
+    )
     number_point = st.builds(
         NumberDataPoint,
         attributes=point_attributes,
@@ -754,6 +769,11 @@ def _metrics_data(draw: st.DrawFn) -> MetricsData:
         st.builds(
             ExponentialHistogram,
             data_points=st.lists(exponential_point, max_size=3),
+            aggregation_temporality=temporality,
+        ),
+        st.builds(
+            Histogram,
+            data_points=st.lists(explicit_point, max_size=3),
             aggregation_temporality=temporality,
         ),
         st.builds(
@@ -805,7 +825,8 @@ def test_direct_encoding_of_real_windows_and_the_fallback() -> None:
         assert RequestEncoder().encode(window) is not None
         assert exporter.serialize(window) == encode_metrics(window).SerializeToString()
         assert sdk_only.serialize(window) == exporter.serialize(window)
-    # Explicit-bucket histograms are not written directly: the SDK encodes them.
+    # Explicit-bucket histograms are written directly too; an array attribute is not: the SDK
+    # encodes that window.
     from opentelemetry.sdk.metrics.export import (
         AggregationTemporality,
         Histogram,
@@ -827,22 +848,31 @@ def test_direct_encoding_of_real_windows_and_the_fallback() -> None:
         max=1.0,
         exemplars=[],
     )
-    metric = Metric(
-        name="h",
-        description="",
-        unit="s",
-        data=Histogram(data_points=[point], aggregation_temporality=AggregationTemporality.DELTA),
-    )
     resource_metrics = WINDOW.resource_metrics[0]
     scope = resource_metrics.scope_metrics[0].scope
-    explicit = MetricsData(
-        resource_metrics=[
-            ResourceMetrics(
-                resource=resource_metrics.resource,
-                scope_metrics=[ScopeMetrics(scope=scope, metrics=[metric], schema_url="")],
-                schema_url="",
-            )
-        ]
-    )
+
+    def window_of(histogram_point: HistogramDataPoint) -> MetricsData:
+        metric = Metric(
+            name="h",
+            description="",
+            unit="s",
+            data=Histogram(
+                data_points=[histogram_point],
+                aggregation_temporality=AggregationTemporality.DELTA,
+            ),
+        )
+        return MetricsData(
+            resource_metrics=[
+                ResourceMetrics(
+                    resource=resource_metrics.resource,
+                    scope_metrics=[ScopeMetrics(scope=scope, metrics=[metric], schema_url="")],
+                    schema_url="",
+                )
+            ]
+        )
+
+    direct = window_of(point)
+    assert RequestEncoder().encode(direct) == encode_metrics(direct).SerializeToString()
+    explicit = window_of(dataclasses.replace(point, attributes={"k": ("a", "b")}))
     assert RequestEncoder().encode(explicit) is None
     assert exporter.serialize(explicit) == encode_metrics(explicit).SerializeToString()

@@ -173,10 +173,11 @@ def counter(
     monotonic: bool = True,
     attrs: Mapping[str, AttrValue] | None = None,
     time_unix_nano: int = T1,
+    temporality: int = metrics_pb2.AGGREGATION_TEMPORALITY_DELTA,
 ) -> metrics_pb2.Metric:
     metric = metrics_pb2.Metric(name=name, unit="1")
     metric.sum.is_monotonic = monotonic
-    metric.sum.aggregation_temporality = metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE
+    metric.sum.aggregation_temporality = temporality  # type: ignore[assignment]
     point = metric.sum.data_points.add()
     point.start_time_unix_nano = T0
     _number_point(point, value, attrs, time_unix_nano)

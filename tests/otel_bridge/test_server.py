@@ -29,8 +29,13 @@ from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricExportResult, MetricsData
+from opentelemetry.sdk.metrics import Histogram, MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    InMemoryMetricReader,
+    MetricExportResult,
+    MetricsData,
+)
 from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import Resource
 from prometheus_client.parser import text_string_to_metric_families
@@ -52,8 +57,11 @@ EXPORT_PATH = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
 
 
 def sdk_metrics(job: str, rank: int = 0) -> MetricsData:
-    """Real SDK MetricsData: an exponential step histogram, a phase histogram, a gauge."""
-    reader = InMemoryMetricReader()
+    """Real SDK MetricsData: an exponential step histogram, a phase histogram, a gauge.
+
+    DELTA: a CUMULATIVE first point is a baseline (tests/otel_bridge/test_sdk_temporality.py).
+    """
+    reader = InMemoryMetricReader(preferred_temporality={Histogram: AggregationTemporality.DELTA})
     provider = MeterProvider(
         metric_readers=[reader],
         resource=Resource(
@@ -132,9 +140,13 @@ def test_sdk_exporters_http_gzip_grpc_into_influxdb(bridge: Bridge, influx: Infl
         "stepwatch.rank",
         "stepwatch.world_size",
     ]
+    # the writer counts a batch once InfluxDB answered, a moment after the points are readable
+    assert wait_until(
+        lambda: metrics_values(bridge)["stepwatch_bridge_datapoints_written_total"] == 9,
+        timeout_s=10,
+    )
     values = metrics_values(bridge)
     assert values["stepwatch_bridge_datapoints_received_total"] == 9
-    assert values["stepwatch_bridge_datapoints_written_total"] == 9
     assert values["stepwatch_bridge_attributes_dropped_total"] == 3  # "step", per point
     assert values["stepwatch_bridge_requests_total{code=200,protocol=http}"] == 2
     assert values["stepwatch_bridge_requests_total{code=OK,protocol=grpc}"] == 1

@@ -139,7 +139,8 @@ class OtlpHttpExporter:
     Args:
         endpoint: Full URL including the path (``http://bridge:4318/v1/metrics``).
         headers: Extra request headers (authorization, tenant).
-        compression: ``none``, ``gzip`` or ``deflate``.
+        compression: ``none``, ``gzip`` (the default, as ``OTEL_EXPORTER_OTLP_COMPRESSION``'s
+            in stepwatch and the Collector's OTLP exporters) or ``deflate``.
         timeout_s: Default bound on one export, retries included (``export`` may pass its
             own as ``timeout_millis``).
         certificate_file: PEM CA bundle to verify an https endpoint (system CAs when None).
@@ -163,7 +164,7 @@ class OtlpHttpExporter:
         endpoint: str,
         *,
         headers: Mapping[str, str] | None = None,
-        compression: str = "none",
+        compression: str = "gzip",
         timeout_s: float = 10.0,
         certificate_file: str | None = None,
         client_key_file: str | None = None,

@@ -5,9 +5,9 @@ through the Python API (~0.3-1 ms per window), then serialises it. stepwatch win
 handful of message types, so :class:`RequestEncoder` writes the same bytes directly: fields in
 ascending field-number order, proto3 defaults omitted, ``optional`` and ``oneof`` fields
 written when set, exactly as upb serialises the SDK's messages (the test suite compares the
-two byte for byte on random windows). Anything it does not handle (exemplars, explicit
-histograms, nested attribute values, out-of-range numbers) makes it return None and the
-caller uses the SDK encoder.
+two byte for byte on random windows). Anything it does not handle (exemplars, nested
+attribute values, out-of-range numbers) makes it return None and the caller uses the SDK
+encoder.
 
 Field numbers: opentelemetry-proto, metrics/v1/metrics.proto and common/v1/common.proto; wire
 format: https://protobuf.dev/programming-guides/encoding/
@@ -163,6 +163,33 @@ def _exponential_point(point: Any, attributes: _AttributeCache) -> bytes:
     return b"".join(parts)
 
 
+def _explicit_point(point: Any, attributes: _AttributeCache) -> bytes:
+    """A ``HistogramDataPoint``: start 2, time 3, count 4, sum 5, bucket_counts 6 (packed
+    fixed64), explicit_bounds 7 (packed double), attributes 9, min 11, max 12."""
+    if point.exemplars:
+        raise _Unsupported("exemplars")
+    parts = [
+        _fixed64(b"\x11", point.start_time_unix_nano),
+        _fixed64(b"\x19", point.time_unix_nano),
+        _fixed64(b"\x21", point.count),
+    ]
+    if point.sum is not None:
+        parts.append(b"\x29" + _pack_double(point.sum))
+    counts, bounds = point.bucket_counts, point.explicit_bounds
+    if counts:
+        if min(counts) < 0 or max(counts) > 0xFFFF_FFFF_FFFF_FFFF:
+            raise _Unsupported("bucket count out of range")
+        parts.append(_length_delimited(b"\x32", b"".join(map(_pack_fixed64, counts))))
+    if bounds:
+        parts.append(_length_delimited(b"\x3a", b"".join(map(_pack_double, bounds))))
+    parts.append(attributes(b"\x4a", point.attributes))
+    if point.min is not None:
+        parts.append(b"\x59" + _pack_double(point.min))
+    if point.max is not None:
+        parts.append(b"\x61" + _pack_double(point.max))
+    return b"".join(parts)
+
+
 def _number_point(point: Any, attributes: _AttributeCache, *, with_start: bool) -> bytes:
     if point.exemplars:
         raise _Unsupported("exemplars")
@@ -191,10 +218,13 @@ def _metric(metric: Any, types: Any, attributes: _AttributeCache) -> bytes:
     ]
     data = metric.data
     points = data.data_points
-    # Metric.data is a oneof: gauge 5, sum 7, exponential_histogram 10. In each, data_points
-    # is field 1, aggregation_temporality field 2 (not in Gauge), is_monotonic field 3 (Sum).
+    # Metric.data is a oneof: gauge 5, sum 7, histogram 9, exponential_histogram 10. In each,
+    # data_points is field 1, aggregation_temporality field 2 (not in Gauge), is_monotonic
+    # field 3 (Sum).
     if isinstance(data, types.ExponentialHistogram):
         field, kind = b"\x52", "histogram"
+    elif isinstance(data, types.Histogram):
+        field, kind = b"\x4a", "explicit"
     elif isinstance(data, types.Sum):
         field, kind = b"\x3a", "sum"
     elif isinstance(data, types.Gauge):
@@ -204,6 +234,8 @@ def _metric(metric: Any, types: Any, attributes: _AttributeCache) -> bytes:
     if points:
         if kind == "histogram":
             encoded = [_exponential_point(point, attributes) for point in points]
+        elif kind == "explicit":
+            encoded = [_explicit_point(point, attributes) for point in points]
         else:
             with_start = kind == "sum"
             encoded = [_number_point(point, attributes, with_start=with_start) for point in points]

@@ -32,7 +32,12 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 from stepwatch.core import _schema
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters._histogram import FLOAT_BITS, ExponentialHistogram, HistogramSnapshot
+from stepwatch.exporters._histogram import (
+    FLOAT_BITS,
+    ExponentialHistogram,
+    HistogramSnapshot,
+    explicit_layout,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import Metric, MetricsData
@@ -57,6 +62,14 @@ stores it as ``min`` and ``max``), and no detector reads kernel extremes; on the
 window the two fields cost ~100 of ~1,080 gzipped bytes (bench/kernel_bytes.py). Step, phase and
 idle histograms always carry exact ``min``/``max``: the stall detectors read the longest step
 and phase."""
+
+HISTOGRAM_BUCKETS = ("exponential", "explicit")
+"""How histograms go on the wire (``STEPWATCH_HISTOGRAM_BUCKETS``, docs/storage.md):
+``exponential`` (the default: compact, exact to 2.2 % at scale 5) or ``explicit``, explicit
+buckets on the fixed log-spaced bounds of :data:`~stepwatch.exporters._histogram.
+EXPLICIT_GRID_SCALE` (quantiles within 4.5 %), the one histogram kind an OpenTelemetry
+Collector's influxdb exporter (otel2influx, telegraf-prometheus-v1) stores: it has no case for
+exponential histograms and fails the whole request on one."""
 
 # Metric descriptions are not sent: OTLP makes them optional, the bridge does not store them,
 # and on a one-step window they cost ~130 of ~1,250 gzipped bytes (bench/kernel_bytes.py).
@@ -196,6 +209,7 @@ class WindowBuilder:
             Step, phase and idle histograms are always sent exactly.
         kernel_min_max: Send ``min``/``max`` on kernel histograms (see
             :data:`DEFAULT_KERNEL_MIN_MAX`).
+        histogram_buckets: ``exponential`` or ``explicit`` (see :data:`HISTOGRAM_BUCKETS`).
 
     Raises:
         ConfigError: An option is out of range.
@@ -211,8 +225,14 @@ class WindowBuilder:
         max_kernel_series: int = 256,
         kernel_significant_bits: int = DEFAULT_KERNEL_SIGNIFICANT_BITS,
         kernel_min_max: bool = DEFAULT_KERNEL_MIN_MAX,
+        histogram_buckets: str = "exponential",
     ) -> None:
         ExponentialHistogram(max_scale=max_scale, max_size=max_size)  # validates both
+        if histogram_buckets not in HISTOGRAM_BUCKETS:
+            raise ConfigError(
+                f"histogram_buckets must be one of {HISTOGRAM_BUCKETS}, got {histogram_buckets!r}"
+            )
+        self._explicit = histogram_buckets == "explicit"
         if max_phase_series < 1:
             raise ConfigError(f"max_phase_series must be >= 1, got {max_phase_series}")
         if max_kernel_series < 1:
@@ -345,14 +365,22 @@ class WindowBuilder:
         metrics: list[Metric] = []
         if self._steps.count:
             metrics.append(
-                _histogram_metric(_schema.STEP_DURATION, [({}, self._steps.snapshot())], bounds)
+                _histogram_metric(
+                    _schema.STEP_DURATION,
+                    [({}, self._steps.snapshot())],
+                    bounds,
+                    explicit=self._explicit,
+                )
             )
         if self._last_step is not None:
             metrics.append(_gauge(_schema.STEP_LAST, "{step}", [({}, self._last_step)], bounds))
         if self._idle.count:
             metrics.append(
                 _histogram_metric(
-                    _schema.DEVICE_IDLE_DURATION, [({}, self._idle.snapshot())], bounds
+                    _schema.DEVICE_IDLE_DURATION,
+                    [({}, self._idle.snapshot())],
+                    bounds,
+                    explicit=self._explicit,
                 )
             )
         phases = [
@@ -361,7 +389,9 @@ class WindowBuilder:
             if histogram.count
         ]
         if phases:
-            metrics.append(_histogram_metric(_schema.PHASE_DURATION, phases, bounds))
+            metrics.append(
+                _histogram_metric(_schema.PHASE_DURATION, phases, bounds, explicit=self._explicit)
+            )
         bits = self._kernel_significant_bits
         kernels = [
             (
@@ -375,7 +405,11 @@ class WindowBuilder:
         if kernels:
             metrics.append(
                 _histogram_metric(
-                    _schema.KERNEL_DURATION, kernels, bounds, min_max=self._kernel_min_max
+                    _schema.KERNEL_DURATION,
+                    kernels,
+                    bounds,
+                    min_max=self._kernel_min_max,
+                    explicit=self._explicit,
                 )
             )
         if self._progress is not None:
@@ -440,18 +474,46 @@ def _histogram_metric(
     bounds: tuple[int, int],
     *,
     min_max: bool = True,
+    explicit: bool = False,
 ) -> Metric:
     from opentelemetry.sdk.metrics.export import (
         AggregationTemporality,
         Buckets,
         ExponentialHistogramDataPoint,
+        HistogramDataPoint,
         Metric,
     )
     from opentelemetry.sdk.metrics.export import ExponentialHistogram as OtelHistogram
+    from opentelemetry.sdk.metrics.export import Histogram as ExplicitHistogram
 
     # OTLP's min and max are optional fields; the SDK's encoder leaves them unset when None
     # (its dataclass annotates them as float, hence the cast).
     unset = cast(float, None)
+    if explicit:
+        explicit_points = []
+        for attributes, snap in series:
+            explicit_bounds, bucket_counts = explicit_layout(snap)
+            explicit_points.append(
+                HistogramDataPoint(
+                    attributes=attributes,
+                    start_time_unix_nano=bounds[0],
+                    time_unix_nano=bounds[1],
+                    count=snap.count,
+                    sum=snap.sum,
+                    bucket_counts=bucket_counts,
+                    explicit_bounds=explicit_bounds,
+                    min=snap.min if min_max else unset,
+                    max=snap.max if min_max else unset,
+                )
+            )
+        return Metric(
+            name=name,
+            description=_DESCRIPTION,
+            unit="s",
+            data=ExplicitHistogram(
+                data_points=explicit_points, aggregation_temporality=AggregationTemporality.DELTA
+            ),
+        )
     points = []
     for attributes, snap in series:
         points.append(

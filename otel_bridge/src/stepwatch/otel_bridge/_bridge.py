@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from stepwatch.core._errors import ConfigError
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
 from stepwatch.otel_bridge._convert import MAX_DURATION_S, TAG_ALLOWLIST
+from stepwatch.otel_bridge._cumulative import CumulativeState
 from stepwatch.otel_bridge._forwarder import Forwarder
 from stepwatch.otel_bridge._grpc_receiver import GrpcReceiver
 from stepwatch.otel_bridge._http_receiver import HTTP_PATH, HttpReceiver
@@ -106,6 +107,9 @@ class Bridge:
             (``duplicate_rank``) until the first has been silent this long; None disables the
             duplicate-rank guard (docs/storage.md, "Duplicate ranks").
         clock_unix_nano: the receive-time clock (injected in tests).
+        max_cumulative_series: CUMULATIVE series whose last point is remembered, to store
+            per-window deltas (docs/storage.md, "Cumulative temporality"); the least recently
+            seen is forgotten first, and one silent for ``series_ttl_s`` is forgotten.
     """
 
     def __init__(
@@ -151,6 +155,7 @@ class Bridge:
         max_duration_s: float | None = MAX_DURATION_S,
         duplicate_rank_takeover_s: float | None = 30.0,
         clock_unix_nano: Callable[[], int] = time.time_ns,
+        max_cumulative_series: int = 100_000,
     ) -> None:
         for name, port in (("grpc_port", grpc_port), ("http_port", http_port)):
             if port is not None and not 0 <= port <= 65535:
@@ -228,6 +233,13 @@ class Bridge:
             skew=ClockSkew(max_past_s=max_past_skew_s, max_future_s=max_future_skew_s),
             auth_token=auth_token,
             clock_unix_nano=clock_unix_nano,
+            cumulative=CumulativeState(
+                max_series=max_cumulative_series,
+                ttl_s=series_ttl_s,
+                on_evict=lambda reason, count: self.metrics.cumulative_evicted.labels(
+                    reason=reason
+                ).inc(count),
+            ),
         )
         context = ReceiverContext(
             self.intake, self.metrics, max_request_bytes, retry_after_s, reuse_port

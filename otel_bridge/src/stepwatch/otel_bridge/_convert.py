@@ -27,6 +27,7 @@ from stepwatch.core._lineproto import (
     escape_measurement,
     format_field_value,
 )
+from stepwatch.otel_bridge._cumulative import TEMPORALITY_CUMULATIVE, CumulativeState, Pending
 from stepwatch.otel_bridge._fields import point_fields
 from stepwatch.otel_bridge._reasons import (
     REASON_CLOCK_SKEW,
@@ -131,6 +132,8 @@ class PointBatch:
     points: list[Point]
     rejected: Counter[str]
     dropped_attributes: int
+    # cumulative series' state changes, for CumulativeState.commit once the batch is accepted
+    pending: list[Pending] = dataclasses.field(default_factory=list)
 
 
 def convert_request(
@@ -139,6 +142,7 @@ def convert_request(
     tag_allowlist: frozenset[str] = TAG_ALLOWLIST,
     max_duration_s: float | None = MAX_DURATION_S,
     time_bounds_unix_nano: tuple[int, int] | None = None,
+    cumulative: CumulativeState | None = None,
 ) -> Conversion:
     """Convert an OTLP metrics export request to InfluxDB line protocol.
 
@@ -151,6 +155,9 @@ def convert_request(
         time_bounds_unix_nano: ``(earliest, latest)`` accepted ``time_unix_nano``; points
             outside are rejected (``clock_skew``). None (the default) accepts any valid time;
             the bridge derives the bounds from its receive time.
+        cumulative: the per-series state that turns CUMULATIVE sums and histograms into
+            per-window deltas (``_cumulative.py``), advanced by this call. None: a fresh one,
+            so every cumulative point is a baseline (``cumulative_baseline``).
 
     Returns:
         The lines, the number of accepted points and the rejected points by reason.
@@ -166,7 +173,10 @@ def convert_request(
         tag_allowlist=tag_allowlist,
         max_duration_s=max_duration_s,
         time_bounds_unix_nano=time_bounds_unix_nano,
+        cumulative=cumulative,
     )
+    if cumulative is not None:
+        cumulative.commit(batch.pending)
     return Conversion(
         lines=[point.encode() for point in batch.points],
         accepted_points=len(batch.points),
@@ -182,20 +192,30 @@ def convert_to_points(
     max_duration_s: float | None = MAX_DURATION_S,
     time_bounds_unix_nano: tuple[int, int] | None = None,
     resource_check: ResourceCheck | None = None,
+    cumulative: CumulativeState | None = None,
 ) -> PointBatch:
     """Like :func:`convert_request` but returns unencoded points (for filtering).
 
     ``resource_check`` (the bridge's duplicate-rank guard) may refuse a resource's
-    ``stepwatch.*`` points; it is called only for resources that carry any.
+    ``stepwatch.*`` points; it is called only for resources that carry any. ``cumulative``
+    is *not* advanced: the caller commits ``batch.pending`` once the points are accepted.
     """
     batch = PointBatch(points=[], rejected=Counter(), dropped_attributes=0)
-    limits = _Limits(max_duration_s, time_bounds_unix_nano)
+    limits = _Limits(max_duration_s, time_bounds_unix_nano, cumulative or CumulativeState())
     for resource_metrics in request.resource_metrics:
         resource_attrs = resource_metrics.resource.attributes
         resource_tags, dropped = _tags(resource_attrs, tag_allowlist)
         resource_problem = _resource_problem(resource_attrs)
         checked = resource_check is None or resource_problem is not None
+        resource_key = _attributes_key(resource_attrs)
         for scope_metrics in resource_metrics.scope_metrics:
+            scope = b"\x00".join(
+                (
+                    resource_key,
+                    scope_metrics.scope.name.encode(),
+                    scope_metrics.scope.version.encode(),
+                )
+            )
             for metric in scope_metrics.metrics:
                 total = _point_count(metric)
                 if total == 0:
@@ -214,13 +234,20 @@ def convert_to_points(
                     if resource_problem is not None:
                         batch.rejected[resource_problem] += total
                         continue
-                _convert_metric(metric, resource_tags, tag_allowlist, batch, limits)
+                _convert_metric(metric, resource_tags, tag_allowlist, batch, limits, scope)
     return batch
 
 
 class _Limits(NamedTuple):
     max_duration_s: float | None
     time_bounds_unix_nano: tuple[int, int] | None
+    cumulative: CumulativeState
+
+
+def _attributes_key(attributes: Iterable[KeyValue]) -> bytes:
+    """The identity of an attribute set (any value type, any order), length-prefixed."""
+    parts = sorted(item.SerializeToString(deterministic=True) for item in attributes)
+    return b"".join(len(part).to_bytes(4, "little") + part for part in parts)
 
 
 def _scalar_attributes(attributes: Iterable[KeyValue]) -> dict[str, str]:
@@ -304,10 +331,17 @@ def _convert_metric(
     allowlist: frozenset[str],
     batch: PointBatch,
     limits: _Limits,
+    scope: bytes,
 ) -> None:
     kind = metric.WhichOneof("data")
     duration = _is_duration(metric)
     monotonic = kind == "sum" and metric.sum.is_monotonic
+    # Data model, "Temporality": a CUMULATIVE point covers (start, time]; stored per window.
+    # A non-monotonic sum is a level (stored as given), a summary has no temporality.
+    cumulative = (kind in ("histogram", "exponential_histogram") or monotonic) and getattr(
+        metric, str(kind)
+    ).aggregation_temporality == TEMPORALITY_CUMULATIVE
+    series = b"\x00".join((scope, metric.name.encode(), str(kind).encode()))
     bounds = limits.time_bounds_unix_nano
     points: Sequence[DataPoint] = getattr(metric, str(kind)).data_points
     for point in points:
@@ -318,6 +352,13 @@ def _convert_metric(
                 raise Rejected(REASON_TIME_RANGE)  # fixed64 on the wire; found by fuzzing
             if bounds is not None and not bounds[0] <= point.time_unix_nano <= bounds[1]:
                 raise Rejected(REASON_CLOCK_SKEW)
+            if cumulative:
+                point = limits.cumulative.delta(
+                    series + b"\x00" + _attributes_key(point.attributes),
+                    str(kind),
+                    point,
+                    batch.pending,
+                )
             fields = point_fields(
                 str(kind),
                 point,

@@ -20,6 +20,7 @@ from stepwatch.core import _schema
 from stepwatch.core._errors import ConfigError
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
 from stepwatch.otel_bridge._convert import convert_to_points
+from stepwatch.otel_bridge._cumulative import CumulativeState
 from stepwatch.otel_bridge._forwarder import Admission, Forwarder
 from stepwatch.otel_bridge._identity import RankIdentityGuard, Verdict
 from stepwatch.otel_bridge._metrics import BridgeMetrics
@@ -96,6 +97,8 @@ class Intake:
         skew: points further from the receive time are rejected (``clock_skew``).
         auth_token: when set, requests must carry ``Authorization: Bearer <token>``.
         clock_unix_nano: the receive-time clock.
+        cumulative: the per-series state turning CUMULATIVE points into deltas; advanced only
+            when a request is accepted. None: a fresh one.
 
     Each is documented, with its default, on :class:`~stepwatch.otel_bridge.Bridge`.
     """
@@ -112,6 +115,7 @@ class Intake:
         skew: ClockSkew,
         auth_token: str | None,
         clock_unix_nano: Callable[[], int],
+        cumulative: CumulativeState | None = None,
     ) -> None:
         if auth_token is not None and not auth_token.strip():
             raise ConfigError("auth_token: must not be empty")
@@ -130,6 +134,7 @@ class Intake:
         self.max_duration_s = max_duration_s
         self.skew = skew
         self.clock_unix_nano = clock_unix_nano
+        self.cumulative = cumulative if cumulative is not None else CumulativeState()
         self._logged_conflicts: set[tuple[str, str]] = set()
         self._auth = None if auth_token is None else f"Bearer {auth_token.strip()}".encode()
 
@@ -154,6 +159,7 @@ class Intake:
             max_duration_s=self.max_duration_s,
             time_bounds_unix_nano=self.skew.bounds_unix_nano(now_unix_nano),
             resource_check=None if self.identity is None else self._identity_check(now_unix_nano),
+            cumulative=self.cumulative,
         )
         points = batch.points
         rejected = batch.rejected
@@ -168,7 +174,10 @@ class Intake:
         lines = [point.encode() for point in points]
         admission = self.forwarder.offer(lines)
         if not admission.accepted:
-            return self._refused(admission)
+            return self._refused(admission)  # the cumulative state stays: the retry diffs alike
+        if batch.pending:
+            self.cumulative.commit(batch.pending)
+            self.metrics.cumulative_series.set(len(self.cumulative))
         total_rejected = sum(rejected.values())
         self.metrics.received.inc(len(lines) + total_rejected)
         for reason, count in rejected.items():

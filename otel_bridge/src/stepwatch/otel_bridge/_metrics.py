@@ -108,6 +108,18 @@ class BridgeMetrics:
             "Series the cardinality guard currently remembers (seen within its TTL).",
             registry=self.registry,
         )
+        self.cumulative_series = Gauge(
+            "stepwatch_bridge_cumulative_series",
+            "CUMULATIVE series whose last point this process remembers (to store deltas).",
+            registry=self.registry,
+        )
+        self.cumulative_evicted = Counter(
+            "stepwatch_bridge_cumulative_evicted",
+            "CUMULATIVE series forgotten: expired (silent for the series TTL) or capacity "
+            "(the least recently seen, beyond the bound); seen again, they start with a baseline.",
+            ["reason"],
+            registry=self.registry,
+        )
         self.requests = Counter(
             "stepwatch_bridge_requests",
             "OTLP export requests answered, by protocol (grpc/http) and code.",

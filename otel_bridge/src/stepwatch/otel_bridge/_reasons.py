@@ -20,6 +20,11 @@ REASON_DUPLICATE_RANK = "duplicate_rank"
 # InfluxDB's line-protocol parser reads a trailing backslash as escaping the delimiter after
 # it, so a name or tag value ending in "\\" cannot be written (found by bench/bridge_fuzz.py).
 REASON_UNREPRESENTABLE = "unrepresentable"
+# CUMULATIVE sums and histograms are stored as per-window deltas (_cumulative.py): the first
+# point of a series (and the first after a reset) is a baseline, not a window.
+REASON_CUMULATIVE_BASELINE = "cumulative_baseline"
+REASON_CUMULATIVE_RESET = "cumulative_reset"
+REASON_CUMULATIVE_OUT_OF_ORDER = "cumulative_out_of_order"
 
 
 class Rejected(ValueError):
