@@ -340,7 +340,7 @@ def health() -> dash.Dashboard:
         .datasource(DATASOURCE)
         .with_target(
             Q(
-                f'SELECT max("gauge") FROM {m("stepwatch.gpu.clock_event.reasons")} '
+                f'SELECT max("gauge") FROM {m("stepwatch.gpu.clock_event.mask")} '
                 f"WHERE {SELECTION} {BY_TIME}, {RANK} fill(none)",
                 alias=per_rank_alias(),
             )
@@ -351,7 +351,7 @@ def health() -> dash.Dashboard:
     return board.with_panel(
         table_panel(
             "XID errors",
-            f'SELECT max("counter") AS "events" FROM {m("stepwatch.gpu.xid")} '
+            f'SELECT max("counter") AS "events" FROM {m("stepwatch.gpu.xid.errors")} '
             f"WHERE {SELECTION} GROUP BY {RANK}, {HOST}, {m('stepwatch.gpu.xid.code')}",
             span=24,
             height=6,

@@ -184,7 +184,7 @@ def _health_lines(
         "hw.power": (310.0 if hot else 390.0) + 5 * float(rng.standard_normal()),
         "hw.gpu.memory.usage": 62.0e9,
         "stepwatch.gpu.sm_clock": (1.41e9 if hot else 1.98e9),
-        "stepwatch.gpu.clock_event.reasons": 32.0 if hot else 0.0,
+        "stepwatch.gpu.clock_event.mask": 32.0 if hot else 0.0,
     }
     lines = [
         encode_point(name, tags, {"gauge": value}, time_unix_nano) for name, value in gauges.items()
@@ -192,7 +192,7 @@ def _health_lines(
     xid_tags = {**tags, "stepwatch.gpu.xid.code": "79" if hot else "0"}
     lines.append(
         encode_point(
-            "stepwatch.gpu.xid", xid_tags, {"counter": 1.0 if hot else 0.0}, time_unix_nano
+            "stepwatch.gpu.xid.errors", xid_tags, {"counter": 1.0 if hot else 0.0}, time_unix_nano
         )
     )
     return lines

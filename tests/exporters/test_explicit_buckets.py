@@ -171,3 +171,39 @@ def test_a_collector_drops_exponential_windows_and_keeps_explicit_ones() -> None
         assert "+Inf" not in fields and ours["+Inf"] == fields["count"]
         for key in ("min", "max"):
             assert (key in fields) == (key in ours and measurement != "stepwatch.kernel.duration")
+
+
+def _monitor_histogram_kinds(caplog: pytest.LogCaptureFixture, **options: object) -> set[str]:
+    """The histogram kinds in the first window a StepMonitor with ``options`` exports."""
+    from stepwatch.exporters import InMemoryExporter, StepMonitor
+
+    exporter = InMemoryExporter()
+    monitor = StepMonitor(
+        job_id="j", rank=0, world_size=1, exporter=exporter, start=False, health=False, **options
+    )  # type: ignore[arg-type]
+    with monitor.step():
+        pass
+    assert monitor.export_now()
+    monitor.close()
+    metrics = exporter.exported[0].resource_metrics[0].scope_metrics[0].metrics
+    return {type(metric.data).__name__ for metric in metrics if metric.name.endswith("duration")}
+
+
+def test_step_monitor_takes_the_layout_from_its_argument_then_the_variable(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("STEPWATCH_HISTOGRAM_BUCKETS", raising=False)
+    assert _monitor_histogram_kinds(caplog) == {"ExponentialHistogram"}
+    monkeypatch.setenv("STEPWATCH_HISTOGRAM_BUCKETS", "explicit")
+    assert _monitor_histogram_kinds(caplog) == {"Histogram"}
+    assert _monitor_histogram_kinds(caplog, histogram_buckets="exponential") == {
+        "ExponentialHistogram"
+    }
+    # a typo in the environment warns (naming the variable) and keeps the default
+    monkeypatch.setenv("STEPWATCH_HISTOGRAM_BUCKETS", "explict")
+    with caplog.at_level("WARNING", logger="stepwatch.exporters"):
+        assert _monitor_histogram_kinds(caplog) == {"ExponentialHistogram"}
+    assert any("STEPWATCH_HISTOGRAM_BUCKETS" in r.getMessage() for r in caplog.records)
+    # a bad argument raises at construction
+    with pytest.raises(ConfigError, match="histogram_buckets"):
+        _monitor_histogram_kinds(caplog, histogram_buckets="linear")

@@ -30,6 +30,7 @@ from typing import Any, Final, cast
 from stepwatch.core import settings
 from stepwatch.core._errors import ConfigError
 from stepwatch.exporters._sdk_env import flag
+from stepwatch.exporters._window import HISTOGRAM_BUCKETS
 
 logger = logging.getLogger("stepwatch.exporters")
 
@@ -126,7 +127,7 @@ def resolve_exporter_config(
         protocol: ``http/protobuf`` (default), ``grpc``, or ``http/json`` (sent as
             ``http/protobuf``, one warning).
         headers: Request headers; the variables use the ``k1=v1,k2=v2`` URL-encoded form.
-        compression: ``none`` (default), ``gzip`` or ``deflate``.
+        compression: ``none``, ``gzip`` (default) or ``deflate``.
         timeout_s: Per-export bound in seconds; the variables are in milliseconds.
         certificate_file: CA bundle for https (``..._CERTIFICATE``).
         client_key_file: Client key for mutual TLS (``..._CLIENT_KEY``).
@@ -279,3 +280,31 @@ def _parse_headers(raw: str, source: str) -> dict[str, str]:
             return {}
         parsed[urllib.parse.unquote(key.strip()).lower()] = urllib.parse.unquote(value.strip())
     return parsed
+
+
+def resolve_histogram_buckets(argument: str | None, environ: Mapping[str, str]) -> str:
+    """The argument > ``STEPWATCH_HISTOGRAM_BUCKETS`` > ``exponential`` (docs/storage.md).
+
+    Raises:
+        ConfigError: the argument is not ``exponential`` or ``explicit`` (a bad variable is
+            logged and treated as unset, like the OpenTelemetry variables).
+    """
+    if argument is not None:
+        if argument not in HISTOGRAM_BUCKETS:
+            raise ConfigError(
+                f"histogram_buckets must be one of {HISTOGRAM_BUCKETS}, got {argument!r}"
+            )
+        return argument
+    found, source = _lookup(settings.HISTOGRAM_BUCKETS, environ)
+    if found is None:
+        return str(settings.HISTOGRAM_BUCKETS.default)
+    value = str(found).strip().lower()
+    if value not in HISTOGRAM_BUCKETS:
+        logger.warning(
+            "%s must be one of %s, got %r; ignored (treated as unset)",
+            source,
+            HISTOGRAM_BUCKETS,
+            found,
+        )
+        return str(settings.HISTOGRAM_BUCKETS.default)
+    return value

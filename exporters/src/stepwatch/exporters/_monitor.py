@@ -25,7 +25,12 @@ from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters._account import ExportAccount, MonitorStats
 from stepwatch.exporters._auto import Instrumentation, install_hooks
-from stepwatch.exporters._config import DEFAULT_TIMEOUT_S, ExporterConfig, resolve_exporter_config
+from stepwatch.exporters._config import (
+    DEFAULT_TIMEOUT_S,
+    ExporterConfig,
+    resolve_exporter_config,
+    resolve_histogram_buckets,
+)
 from stepwatch.exporters._device import (
     DeviceTimer,
     HealthSource,
@@ -125,6 +130,8 @@ class StepMonitor:
         buffer_steps: Most finished steps waiting for export; more are dropped and counted.
         max_scale: Finest exponential-histogram scale.
         max_size: Most buckets per histogram.
+        histogram_buckets: ``exponential`` (default) or ``explicit`` (bounds a Collector's
+            influxdb exporter keeps; docs/storage.md); else ``STEPWATCH_HISTOGRAM_BUCKETS``.
         start: Start the export thread now (``False``: call :meth:`export_now` yourself).
 
     Raises:
@@ -160,6 +167,7 @@ class StepMonitor:
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
         max_scale: int = 5,
         max_size: int = 160,
+        histogram_buckets: str | None = None,
         start: bool = True,
     ) -> None:
         environ = os.environ
@@ -199,7 +207,10 @@ class StepMonitor:
                 raise ConfigError(f"timeout_s must be positive, got {timeout_s!r}")
             self._export_timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         self._exporter: Exporter = exporter
-        self._builder = WindowBuilder(resource, max_scale=max_scale, max_size=max_size)
+        buckets = resolve_histogram_buckets(histogram_buckets, environ)
+        self._builder = WindowBuilder(
+            resource, max_scale=max_scale, max_size=max_size, histogram_buckets=buckets
+        )
         self._kernel_source = kernel_source
         self._health = resolve_health(health, resource)
         self._clock: Clock = clock if clock is not None else SystemClock()
