@@ -116,7 +116,7 @@ def test_bad_arguments_raise_and_name_the_argument(arguments: dict[str, Any], na
             "endpoint",
             "http://localhost:4318/v1/metrics",
         ),
-        ({"OTEL_EXPORTER_OTLP_COMPRESSION": "br"}, "compression", "none"),
+        ({"OTEL_EXPORTER_OTLP_COMPRESSION": "br"}, "compression", "gzip"),
         ({"OTEL_EXPORTER_OTLP_TIMEOUT": "ten"}, "timeout_s", 10.0),
         ({"OTEL_EXPORTER_OTLP_METRICS_HEADERS": "a=1,novalue"}, "headers", {}),
     ],
