@@ -1,0 +1,209 @@
+"""``stepwatch demo`` with no arguments tells the whole story, from a REAL 4-rank DDP job.
+
+One default run (healthy, then rank 2 becomes a compute straggler whose peers wait for it in
+the all-reduce) through the CLI against the session's influxd: the closing lines name the
+finding (kind, rank, phase) and its cost, print the report's path and what to run next; the
+report has data in every section and renders in a real headless Chromium. One ``--fault none``
+run says healthy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import io
+import json
+import re
+import subprocess
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stepwatch.app._cli import main as stepwatch_main
+from stepwatch.app._demo_job import DEMO_FAULT, FAULT_KINDS
+from stepwatch.core import ManagedInfluxDB
+from stepwatch.core._diagnosis import Diagnosis
+from tests.detectors.test_report import CHROMIUM, png_pixels
+
+STRAGGLER_KINDS = {"compute_straggler", "masked_straggler"}
+SECTIONS = (
+    "Findings",
+    "Step time",
+    "Step time by rank",
+    "Compute kernel time by rank, relative to the median rank",
+    "Phase breakdown",
+    "Kernels that moved",
+)
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    output: str
+    diagnoses: list[Diagnosis]
+    report: Path | None
+
+
+def run_demo(influxd: ManagedInfluxDB, data_dir: Path, *extra: str) -> DemoRun:
+    """``stepwatch demo`` as typed, against the session's influxd (its own database)."""
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = stepwatch_main(
+            [
+                "demo",
+                "--influx-url",
+                influxd.url,
+                "--database",
+                f"story_{uuid.uuid4().hex[:8]}",
+                "--data-dir",
+                str(data_dir),
+                "--json",
+                *extra,
+            ]
+        )
+    output = stdout.getvalue()
+    assert code == 0, output
+    diagnoses = [
+        Diagnosis.from_json_dict(json.loads(line))
+        for line in output.splitlines()
+        if line.startswith("{")
+    ]
+    report = re.search(r"^report:\s+(\S+)", output, flags=re.MULTILINE)
+    return DemoRun(output, diagnoses, Path(report.group(1)) if report else None)
+
+
+@pytest.fixture(scope="module")
+def story(influxd: ManagedInfluxDB, tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    return run_demo(influxd, tmp_path_factory.mktemp("story"))
+
+
+def test_default_demo_names_the_straggler_its_cost_the_report_and_what_next(
+    story: DemoRun,
+) -> None:
+    out, found = story.output, story.diagnoses
+    described = [(d.kind, d.ranks, d.phase, round(d.slowdown, 2)) for d in found]
+    assert f"fault {DEMO_FAULT} on rank 2 from step 240" in out
+    # The slow rank and phase, never the ranks that wait for it in the all-reduce.
+    assert found and {d.kind for d in found} <= STRAGGLER_KINDS, described
+    assert all(d.ranks == (2,) for d in found), described
+    top = found[0]
+    assert top.phase == "forward", described
+    assert [d.slowdown for d in found] == sorted((d.slowdown for d in found), reverse=True)
+    # Rank 2's forward does ~8 extra 256x256 matrix products per step: a real cost.
+    assert top.slowdown > 1.1, described
+    assert f"finding:  {top.kind.replace('_', ' ')} ({top.kind}) on rank 2, phase forward" in out
+    assert f"cost:     it costs the job {top.slowdown:.2f}x step time" in out
+    assert "verdict:  matches what was injected" in out
+    assert story.report is not None and story.report.is_file(), out
+    # What to run next: every other fault, the stack, Grafana.
+    others = "|".join(kind for kind in FAULT_KINDS if kind != DEMO_FAULT)
+    assert f"stepwatch demo --fault {{{others}}}" in out
+    assert "stepwatch up" in out and "Grafana" in out
+
+
+def _sections(page: str) -> dict[str, str]:
+    """Each ``<h2>`` title and the HTML up to the next one."""
+    parts = re.split(r"<h2>(.*?)</h2>", page)
+    return {
+        html.unescape(title): body for title, body in zip(parts[1::2], parts[2::2], strict=True)
+    }
+
+
+def test_default_demo_report_has_data_in_every_section(story: DemoRun) -> None:
+    assert story.report is not None
+    page = story.report.read_text()
+    top = story.diagnoses[0]
+    lead = re.search(r"<p class='lead'>(.*?)</p>", page)
+    assert lead is not None
+    assert html.unescape(lead.group(1)).startswith(f"Rank 2 slowed the job {top.slowdown:.2f}×")
+    sections = _sections(page)
+    assert tuple(sections) == SECTIONS
+    assert 'class="empty"' not in page, "a section without data"
+    assert html.escape(top.summary) in sections["Findings"]
+    lines = re.findall(r'<polyline points="([^"]*)"', sections["Step time"])
+    assert len(lines) == 2 and all(len(points.split()) >= 5 for points in lines), lines
+    for title in SECTIONS[2:5]:  # heatmap cells and phase bars, each with its value
+        assert len(re.findall(r"<rect [^>]*><title>", sections[title])) > 10, title
+    # Every rank has compute-kernel cells (the demo's profiler cycles), and after the fault
+    # rank 2's compute is the largest relative to the median rank.
+    cells = re.findall(
+        r"<title>rank (\d+) \d\d:\d\d:\d\d: ([\d.]+)×</title>",
+        sections["Compute kernel time by rank, relative to the median rank"],
+    )
+    assert {rank for rank, _ in cells} == {"0", "1", "2", "3"}
+    brightest = max(cells, key=lambda cell: float(cell[1]))
+    assert brightest[0] == "2" and float(brightest[1]) > 1.5, brightest
+    kernel_rows = re.findall(r"<tr><td><code>(.*?)</code>", sections["Kernels that moved"])
+    assert len(kernel_rows) >= 5
+    # The extra matrix products are gemm: it moved most on rank 2.
+    assert kernel_rows[0] == "gemm", kernel_rows
+    assert re.search(r"<td>rank 2 [\d.]+×</td>", sections["Kernels that moved"].split("</tr>")[1])
+
+
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (scripts/setup.sh)")
+def test_default_demo_report_screenshot_in_headless_chromium(
+    story: DemoRun, tmp_path: Path
+) -> None:
+    assert CHROMIUM is not None and story.report is not None
+    flags = [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    screenshot = tmp_path / "report.png"
+    subprocess.run(
+        [
+            CHROMIUM,
+            *flags,
+            f"--screenshot={screenshot}",
+            "--window-size=1100,2600",
+            story.report.as_uri(),
+        ],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    width, channels, rows = png_pixels(screenshot)
+    assert (width, len(rows)) == (1100, 2600)
+    counts = Counter(
+        row[x : x + 3] for row in rows[::2] for x in range(0, width * channels, channels * 2)
+    )
+    total = sum(counts.values())
+    # Not blank, not an error page: white is the background, not most of the page.
+    assert counts[b"\xff\xff\xff"] / total < 0.8, counts.most_common(3)
+    assert len(counts) > 200, f"only {len(counts)} distinct colours"
+    # The plots were drawn: phase bars (forward, backward, communication) and the heatmaps'
+    # top-of-scale cells (the straggler's compute) cover real area.
+    for colour in ("4c78a8", "f58518", "e45756", "fde725"):
+        assert counts[bytes.fromhex(colour)] / total > 0.0003, colour
+    # The DOM Chromium built from the file: the headline and every section, with data.
+    dom = subprocess.run(
+        [CHROMIUM, *flags, "--dump-dom", story.report.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert "Rank 2 slowed the job" in dom
+    assert tuple(_sections(dom)) == SECTIONS
+    assert dom.count("<svg") >= 5 and 'class="empty"' not in dom
+
+
+def test_demo_without_a_fault_says_healthy(influxd: ManagedInfluxDB, tmp_path: Path) -> None:
+    run = run_demo(influxd, tmp_path, "--fault", "none")
+    assert run.diagnoses == [], run.output
+    assert "verdict:  healthy: no finding (no fault was injected; median step time" in run.output
+    assert run.report is not None
+    lead = re.search(r"<p class='lead'>(.*?)</p>", run.report.read_text())
+    assert lead is not None and lead.group(1).startswith("Healthy: the detectors found nothing")
