@@ -18,6 +18,7 @@ from stepwatch.app._demo_job import (
     DEMO_STEPS,
     FAULT_KINDS,
     HANG_FAULTS,
+    NO_KERNELS_BY_DEFAULT,
 )
 from stepwatch.core import settings
 from stepwatch.core._durations import parse_duration_s
@@ -85,9 +86,10 @@ def register(subparsers: Any) -> None:
     demo.add_argument(
         "--kernels",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="collect op histograms with torch.profiler, 5 steps in every "
-        f"{DEMO_KERNEL_PERIOD_STEPS} (default on; --no-kernels: phases only)",
+        f"{DEMO_KERNEL_PERIOD_STEPS} (default on, off for --fault "
+        f"{'/'.join(NO_KERNELS_BY_DEFAULT)}; --no-kernels: phases only)",
     )
     demo.add_argument(
         "--keep-running",
@@ -211,7 +213,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         story,
         write_outputs,
     )
-    from stepwatch.app._demo_job import DemoJobConfig
+    from stepwatch.app._demo_job import DemoJobConfig, kernels_by_default
     from stepwatch.detectors.frame import job_time_range
 
     job = f"demo-{args.fault}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -229,7 +231,9 @@ def _run_demo(args: argparse.Namespace) -> int:
             fault_factor=args.fault_factor,
             endpoint=stack.otlp_http_endpoint,
             export_interval_s=args.export_interval,
-            collect_kernels=args.kernels,
+            collect_kernels=kernels_by_default(args.fault)
+            if args.kernels is None
+            else args.kernels,
         )
         if hangs:
             return _hang_demo(stack, config, json_lines=args.json)
