@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -236,6 +237,13 @@ def story(
     if not diagnoses:
         verdict = "healthy" if config.fault == "none" else "NOT FOUND"
         lines.append(f"verdict:  {verdict}: no finding ({injected}{step_text})")
+        if config.fault != "none":
+            load = os.getloadavg()[0]
+            lines.append(
+                f"          load average {load:.1f} on {os.cpu_count()} cores: bursts of other "
+                "work on a busy host can break the run of slow windows a finding needs; "
+                "run it again"
+            )
     else:
         top = diagnoses[0]
         where = f"{_who(top)}" + (f", phase {top.phase}" if top.phase else "")
