@@ -193,11 +193,18 @@ def _who(diagnosis: Diagnosis) -> str:
     return "the whole job"
 
 
+#: Demo "faults" after which a healthy job is the right answer: none, and an evaluation pass
+#: (a long but normal step on every rank).
+HEALTHY_FAULTS = ("none", "eval")
+
+
 def matches_fault(config: DemoJobConfig, diagnosis: Diagnosis) -> bool:
     """Whether a finding blames what was injected: the faulty rank (or its host) for a
-    rank fault, anything for a job-wide one."""
+    rank fault, anything for a job-wide one, nothing for ``none`` and ``eval``."""
+    if config.fault in HEALTHY_FAULTS:
+        return False
     if config.fault not in RANK_FAULTS:
-        return config.fault != "none"
+        return True
     host_suffix = f"-node{config.fault_rank // 2}"  # _demo_job._demo_host
     return config.fault_rank in diagnosis.ranks or any(
         host.endswith(host_suffix) for host in diagnosis.hosts
@@ -216,7 +223,7 @@ def intro(config: DemoJobConfig) -> str | None:
     )
 
 
-def story(
+def closing_lines(
     config: DemoJobConfig,
     diagnoses: list[Diagnosis],
     *,
@@ -229,15 +236,17 @@ def story(
     injected = (
         "no fault was injected"
         if config.fault == "none"
+        else f"an evaluation pass on every rank at step {config.fault_step}, not a fault"
+        if config.fault == "eval"
         else f"injected: --fault {config.fault}"
         + (f" on rank {config.fault_rank}" if config.fault in RANK_FAULTS else " on every rank")
         + f" from step {config.fault_step}"
     )
     step_text = "" if median_step is None else f"; median step time {median_step * 1e3:.1f} ms"
     if not diagnoses:
-        verdict = "healthy" if config.fault == "none" else "NOT FOUND"
+        verdict = "healthy" if config.fault in HEALTHY_FAULTS else "NOT FOUND"
         lines.append(f"verdict:  {verdict}: no finding ({injected}{step_text})")
-        if config.fault != "none":
+        if config.fault not in HEALTHY_FAULTS:
             load = os.getloadavg()[0]
             lines.append(
                 f"          load average {load:.1f} on {os.cpu_count()} cores: bursts of other "

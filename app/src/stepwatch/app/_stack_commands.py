@@ -206,11 +206,11 @@ def _hang_demo(stack: Any, config: Any, *, json_lines: bool) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     from stepwatch.app._demo import (
         by_cost,
+        closing_lines,
         format_summary,
         intro,
         median_step_s,
         run_demo_job,
-        story,
         write_outputs,
     )
     from stepwatch.app._demo_job import DemoJobConfig, kernels_by_default
@@ -271,7 +271,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             f"WHERE \"stepwatch.job.id\" = '{job}'  (database {stack.database})"
         )
         print()
-        for line in story(
+        for line in closing_lines(
             config, diagnoses, report=report, median_step=median_step_s(stack.client, job)
         ):
             print(line)
