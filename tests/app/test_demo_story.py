@@ -102,7 +102,7 @@ def story(influxd: ManagedInfluxDB, tmp_path_factory: pytest.TempPathFactory) ->
     run = run_demo(influxd, tmp_path_factory.mktemp("story"))
     if not _named_alone(run):
         # On this shared 2-core host, bursts of other work (load average 3.7-11) made 7 runs
-        # in 22 miss the straggler or blame a burst instead (bench/demo_faults.py; README):
+        # in 25 miss the straggler or blame a burst instead (bench/demo_faults.py; README):
         # one more run, reported in the warnings summary; the tests below judge that one.
         _rerun_warning(run)
         run = run_demo(influxd, tmp_path_factory.mktemp("story-again"))
