@@ -1,17 +1,27 @@
 """Every fault of ``stepwatch demo`` through the real pipeline, and what the detectors say.
 
-Run: ``.venv/bin/python bench/demo_faults.py [--faults straggler,link,...] [--clean-runs 2]``
+Run: ``.venv/bin/python bench/demo_faults.py [--faults straggler,link,...] [--clean-runs 2]
+[--no-kernels] [--no-story]``
 
-Each row is one real 4-rank DDP job (separate processes, gloo on loopback, StepMonitor →
-OTLP/HTTP → the bridge → a managed influxd), diagnosed exactly as the demo CLI does
-(:func:`stepwatch.app._demo.write_outputs` over the job's range ±1 s). Prints: fault, expected
-finding, diagnosed kinds/ranks/hosts, correct (the expected finding and nothing else; for
-``none``, no finding at all) and the wall time of the run.
+First (unless ``--no-story``) the default story exactly as typed: ``stepwatch demo`` in a
+subprocess (its own managed influxd), timed: wall time, CPU time of it and its children, and
+the host's load average before it (the machine may be shared), with the finding, cost and
+report path it printed. Then each row is one real 4-rank DDP job (separate processes, gloo on
+loopback, StepMonitor → OTLP/HTTP → the bridge → a managed influxd) with the CLI's defaults
+(600 steps, fault from step 240, kernel timings 5 steps in 25 except for ``link``),
+diagnosed exactly as the demo CLI does (:func:`stepwatch.app._demo.write_outputs` over the
+job's range ±1 s). Prints: fault, expected finding, diagnosed kinds/ranks/hosts, the top
+finding's cost, correct (the expected finding and nothing else; for ``none``, no finding at
+all) and the wall time of the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from stepwatch.app._demo import run_demo_job, write_outputs
-from stepwatch.app._demo_job import DemoJobConfig
+from stepwatch.app._demo_job import DemoJobConfig, kernels_by_default
 from stepwatch.app._stack import LocalStack
 from stepwatch.core import ManagedInfluxDB
 from stepwatch.core._diagnosis import Diagnosis
@@ -83,7 +93,43 @@ def describe(diagnosis: Diagnosis) -> str:
     return " ".join(parts)
 
 
-def run_one(server: ManagedInfluxDB, work: Path, fault: str) -> tuple[list[Diagnosis], float]:
+def story(work: Path) -> None:
+    """``stepwatch demo`` as a user runs it: wall and CPU time, and what it concluded."""
+    load = os.getloadavg()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from stepwatch.app._cli import main; sys.exit(main())",
+            "demo",
+            "--data-dir",
+            str(work / "story"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    wall_s = time.monotonic() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(
+        f"stepwatch demo (default story): exit {done.returncode}, wall {wall_s:.1f} s, "
+        f"CPU {cpu_s:.1f} s (user+sys, all its processes; {os.cpu_count()} cores), "
+        f"load average before {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}"
+    )
+    shown = r"^(?:training finished|finding:|cost:|verdict:|report:).*$"
+    for line in re.findall(shown, done.stdout, flags=re.MULTILINE):
+        print(f"  {line}")
+    if done.returncode != 0:
+        print(done.stdout[-2000:], done.stderr[-2000:], sep="\n")
+    sys.stdout.flush()
+
+
+def run_one(
+    server: ManagedInfluxDB, work: Path, fault: str, *, kernels: bool
+) -> tuple[list[Diagnosis], float]:
     started = time.monotonic()
     name = f"{fault}-{uuid.uuid4().hex[:6]}"
     with LocalStack(work / name, influx_url=server.url, database=f"demo_{name}") as stack:
@@ -94,6 +140,7 @@ def run_one(server: ManagedInfluxDB, work: Path, fault: str) -> tuple[list[Diagn
             fault=fault,
             fault_rank=FAULT_RANK,
             endpoint=stack.otlp_http_endpoint,
+            collect_kernels=kernels,
         )
         run_demo_job(stack.client, config, progress=lambda _: None)
         time_range = job_time_range(stack.client, config.job_id)
@@ -117,24 +164,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated faults (default: every injected fault)",
     )
     parser.add_argument("--clean-runs", type=int, default=2, help="runs with --fault none")
+    parser.add_argument(
+        "--kernels",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="collect kernel timings (default: as the CLI does for each fault)",
+    )
+    parser.add_argument(
+        "--story",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first time `stepwatch demo` itself (default on)",
+    )
     args = parser.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f] + ["none"] * args.clean_runs
     rows: list[tuple[str, str, str, bool, float]] = []
-    print(f"{'fault':<11} {'expected':<44} {'diagnosed':<44} {'ok':<3} {'run s':>6}")
-    with (
-        tempfile.TemporaryDirectory() as directory,
-        ManagedInfluxDB(Path(directory) / "influxdb") as server,
-    ):
-        for fault in faults:
-            diagnoses, elapsed_s = run_one(server, Path(directory), fault)
-            found = "; ".join(describe(d) for d in diagnoses) or "-"
-            ok = correct(fault, diagnoses)
-            rows.append((fault, EXPECTED[fault], found, ok, elapsed_s))
-            print(
-                f"{fault:<11} {EXPECTED[fault]:<44} {found:<44} {'yes' if ok else 'NO':<3} "
-                f"{elapsed_s:>6.1f}",
-                flush=True,
-            )
+    with tempfile.TemporaryDirectory() as directory:
+        if args.story:
+            story(Path(directory))
+        print(
+            "kernel timings: "
+            + ("as the CLI" if args.kernels is None else "on" if args.kernels else "off")
+        )
+        print(
+            f"{'fault':<11} {'expected':<44} {'diagnosed':<44} {'cost':>5} {'ok':<3} {'run s':>6}"
+        )
+        with ManagedInfluxDB(Path(directory) / "influxdb") as server:
+            for fault in faults:
+                kernels = kernels_by_default(fault) if args.kernels is None else args.kernels
+                diagnoses, elapsed_s = run_one(server, Path(directory), fault, kernels=kernels)
+                found = "; ".join(describe(d) for d in diagnoses) or "-"
+                cost = f"{max(d.slowdown for d in diagnoses):.2f}x" if diagnoses else "-"
+                ok = correct(fault, diagnoses)
+                rows.append((fault, EXPECTED[fault], found, ok, elapsed_s))
+                print(
+                    f"{fault:<11} {EXPECTED[fault]:<44} {found:<44} {cost:>5} "
+                    f"{'yes' if ok else 'NO':<3} {elapsed_s:>6.1f}",
+                    flush=True,
+                )
     faulty = [row for row in rows if row[0] != "none"]
     clean = [row for row in rows if row[0] == "none"]
     print(

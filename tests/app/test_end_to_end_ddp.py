@@ -124,4 +124,8 @@ def test_demo_cli_help_lists_fault_flags(tmp_path: Path) -> None:
 
     parser = build_parser()
     args = parser.parse_args(["demo", "--fault", "straggler", "--fault-rank", "1"])
-    assert (args.fault, args.fault_rank, args.ranks, args.steps) == ("straggler", 1, 4, 300)
+    assert (args.fault, args.fault_rank, args.ranks, args.steps) == ("straggler", 1, 4, 600)
+    # No arguments: the default story (a straggler from step 240), kernels as the fault says.
+    default = parser.parse_args(["demo"])
+    assert (default.fault, default.fault_rank, default.fault_step) == ("straggler", 2, 240)
+    assert default.kernels is None and parser.parse_args(["demo", "--no-kernels"]).kernels is False

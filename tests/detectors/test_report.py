@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import html
 import re
 import shutil
 import statistics
@@ -22,11 +24,13 @@ from stepwatch.core import ConfigError, InfluxClient
 from stepwatch.detectors.report import write_report
 from stepwatch.detectors.report._data import (
     MAX_HEATMAP_RANKS,
+    ReportData,
     load_report_data,
     most_deviant,
     read_findings,
 )
-from stepwatch.detectors.report._page import render_html
+from stepwatch.detectors.report._page import NO_KERNELS, render_html
+from stepwatch.detectors.report._svg import NO_PHASES, format_seconds, stamp
 from tests.detectors.demo_data import DemoJob, write_demo
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -67,7 +71,85 @@ def test_report_is_self_contained_and_says_what_happened(
     assert gemm.outlier_rank == str(job.straggler_rank)
     assert gemm.outlier_ratio is not None and 1.3 < gemm.outlier_ratio < 1.5
     assert data.change_unix_nano == job.change_unix_nano
-    assert "Median step time went from" in page
+    # The headline is the top finding (both planted ones have no cost estimate: the earliest,
+    # then by kind), never a before/after ratio of the median step time.
+    lead = re.search(r"<p class='lead'>(.*?)</p>", page)
+    assert lead is not None
+    assert lead.group(1).startswith(f"Compute straggler in backward on rank {job.straggler_rank}")
+    assert "its cost is not estimated" in lead.group(1) and "1 more finding below" in lead.group(1)
+    # Kernel classes that moved most weighted by their share of kernel time come first.
+    impacts = [k.impact for k in data.kernels]
+    assert impacts == sorted(impacts, reverse=True)
+    assert abs(sum(k.share for k in data.kernels) - 1.0) < 1e-9
+
+
+def _lead(data: ReportData) -> str:
+    found = re.search(r"<p class='lead'>(.*?)</p>", render_html(data))
+    assert found is not None
+    return html.unescape(found.group(1))
+
+
+def test_headline_says_what_the_costliest_finding_did(
+    demo: tuple[InfluxClient, DemoJob],
+) -> None:
+    client, job = demo
+    straggler, regression = job.findings
+    findings = [
+        dataclasses.replace(straggler, slowdown=1.25),
+        dataclasses.replace(regression, slowdown=1.6),
+    ]
+    data = load_report_data(
+        client,
+        job.job,
+        start_unix_nano=job.start_unix_nano,
+        end_unix_nano=job.end_unix_nano,
+        findings=findings,
+    )
+    # Most expensive first, in the list and in the headline.
+    assert [f.kind for f in data.findings] == ["job_regression", "compute_straggler"]
+    assert _lead(data) == (
+        f"The whole job slowed 1.60× from {stamp(regression.start_unix_nano)} "
+        "(job regression in backward). (1 more finding below.)"
+    )
+    data = dataclasses.replace(data, findings=[findings[0]])
+    assert _lead(data) == (
+        f"Rank {job.straggler_rank} slowed the job 1.25× from "
+        f"{stamp(straggler.start_unix_nano)} (compute straggler in backward)."
+    )
+
+
+def test_a_healthy_job_says_so_with_its_median_step_time(
+    demo: tuple[InfluxClient, DemoJob],
+) -> None:
+    client, job = demo
+    data = load_report_data(
+        client,
+        job.job,
+        start_unix_nano=job.start_unix_nano,
+        end_unix_nano=job.end_unix_nano,
+        findings=[],
+    )
+    typical = statistics.median(v for v in data.step_median if v is not None)
+    assert _lead(data) == (
+        "Healthy: the detectors found nothing wrong in this range; median step time "
+        f"{format_seconds(typical)} over {job.ranks} ranks."
+    )
+    assert "No findings: the detectors found nothing wrong" in render_html(data)
+
+
+def test_sections_without_data_say_why(demo: tuple[InfluxClient, DemoJob]) -> None:
+    client, job = demo
+    data = load_report_data(
+        client, job.job, start_unix_nano=job.start_unix_nano, end_unix_nano=job.end_unix_nano
+    )
+    # A job that reported steps only: no kernel source, no phases.
+    bare = dataclasses.replace(data, kernels=[], compute_by_rank={}, phases={})
+    page = render_html(bare)
+    reasons = [html.unescape(r) for r in re.findall(r'<p class="empty">(.*?)</p>', page)]
+    assert reasons == [NO_KERNELS, NO_PHASES, NO_KERNELS], reasons
+    assert "No data" not in page
+    full = render_html(data)
+    assert 'class="empty"' not in full, "the demo job has data in every section"
 
 
 def test_findings_round_trip_from_storage(demo: tuple[InfluxClient, DemoJob]) -> None:

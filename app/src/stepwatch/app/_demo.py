@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stepwatch.app._demo_job import DemoJobConfig, launch, start
+from stepwatch.app._demo_job import FAULT_KINDS, RANK_FAULTS, DemoJobConfig, launch, start
 from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._errors import StepwatchError
 from stepwatch.core._influx import InfluxClient, quote_ident, quote_literal, wait_until
-from stepwatch.core._schema import JOB_ID, PHASE, PHASE_DURATION, RANK, STEP_LAST
+from stepwatch.core._schema import (
+    JOB_ID,
+    PHASE,
+    PHASE_DURATION,
+    RANK,
+    STEP_DURATION,
+    STEP_LAST,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +165,123 @@ def format_summary(summary: StoredSummary, *, steps: int) -> str:
             f" = {per_step:.0f} bytes per rank per step"
         )
     return "\n".join(lines)
+
+
+def median_step_s(client: InfluxClient, job: str) -> float | None:
+    """The median over the job's windows of each window's median step time (seconds)."""
+    series = client.query(
+        f"SELECT median({quote_ident('p50')}) FROM {quote_ident(STEP_DURATION)} "
+        f"WHERE {quote_ident(JOB_ID)} = {quote_literal(job)}"
+    )
+    if not series or not series[0].values or series[0].values[0][1] is None:
+        return None
+    return float(series[0].values[0][1])
+
+
+def by_cost(diagnoses: list[Diagnosis]) -> list[Diagnosis]:
+    """Most expensive first (the finding's ``slowdown``), then the earliest."""
+    return sorted(diagnoses, key=lambda d: (-d.slowdown, d.start_unix_nano, d.kind))
+
+
+def _who(diagnosis: Diagnosis) -> str:
+    if diagnosis.ranks:
+        plural = "s" if len(diagnosis.ranks) > 1 else ""
+        return f"rank{plural} " + ", ".join(str(rank) for rank in diagnosis.ranks)
+    if diagnosis.hosts:
+        plural = "s" if len(diagnosis.hosts) > 1 else ""
+        return f"host{plural} " + ", ".join(diagnosis.hosts)
+    return "the whole job"
+
+
+#: Demo "faults" after which a healthy job is the right answer: none, and an evaluation pass
+#: (a long but normal step on every rank).
+HEALTHY_FAULTS = ("none", "eval")
+
+
+def matches_fault(config: DemoJobConfig, diagnosis: Diagnosis) -> bool:
+    """Whether a finding blames what was injected: the faulty rank (or its host) for a
+    rank fault, anything for a job-wide one, nothing for ``none`` and ``eval``."""
+    if config.fault in HEALTHY_FAULTS:
+        return False
+    if config.fault not in RANK_FAULTS:
+        return True
+    host_suffix = f"-node{config.fault_rank // 2}"  # _demo_job._demo_host
+    return config.fault_rank in diagnosis.ranks or any(
+        host.endswith(host_suffix) for host in diagnosis.hosts
+    )
+
+
+def intro(config: DemoJobConfig) -> str | None:
+    """What the default story's job will do, said before it runs (None for other faults)."""
+    if config.fault != "straggler":
+        return None
+    return (
+        f"the story: {config.world_size} ranks train healthy for {config.fault_step} steps; "
+        f"then rank {config.fault_rank}'s forward pass does extra matrix multiplies (a compute "
+        "straggler). Its peers wait for it in the all-reduce, so every rank's step slows; "
+        f"stepwatch should blame rank {config.fault_rank}'s forward, not the waiters."
+    )
+
+
+def closing_lines(
+    config: DemoJobConfig,
+    diagnoses: list[Diagnosis],
+    *,
+    report: Path | None,
+    median_step: float | None,
+) -> list[str]:
+    """The demo's closing lines: what was found, what it costs, where the report is and what
+    to run next. ``diagnoses`` most expensive first (:func:`by_cost`)."""
+    lines = []
+    injected = (
+        "no fault was injected"
+        if config.fault == "none"
+        else f"an evaluation pass on every rank at step {config.fault_step}, not a fault"
+        if config.fault == "eval"
+        else f"injected: --fault {config.fault}"
+        + (f" on rank {config.fault_rank}" if config.fault in RANK_FAULTS else " on every rank")
+        + f" from step {config.fault_step}"
+    )
+    step_text = "" if median_step is None else f"; median step time {median_step * 1e3:.1f} ms"
+    if not diagnoses:
+        verdict = "healthy" if config.fault in HEALTHY_FAULTS else "NOT FOUND"
+        lines.append(f"verdict:  {verdict}: no finding ({injected}{step_text})")
+        if config.fault not in HEALTHY_FAULTS:
+            load = os.getloadavg()[0]
+            lines.append(
+                f"          load average {load:.1f} on {os.cpu_count()} cores: bursts of other "
+                "work on a busy host can break the run of slow windows a finding needs; "
+                "run it again"
+            )
+    else:
+        top = diagnoses[0]
+        where = f"{_who(top)}" + (f", phase {top.phase}" if top.phase else "")
+        if top.kernel_class:
+            where += f", kernel class {top.kernel_class}"
+        lines.append(f"finding:  {top.kind.replace('_', ' ')} ({top.kind}) on {where}")
+        cost = (
+            f"costs the job {top.slowdown:.2f}x step time"
+            if top.slowdown > 1.0
+            else "its cost is not estimated for this kind"
+        )
+        lines.append(f"cost:     it {cost}{step_text}")
+        matched = matches_fault(config, top)
+        lines.append(
+            f"verdict:  {'matches' if matched else 'does NOT match'} what was injected ({injected})"
+        )
+        if len(diagnoses) > 1:
+            lines.append(f"          and {len(diagnoses) - 1} more finding(s), listed above")
+    if report is not None:
+        lines.append(f"report:   {report}  (open it in a browser; self-contained HTML)")
+    others = "|".join(kind for kind in FAULT_KINDS if kind != config.fault)
+    lines += [
+        "next:",
+        f"  stepwatch demo --fault {{{others}}}",
+        "  stepwatch up    the stack for your own job (prints the OTLP endpoint for your ranks)",
+        "  stepwatch top --job JOB   live ranks x phases of a running job, open findings",
+        "  Grafana:        copy grafana/provisioning into your Grafana (docs/operators.md)",
+    ]
+    return lines
 
 
 def write_outputs(

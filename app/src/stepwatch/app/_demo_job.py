@@ -55,6 +55,25 @@ FAULT_KINDS = (
 RANK_FAULTS = ("straggler", "link", "jit", "stall", "dataloader", "hang", "freeze")
 #: Faults after which the job never finishes: it must be killed (:meth:`DemoJobProcess.kill`).
 HANG_FAULTS = ("hang", "freeze")
+#: The default demo: steps, the step its fault starts, and the profiler's period (steps).
+DEMO_STEPS = 600
+DEMO_FAULT_STEP = 240
+DEMO_KERNEL_PERIOD_STEPS = 25
+#: The fault of ``stepwatch demo`` without ``--fault``: the story it tells.
+DEMO_FAULT = "straggler"
+#: Faults whose demo collects no kernel timings unless asked (``--kernels``). ``link``: the
+#: CPU profiler charges the delay in rank 2's DDP comm hook to the ``AccumulateGrad`` op that
+#: runs the hook, so its kernels show a compute straggler in backward rather than a late
+#: arrival at the all-reduce (a GPU's kernels would not). ``hang``/``freeze``: the job never
+#: ends and what matters is the hang, not kernel histograms.
+NO_KERNELS_BY_DEFAULT = ("link", "hang", "freeze")
+
+
+def kernels_by_default(fault: str) -> bool:
+    """Whether ``stepwatch demo --fault FAULT`` collects kernel timings unless told."""
+    return fault not in NO_KERNELS_BY_DEFAULT
+
+
 #: How long the ``stall`` fault stops its rank between phases.
 STALL_S = 3.0
 #: How long the ``eval`` fault's evaluation pass lasts on every rank (longer than the default
@@ -68,18 +87,23 @@ logger = logging.getLogger(__name__)
 class DemoJobConfig:
     """What one demo run does. ``fault_rank`` is ignored for job-wide faults.
 
-    The defaults are the ``stepwatch demo`` CLI's: a 300-step job exporting a window every
-    0.25 s gives the detectors ~20 analysis windows of 0.5 s (see ``export_window_s``).
+    The defaults are the ``stepwatch demo`` CLI's: a 600-step job (~25 s on a 2-core host)
+    exporting a window every 0.25 s gives the detectors ~40 analysis windows of 0.5 s (see
+    ``export_window_s``), healthy for the first 240 steps and faulty after.
+    ``kernel_period_steps``: with ``collect_kernels``, one profiler cycle of 5 steps every
+    this many steps (a fixed duty cycle: 20 % of the steps at 25, so that a short demo has
+    kernel data in most windows; the always-on default spaces cycles by a 0.1 % overhead
+    budget, every few hundred to thousands of steps).
     ``onset_file``: where the faulty rank writes the wall time (Unix ns) at which a ``hang``
     or ``freeze`` begins (to time how fast it is found).
     """
 
     job_id: str
     world_size: int = 4
-    steps: int = 300
+    steps: int = DEMO_STEPS
     fault: str = "none"
     fault_rank: int = 2
-    fault_step: int = 120
+    fault_step: int = DEMO_FAULT_STEP
     fault_factor: float = 2.0
     endpoint: str = "http://127.0.0.1:4318"
     protocol: str = "http/protobuf"
@@ -87,6 +111,7 @@ class DemoJobConfig:
     hidden: int = 256
     export_interval_s: float = 0.25
     collect_kernels: bool = False
+    kernel_period_steps: int = DEMO_KERNEL_PERIOD_STEPS
     onset_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -102,6 +127,11 @@ class DemoJobConfig:
             )
         if self.steps < 1:
             raise ConfigError(f"steps: must be positive, got {self.steps}")
+        if self.kernel_period_steps < 5:
+            raise ConfigError(
+                "kernel_period_steps: must be at least 5 (one 5-step cycle), "
+                f"got {self.kernel_period_steps}"
+            )
         if self.fault_factor <= 1.0:
             raise ConfigError(f"fault_factor: must exceed 1.0, got {self.fault_factor}")
 
@@ -358,6 +388,7 @@ def _kernel_source(config: DemoJobConfig) -> Any:
     except ImportError:
         logger.warning("kernel collection requested but stepwatch.exporters.kernels is missing")
         return None
-    # A fixed duty cycle: the demo is a few hundred steps, shorter than the period the default
-    # 0.2% overhead budget would choose, and it is there to show the op histograms.
-    return TorchProfilerSource(period_steps=100)
+    # A fixed duty cycle (5 profiled steps per period): the demo is a few hundred steps,
+    # shorter than the period the default 0.1 % overhead budget would choose, and it is there
+    # to show the op histograms.
+    return TorchProfilerSource(active_steps=5, period_steps=config.kernel_period_steps)

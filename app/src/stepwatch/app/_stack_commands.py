@@ -11,7 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stepwatch.app._demo_job import FAULT_KINDS, HANG_FAULTS
+from stepwatch.app._demo_job import (
+    DEMO_FAULT,
+    DEMO_FAULT_STEP,
+    DEMO_KERNEL_PERIOD_STEPS,
+    DEMO_STEPS,
+    FAULT_KINDS,
+    HANG_FAULTS,
+    NO_KERNELS_BY_DEFAULT,
+)
 from stepwatch.core import settings
 from stepwatch.core._durations import parse_duration_s
 
@@ -38,23 +46,30 @@ def register(subparsers: Any) -> None:
 
     demo = subparsers.add_parser(
         "demo",
-        help="run a real 4-rank DDP job through stepwatch and show what was stored",
+        help="run a real 4-rank DDP job that develops a straggler, and diagnose it",
         description="A real PyTorch DDP job (CPU, gloo) instrumented by stepwatch, streamed "
-        "through the bridge into a managed InfluxDB, then diagnosed. Inject a fault with "
-        "--fault.",
+        "through the bridge into a managed InfluxDB, then diagnosed: by default it runs "
+        f"healthy for {DEMO_FAULT_STEP} steps, then rank 2 becomes a compute straggler "
+        "(its peers only wait for it in the all-reduce). Ends with the finding, its cost and "
+        "an HTML report. Another fault with --fault; a healthy run with --fault none.",
     )
     _add_stack_arguments(demo)
     demo.add_argument("--ranks", type=int, default=4, help="number of DDP ranks (default 4)")
-    demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    demo.add_argument(
+        "--steps", type=int, default=DEMO_STEPS, help=f"training steps (default {DEMO_STEPS})"
+    )
     demo.add_argument(
         "--fault",
-        default="none",
+        default=DEMO_FAULT,
         choices=FAULT_KINDS,
-        help="inject a real fault into the job",
+        help=f"inject a real fault into the job (default {DEMO_FAULT}; none: a healthy run)",
     )
     demo.add_argument("--fault-rank", type=int, default=2, help="the faulty rank (default 2)")
     demo.add_argument(
-        "--fault-step", type=int, default=120, help="the step the fault starts (default 120)"
+        "--fault-step",
+        type=int,
+        default=DEMO_FAULT_STEP,
+        help=f"the step the fault starts (default {DEMO_FAULT_STEP})",
     )
     demo.add_argument(
         "--fault-factor",
@@ -69,7 +84,12 @@ def register(subparsers: Any) -> None:
         help="seconds per exported window (default 0.25: a short demo still has many windows)",
     )
     demo.add_argument(
-        "--kernels", action="store_true", help="also collect op histograms with torch.profiler"
+        "--kernels",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="collect op histograms with torch.profiler, 5 steps in every "
+        f"{DEMO_KERNEL_PERIOD_STEPS} (default on, off for --fault "
+        f"{'/'.join(NO_KERNELS_BY_DEFAULT)}; --no-kernels: phases only)",
     )
     demo.add_argument(
         "--keep-running",
@@ -184,8 +204,16 @@ def _hang_demo(stack: Any, config: Any, *, json_lines: bool) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from stepwatch.app._demo import format_summary, run_demo_job, write_outputs
-    from stepwatch.app._demo_job import DemoJobConfig
+    from stepwatch.app._demo import (
+        by_cost,
+        closing_lines,
+        format_summary,
+        intro,
+        median_step_s,
+        run_demo_job,
+        write_outputs,
+    )
+    from stepwatch.app._demo_job import DemoJobConfig, kernels_by_default
     from stepwatch.detectors.frame import job_time_range
 
     job = f"demo-{args.fault}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -203,10 +231,15 @@ def _run_demo(args: argparse.Namespace) -> int:
             fault_factor=args.fault_factor,
             endpoint=stack.otlp_http_endpoint,
             export_interval_s=args.export_interval,
-            collect_kernels=args.kernels,
+            collect_kernels=kernels_by_default(args.fault)
+            if args.kernels is None
+            else args.kernels,
         )
         if hangs:
             return _hang_demo(stack, config, json_lines=args.json)
+        told = intro(config)
+        if told:
+            print(told)
         summary = run_demo_job(stack.client, config)
         print(format_summary(summary, steps=args.steps))
         out_dir = stack.data_dir / "reports"
@@ -222,23 +255,26 @@ def _run_demo(args: argparse.Namespace) -> int:
             start_unix_nano=start_unix_nano - 1_000_000_000,
             end_unix_nano=end_unix_nano + 1_000_000_000,
         )
-        print(f"diagnosis ({len(diagnoses)} finding{'s' if len(diagnoses) != 1 else ''}):")
+        diagnoses = by_cost(list(diagnoses))
+        print(
+            f"diagnosis ({len(diagnoses)} finding{'s' if len(diagnoses) != 1 else ''}"
+            + (", most costly first):" if len(diagnoses) > 1 else "):")
+        )
         for diagnosis in diagnoses:
             print(
                 diagnosis.to_json()
                 if args.json
                 else f"  [{diagnosis.severity}] {diagnosis.kind}: {diagnosis.summary}"
             )
-        if not diagnoses:
-            print("  none: the job looks healthy")
-        print("where to look:")
         print(
-            f'  InfluxQL: SELECT * FROM "stepwatch.phase.duration" '
+            f'InfluxQL: SELECT * FROM "stepwatch.phase.duration" '
             f"WHERE \"stepwatch.job.id\" = '{job}'  (database {stack.database})"
         )
-        if report is not None:
-            print(f"  report:   {report}")
-        print("  Grafana:  copy grafana/provisioning into your Grafana (docs/operators.md)")
+        print()
+        for line in closing_lines(
+            config, diagnoses, report=report, median_step=median_step_s(stack.client, job)
+        ):
+            print(line)
         if args.keep_running:
             print("stack still running; Ctrl-C stops it", flush=True)
             _wait_for_signal()

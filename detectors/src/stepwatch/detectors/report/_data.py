@@ -42,11 +42,20 @@ class KernelShift(NamedTuple):
     job_ratio: float | None
     outlier_rank: str | None
     outlier_ratio: float | None
+    share: float = 1.0
+    """The class's share of all kernel time in the range (0 … 1)."""
 
     @property
     def score(self) -> float:
+        """How far it moved: the larger ``|log ratio|`` of the job's and the outlier rank's."""
         ratios = [r for r in (self.job_ratio, self.outlier_ratio) if r and r > 0]
         return max((abs(math.log(r)) for r in ratios), default=0.0)
+
+    @property
+    def impact(self) -> float:
+        """How far it moved, weighted by its share of kernel time: a 1 µs op that doubled
+        matters less than the matrix multiplies that took 50 % longer."""
+        return self.score * self.share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +238,8 @@ def kernel_shifts(
     change_unix_nano: int,
     end_unix_nano: int,
 ) -> list[KernelShift]:
-    """Per kernel class: mean duration before vs after the change, and the outlier rank."""
+    """Per kernel class: mean duration before vs after the change, and the outlier rank;
+    those that moved most, weighted by their share of kernel time, first."""
     kernel = quote_ident(KERNEL_DURATION)
     keys = f"{quote_ident(KERNEL_CLASS)}, {quote_ident(KERNEL_CATEGORY)}"
     job_filter = f"{quote_ident(JOB_ID)} = {quote_literal(job)}"
@@ -250,6 +260,15 @@ def kernel_shifts(
                 result[key] = float(series.values[0][1])
         return result
 
+    totals: dict[tuple[str, str], float] = {}
+    for series in client.query(
+        f'SELECT sum("sum") FROM {kernel} WHERE {job_filter} AND time >= {start_unix_nano} '
+        f"AND time <= {end_unix_nano} GROUP BY {keys}"
+    ):
+        if series.values and series.values[0][1] is not None:
+            named = (series.tags.get(KERNEL_CLASS, ""), series.tags.get(KERNEL_CATEGORY, ""))
+            totals[named] = float(series.values[0][1])
+    all_time = sum(totals.values())
     before = period(start_unix_nano, change_unix_nano)
     after = period(change_unix_nano, end_unix_nano + 1)
     after_by_rank = period(change_unix_nano, end_unix_nano + 1, f", {quote_ident(RANK)}")
@@ -271,10 +290,17 @@ def kernel_shifts(
                 outlier_ratio = per_rank[outlier_rank] / centre
         shifts.append(
             KernelShift(
-                kernel_class, category, before_s, after_s, job_ratio, outlier_rank, outlier_ratio
+                kernel_class,
+                category,
+                before_s,
+                after_s,
+                job_ratio,
+                outlier_rank,
+                outlier_ratio,
+                share=totals.get((kernel_class, category), 0.0) / all_time if all_time else 0.0,
             )
         )
-    return sorted(shifts, key=lambda s: -s.score)
+    return sorted(shifts, key=lambda s: (-s.impact, -s.score, s.kernel_class))
 
 
 def read_findings(

@@ -20,6 +20,7 @@ from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._influx import InfluxClient
 from stepwatch.detectors.report._data import ReportData, load_report_data, relative_to_median
 from stepwatch.detectors.report._svg import (
+    empty,
     format_seconds,
     heatmap_svg,
     line_svg,
@@ -72,6 +73,16 @@ def write_report(
     return path
 
 
+NO_KERNELS = (
+    "No kernel timings: the job collected none (give StepMonitor a kernel_source, "
+    "TorchProfilerSource() on CPU or CuptiSource() on GPU; stepwatch demo collects them "
+    "unless --no-kernels)."
+)
+
+
+NO_COMPUTE = "No compute-category kernels among the job's kernel timings."
+
+
 def _ratio_text(ratio: float | None) -> str:
     return "–" if ratio is None else f"{ratio:.2f}×"
 
@@ -79,7 +90,7 @@ def _ratio_text(ratio: float | None) -> str:
 def kernels_html(data: ReportData, *, limit: int = 12) -> str:
     """The ``limit`` kernel classes that moved most, as a table with inline ratio bars."""
     if not data.kernels:
-        return '<p class="empty">No kernel data.</p>'
+        return empty(NO_KERNELS)
     rows = []
     for shift in data.kernels[:limit]:
         outlier = (
@@ -93,6 +104,7 @@ def kernels_html(data: ReportData, *, limit: int = 12) -> str:
             f"<td>{html.escape(shift.category)}</td>"
             f"<td class='num'>{format_seconds(shift.before_s)}</td>"
             f"<td class='num'>{format_seconds(shift.after_s)}</td>"
+            f"<td class='num'>{shift.share:.0%}</td>"
             f"<td class='num'>{_ratio_text(shift.job_ratio)}</td>"
             f"<td>{ratio_bar(shift.job_ratio)}</td>"
             f"<td>{outlier}</td><td>{ratio_bar(shift.outlier_ratio)}</td>"
@@ -100,7 +112,8 @@ def kernels_html(data: ReportData, *, limit: int = 12) -> str:
         )
     return (
         "<table><thead><tr><th>kernel class</th><th>category</th>"
-        "<th>mean before</th><th>mean after</th><th>after / before</th><th></th>"
+        "<th>mean before</th><th>mean after</th><th>share of kernel time</th>"
+        "<th>after / before</th><th></th>"
         "<th>most different rank (after, vs median rank)</th><th></th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>"
     )
@@ -128,21 +141,36 @@ def findings_html(data: ReportData) -> str:
     return f"<ol class='findings'>{''.join(items)}</ol>"
 
 
+def _who(finding: Diagnosis) -> str:
+    if finding.ranks:
+        plural = "s" if len(finding.ranks) > 1 else ""
+        return f"rank{plural} " + ", ".join(str(rank) for rank in finding.ranks)
+    if finding.hosts:
+        plural = "s" if len(finding.hosts) > 1 else ""
+        return f"host{plural} " + ", ".join(finding.hosts)
+    return ""
+
+
 def headline(data: ReportData) -> str:
-    """One sentence: how step time moved across the change."""
-    change_column = (data.change_unix_nano - data.column_times_unix_nano[0]) // (
-        data.bucket_s * 1_000_000_000
-    )
-    before = [v for v in data.step_median[:change_column] if v is not None]
-    after = [v for v in data.step_median[change_column:] if v is not None]
-    if not before or not after:
-        return "Not enough data on both sides of the change to compare step time."
-    ratio = statistics.median(after) / statistics.median(before)
-    return (
-        f"Median step time went from {format_seconds(statistics.median(before))} to "
-        f"{format_seconds(statistics.median(after))} ({ratio:.2f}×) at "
-        f"{stamp(data.change_unix_nano)}."
-    )
+    """One true sentence: what the costliest finding did to the job, or that it is healthy."""
+    if not data.findings:
+        steps = [v for v in data.step_median if v is not None]
+        typical = f"; median step time {format_seconds(statistics.median(steps))}" if steps else ""
+        return (
+            f"Healthy: the detectors found nothing wrong in this range{typical} "
+            f"over {data.total_ranks} ranks."
+        )
+    top = data.findings[0]  # the costliest (load_report_data orders them)
+    what = top.kind.replace("_", " ") + (f" in {top.phase}" if top.phase else "")
+    since = stamp(max(top.start_unix_nano, data.start_unix_nano))
+    who = _who(top)
+    more = len(data.findings) - 1
+    tail = f" ({more} more finding{'s' if more > 1 else ''} below.)" if more else ""
+    if top.slowdown > 1.0:
+        subject = f"{who[:1].upper()}{who[1:]} slowed the job" if who else "The whole job slowed"
+        return f"{subject} {top.slowdown:.2f}× from {since} ({what}).{tail}"
+    where = f" on {who}" if who else ""
+    return f"{what[:1].upper()}{what[1:]}{where} from {since}; its cost is not estimated.{tail}"
 
 
 STYLE = """
@@ -199,13 +227,19 @@ def render_html(data: ReportData) -> str:
         "<p class='note'>Compute-kernel time of each rank divided by the median rank's in "
         "the same column (1.00× = typical). The straggler is the bright row: its own compute "
         "is slow while its peers wait.</p>",
-        heatmap_svg(data, relative_to_median(data.compute_by_rank), unit_label="×"),
+        heatmap_svg(
+            data,
+            relative_to_median(data.compute_by_rank),
+            unit_label="×",
+            no_data=NO_KERNELS if not data.kernels else NO_COMPUTE,
+        ),
         "<h2>Phase breakdown</h2>",
         "<p class='note'>Mean time per step in each phase (mean over ranks).</p>",
         phase_svg(data),
         "<h2>Kernels that moved</h2>",
         f"<p class='note'>Mean kernel duration before and after {stamp(data.change_unix_nano)}"
-        ", and the rank whose kernels differ most from the median rank after it.</p>",
+        ", and the rank whose kernels differ most from the median rank after it; those that "
+        "moved most, weighted by their share of kernel time, first.</p>",
         kernels_html(data),
     ]
     return (

@@ -128,19 +128,38 @@ def _finding_marks(data: ReportData, top: float, bottom: float, *, labels: bool)
     return "".join(parts)
 
 
+def empty(reason: str) -> str:
+    """What a section without data shows: why it has none."""
+    return f'<p class="empty">{html.escape(reason)}</p>'
+
+
+NO_STEPS = "No step windows in this range."
+NO_PHASES = (
+    "No phase timings: the job reported steps without phases (time them with "
+    "monitor.phase(...) or monitor.instrument(model, optimizer))."
+)
+
+
 def heatmap_svg(
-    data: ReportData, values_by_rank: Mapping[str, list[float | None]], *, unit_label: str
+    data: ReportData,
+    values_by_rank: Mapping[str, list[float | None]],
+    *,
+    unit_label: str,
+    no_data: str = NO_STEPS,
 ) -> str:
-    """Ranks as rows, time as columns; colour scaled between the 2nd and 98th percentile."""
+    """Ranks as rows, time as columns; colour scaled between the 2nd and 98th percentile.
+
+    ``no_data``: what the section says when there is nothing to draw (why).
+    """
     ranks = [rank for rank in data.ranks if rank in values_by_rank]
     if not ranks:
-        return '<p class="empty">No data.</p>'
+        return empty(no_data)
     row_h = max(4.0, min(16.0, 420.0 / len(ranks)))
     columns = len(data.column_times_unix_nano)
     cell_w = FRAME.width / columns
     every = [v for rank in ranks for v in values_by_rank[rank] if v is not None]
     if not every:
-        return '<p class="empty">No data.</p>'
+        return empty(no_data)
     # Top of the scale = the largest value, so one slow row stands out; the bottom ignores
     # the lowest 2 % (partial windows at the edges of the range).
     low, high = _quantile(every, 0.02), max(every)
@@ -239,7 +258,7 @@ def line_svg(data: ReportData, series: Sequence[tuple[str, list[float | None], s
     """Time series lines (seconds), findings as vertical lines labelled with their number."""
     every = [v for _, values, _ in series for v in values if v is not None]
     if not every:
-        return '<p class="empty">No data.</p>'
+        return empty(NO_STEPS)
     low, high = _y_scale(every)
     plot_h = 220.0
     top = FRAME.top
@@ -277,7 +296,7 @@ def line_svg(data: ReportData, series: Sequence[tuple[str, list[float | None], s
 def phase_svg(data: ReportData) -> str:
     """Stacked bars: mean time per step in each phase, per time column."""
     if not data.phases:
-        return '<p class="empty">No phase data.</p>'
+        return empty(NO_PHASES)
     order = [p for p in PHASE_COLOURS if p in data.phases]
     order += sorted(p for p in data.phases if p not in PHASE_COLOURS)
     colours = dict(PHASE_COLOURS)
