@@ -25,8 +25,9 @@ class DetectorConfig:
         gap_windows: flag-free windows that end an episode.
         missing_windows: consecutive silent windows before ``rank_missing``.
         burst_min_ratio: smallest longest-step / mean-step excess over peers for a stall.
-        sustained_windows: consecutive windows in which a rank, tested alone in each window
-            at level ``(fdr_q / ranks)^(1 / sustained_windows)``, must be slower than its
+        sustained_windows: windows, of the last ``sustained_windows + 1`` (one may fail),
+            in which a rank tested alone in each window (level from the binomial tail;
+            ``stats._stats.sustained_outliers``) must be slower than its
             peers to be flagged without reaching ``fdr_q`` in any one window (small jobs:
             the MAD of a few ranks cannot give a tiny p-value; persistence can).
         sustained_min_ratio: smallest ratio to the peers' median in each of those windows.
