@@ -12,7 +12,12 @@ Example:
 
 from stepwatch.core._facade import publish
 from stepwatch.otel_bridge._bridge import Bridge
-from stepwatch.otel_bridge._bucket_text import bucket_quantile, decode_buckets, merge_buckets
+from stepwatch.otel_bridge._bucket_text import (
+    bucket_quantile,
+    buckets_from_bound_fields,
+    decode_buckets,
+    merge_buckets,
+)
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
 from stepwatch.otel_bridge._convert import TAG_ALLOWLIST, Conversion, convert_request
 from stepwatch.otel_bridge._fields import COMPACT_FIELDS, LAYOUTS
@@ -35,6 +40,7 @@ __all__ = [
     "MemorySpool",
     "SpoolAppend",
     "bucket_quantile",
+    "buckets_from_bound_fields",
     "convert_request",
     "decode_buckets",
     "merge_buckets",

@@ -22,8 +22,9 @@ of many ranks) so a quantile over several windows is exact to the bucket.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from stepwatch.otel_bridge._buckets import (
@@ -198,13 +199,51 @@ def decode_buckets(text: str) -> Buckets:
 
 
 def bucket_quantile(
-    text: str, quantile: float, *, minimum: float | None = None, maximum: float | None = None
+    buckets: str | Buckets,
+    quantile: float,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
 ) -> float | None:
-    """The nearest-rank quantile of a stored ``buckets`` field (``p50`` etc. are this).
+    """The nearest-rank quantile of a stored ``buckets`` field or of decoded buckets.
 
-    Pass the point's ``min`` and ``max`` to get exactly the stored ``pNN`` values.
+    Pass the point's ``min`` and ``max`` to get the stored ``pNN`` values (before their
+    rounding to 12 significant bits). None for an empty histogram.
     """
-    return nearest_rank_quantile(decode_buckets(text), quantile, minimum=minimum, maximum=maximum)
+    decoded = decode_buckets(buckets) if isinstance(buckets, str) else buckets
+    return nearest_rank_quantile(decoded, quantile, minimum=minimum, maximum=maximum)
+
+
+def buckets_from_bound_fields(row: Mapping[str, object]) -> Buckets:
+    """The cumulative buckets of a point stored one field per bound: the ``per_bound`` layout,
+    or a Collector's influxdb exporter (which writes no ``+Inf``: ``count`` stands in).
+
+    ``row`` maps field keys to values as a query returns them (``None`` for a bound another
+    point has). Keys that are not numbers (``count``, ``sum``, ``p50``, ...) are ignored.
+
+    Example:
+        >>> buckets_from_bound_fields({"count": 10.0, "0.005": 1.0, "0.1": 8.0}).cumulative
+        [1, 8, 10]
+    """
+    bounds: list[tuple[float, int]] = []
+    for key, value in row.items():
+        if value is None or (not key[:1].isdigit() and not key.startswith("-")):
+            continue
+        try:
+            bound = float(key)
+        except ValueError:
+            continue
+        if math.isfinite(bound) and isinstance(value, int | float):
+            bounds.append((bound, int(value)))
+    bounds.sort()
+    total = row.get("+Inf", row.get("count"))
+    if not isinstance(total, int | float):
+        raise ValueError("neither +Inf nor count: not a histogram point")
+    uppers = [bound for bound, _ in bounds] + [math.inf]
+    cumulative = [count for _, count in bounds] + [int(total)]
+    if any(later < earlier for earlier, later in itertools.pairwise(cumulative)):
+        raise ValueError("bucket fields are not cumulative")
+    return Buckets([-math.inf, *uppers[:-1]], uppers, cumulative)
 
 
 def merge_buckets(texts: Iterable[str]) -> Buckets:

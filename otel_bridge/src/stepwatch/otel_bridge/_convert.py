@@ -358,6 +358,14 @@ def _convert_metric(
         metric, str(kind)
     ).aggregation_temporality == TEMPORALITY_CUMULATIVE
     series = b"\x00".join((scope, metric.name.encode(), str(kind).encode()))
+    # Compact layout: a stepwatch.* histogram's window is its rank's step window (the exporter
+    # builds them together), so its start is stored once, on stepwatch.step.duration.
+    shared_start = (
+        limits.histogram_layout == LAYOUT_COMPACT
+        and kind in ("histogram", "exponential_histogram")
+        and metric.name.startswith(_STEPWATCH_PREFIX)
+        and metric.name != _schema.STEP_DURATION
+    )
     bounds = limits.time_bounds_unix_nano
     points: Sequence[DataPoint] = getattr(metric, str(kind)).data_points
     for point in points:
@@ -386,6 +394,8 @@ def _convert_metric(
         except Rejected as exc:
             batch.rejected[exc.reason] += 1
             continue
+        if shared_start:
+            fields.pop("start_time_unix_nano", None)
         point_tags, dropped = _tags(point.attributes, allowlist)
         batch.dropped_attributes += dropped
         tags = {**resource_tags, **point_tags}
