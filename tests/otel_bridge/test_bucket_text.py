@@ -301,3 +301,72 @@ def test_per_bound_and_collector_points_read_back_as_the_same_buckets() -> None:
     ) == decode_buckets(explicit)
     with pytest.raises(ValueError, match="cumulative"):
         buckets_from_bound_fields({"count": 3.0, "0.1": 2.0, "0.2": 1.0})
+
+
+def _reference_exponential_buckets(  # the straightforward version the bridge had before
+    scale: int, offset: int, counts: list[int], negative_offset: int, negative: list[int],
+    zero_count: int, zero_threshold: float,
+) -> object:  # fmt: skip
+    def boundary(index: int) -> float:
+        try:
+            return float(2.0 ** (index * 2.0**-scale))
+        except OverflowError:
+            raise ValueError("overflow") from None
+
+    lowers, uppers, each = [], [], []
+    for position in reversed(range(len(negative))):
+        lowers.append(-boundary(negative_offset + position + 1))
+        uppers.append(-boundary(negative_offset + position))
+        each.append(negative[position])
+    if zero_count or zero_threshold or not (counts or negative):
+        lowers.append(-zero_threshold)
+        uppers.append(zero_threshold)
+        each.append(zero_count)
+    for position, count in enumerate(counts):
+        lowers.append(boundary(offset + position))
+        uppers.append(boundary(offset + position + 1))
+        each.append(count)
+    if any(later <= earlier for earlier, later in itertools.pairwise(uppers)):
+        raise ValueError("degenerate")
+    return lowers, uppers, list(itertools.accumulate(each))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    scale=st.integers(-10, 20),
+    offset=st.one_of(st.integers(-60, 60), st.integers(-1100, -1000), st.integers(-(10**7), 10**7)),
+    counts=st.lists(st.integers(0, 5), max_size=30),
+    negative_offset=st.one_of(st.integers(-60, 60), st.integers(-1100, -1000)),
+    negative=st.lists(st.integers(0, 5), max_size=10),
+    zero_count=st.integers(0, 3),
+    zero_threshold=st.sampled_from([0.0, 1e-320, 1e-9, 0.5]),
+)
+def test_exponential_buckets_match_the_reference(
+    scale: int,
+    offset: int,
+    counts: list[int],
+    negative_offset: int,
+    negative: list[int],
+    zero_count: int,
+    zero_threshold: float,
+) -> None:
+    """The cached-bounds implementation accepts and refuses exactly what the plain one does."""
+    try:
+        want = _reference_exponential_buckets(
+            scale, offset, counts, negative_offset, negative, zero_count, zero_threshold
+        )
+    except ValueError:
+        want = None
+    try:
+        got = exponential_buckets(
+            scale,
+            positive_offset=offset,
+            positive_counts=counts,
+            negative_offset=negative_offset,
+            negative_counts=negative,
+            zero_count=zero_count,
+            zero_threshold=zero_threshold,
+        )
+    except ValueError:
+        got = None
+    assert (None if got is None else tuple(got)) == want
