@@ -264,3 +264,61 @@ def post(
     except urllib.error.HTTPError as exc:
         with exc:
             return exc.code, dict(exc.headers), exc.read()
+
+
+def line_fields(line: str) -> dict[str, str]:
+    """The fields of one line of line protocol, values as written (strings keep their quotes).
+
+    Splits on the commas and spaces outside quoted string values (the compact layout's
+    ``buckets`` field holds commas); keys and tags carry no escaped separators in these tests.
+    """
+    head, _, rest = line.partition(" ")
+    while head.endswith("\\"):  # an escaped space in the series key
+        more, _, rest = rest.partition(" ")
+        head += " " + more
+    fields: dict[str, str] = {}
+    key, value, quoted, index = "", "", False, 0
+    in_value = False
+    while index < len(rest):
+        char = rest[index]
+        if in_value and quoted and char == "\\":
+            value += rest[index : index + 2]
+            index += 2
+            continue
+        if in_value and char == '"':
+            quoted = not quoted
+        if not quoted and char in ", ":
+            fields[key] = value
+            key, value, in_value = "", "", False
+            if char == " ":
+                break
+        elif not in_value and char == "=":
+            in_value = True
+        elif in_value:
+            value += char
+        else:
+            key += char
+        index += 1
+    return fields
+
+
+def bucket_fields(fields: Mapping[str, str]) -> dict[str, str]:
+    """The per-bound fields (``"0.1": "4.0"``, ``"+Inf"``) of a compact ``buckets`` field, as
+    the ``per_bound`` layout writes them (exponential: the edges of populated buckets only)."""
+    import math
+
+    from stepwatch.otel_bridge import decode_buckets
+    from stepwatch.otel_bridge._buckets import format_bound, populated_edges
+
+    text = fields["buckets"]
+    assert text.startswith('"') and text.endswith('"'), text
+    buckets = decode_buckets(text[1:-1])
+    keep = populated_edges(buckets) if text.startswith('"e') else range(len(buckets.uppers))
+    out = {
+        "+Inf" if math.isinf(buckets.uppers[i]) else format_bound(buckets.uppers[i]): (
+            f"{float(buckets.cumulative[i])!r}"
+        )
+        for i in keep
+    }
+    out["+Inf"] = f"{float(buckets.cumulative[-1])!r}"
+    return out

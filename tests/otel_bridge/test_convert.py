@@ -30,10 +30,12 @@ from stepwatch.otel_bridge._buckets import (
 from stepwatch.otel_bridge._convert import Point
 from stepwatch.otel_bridge._decode import decode_body
 from tests.otel_bridge.otlp_requests import (
+    bucket_fields,
     counter,
     explicit_histogram,
     exponential_histogram,
     gauge,
+    line_fields,
     rank_resource,
     request,
 )
@@ -95,6 +97,10 @@ def test_golden_line_protocol() -> None:
     # step + process.command_line on 6 points, and kernel.raw once
     assert conversion.dropped_attributes == 6 + 1 + 1
     check_golden("convert.lp", "\n".join(conversion.lines) + "\n")
+    # the Collector-compatible layout: one field per bound (docs/storage.md, "Histogram layouts")
+    legacy = convert_request(golden_request(), histogram_layout="per_bound")  # type: ignore[arg-type]
+    assert legacy.accepted_points == 6
+    check_golden("convert_per_bound.lp", "\n".join(legacy.lines) + "\n")
 
 
 def test_golden_otlp_json_payload_converts_identically() -> None:
@@ -135,12 +141,11 @@ def test_otlp_json_accepts_hex_ids_int_enums_and_unknown_fields() -> None:
 
 
 def fields_of(line: str) -> dict[str, str]:
-    field_text = line.rsplit(" ", 2)[-2]
-    return dict(item.split("=", 1) for item in field_text.split(","))
+    return line_fields(line)
 
 
 def test_explicit_histogram_fields_are_telegraf_prometheus_v1() -> None:
-    conversion = convert_request(golden_request())  # type: ignore[arg-type]
+    conversion = convert_request(golden_request(), histogram_layout="per_bound")  # type: ignore[arg-type]
     fields = fields_of(conversion.lines[0])
     assert fields["count"] == "10.0" and fields["sum"] == "0.95"
     assert [fields[key] for key in ("0.005", "0.01", "0.1", "+Inf")] == [
@@ -155,8 +160,26 @@ def test_explicit_histogram_fields_are_telegraf_prometheus_v1() -> None:
     assert fields["start_time_unix_nano"].endswith("i")
 
 
+def test_compact_layout_holds_the_buckets_in_one_string_field() -> None:
+    lines = convert_request(golden_request()).lines  # type: ignore[arg-type]
+    explicit, exponential = fields_of(lines[0]), fields_of(lines[1])
+    assert explicit["buckets"] == '"x0.005,0.01,0.1:1,3,4,2"'
+    assert exponential["buckets"] == '"e1:-8:2,0,5,1;z1"'
+    assert not {key for key in (*explicit, *exponential) if key[0].isdigit() or key == "+Inf"}
+    # the same quantiles as the per-bound layout, and the same cumulative counts
+    legacy = convert_request(golden_request(), histogram_layout="per_bound").lines  # type: ignore[arg-type]
+    for compact, per_bound in zip(lines[:2], legacy[:2], strict=True):
+        stored, old = fields_of(compact), fields_of(per_bound)
+        assert (stored["count"], stored["sum"]) == (old["count"], old["sum"])
+        for name in ("mean", "p50", "p90", "p99"):  # 12 significant bits in the compact layout
+            assert float(stored[name]) == pytest.approx(float(old[name]), rel=2**-12, abs=0)
+        assert bucket_fields(stored) == {
+            key: value for key, value in old.items() if key[0].isdigit() or key == "+Inf"
+        }
+
+
 def test_exponential_histogram_uses_real_bounds() -> None:
-    conversion = convert_request(golden_request())  # type: ignore[arg-type]
+    conversion = convert_request(golden_request(), histogram_layout="per_bound")  # type: ignore[arg-type]
     fields = fields_of(conversion.lines[1])
     # scale 1: base sqrt(2); positive bucket -8 is (2^-4, 2^-3.5]
     assert fields["0"] == "1.0"  # the zero bucket
@@ -402,7 +425,7 @@ def test_exponential_fields_keep_only_edges_of_populated_buckets() -> None:
     metric = exponential_histogram(
         "stepwatch.kernel.duration", scale=5, offset=-320, counts=counts, total=0.02
     )
-    (line,) = convert_request(request([metric])).lines
+    (line,) = convert_request(request([metric]), histogram_layout="per_bound").lines
     fields = dict(item.split("=") for item in line.split(" ")[1].split(","))
     edges = {format_bound(2.0 ** ((-320 + i) * 2.0**-5)) for i in (1, 2, 3, 64, 65)}
     bucket_keys = {key for key in fields if key[0].isdigit()}

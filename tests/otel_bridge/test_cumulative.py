@@ -13,9 +13,11 @@ from stepwatch.otel_bridge._cumulative import CumulativeState
 from tests.otel_bridge.otlp_requests import (
     T0,
     RecordingWriter,
+    bucket_fields,
     counter,
     explicit_histogram,
     exponential_histogram,
+    line_fields,
     request,
 )
 
@@ -43,7 +45,7 @@ def step(
 
 
 def fields(line: str) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in line.split(" ")[1].split(","))
+    return line_fields(line)
 
 
 def test_first_point_is_a_baseline_then_windows_are_differences() -> None:
@@ -54,7 +56,8 @@ def test_first_point_is_a_baseline_then_windows_are_differences() -> None:
     (line,) = second.lines
     stored = fields(line)
     assert stored["count"] == "7.0" and float(stored["sum"]) == 1.5
-    assert (stored["0.1"], stored["0.2"], stored["0.4"], stored["+Inf"]) == (
+    buckets = bucket_fields(stored)
+    assert (buckets["0.1"], buckets["0.2"], buckets["0.4"], buckets["+Inf"]) == (
         "1.0",
         "4.0",
         "6.0",

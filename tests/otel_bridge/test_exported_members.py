@@ -15,6 +15,9 @@ import stepwatch.otel_bridge
 EXPECTED = {
     *("Bridge", "BridgeMetrics", "CardinalityGuard", "TAG_ALLOWLIST"),
     *("convert_request", "Conversion"),
+    # the compact layout's fixed field set and the reader of its `buckets` field (issue 15)
+    *("COMPACT_FIELDS", "LAYOUTS", "decode_buckets", "bucket_quantile", "merge_buckets"),
+    "buckets_from_bound_fields",
     *("InfluxV1Writer", "InfluxV2Writer", "LineWriter", "DiskSpool", "MemorySpool", "SpoolAppend"),
 }
 

@@ -42,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stepwatch.core import ConfigError, InfluxClient
 from stepwatch.core._influx import count_points, wait_until
-from stepwatch.otel_bridge import Bridge
+from stepwatch.otel_bridge import Bridge, decode_buckets
 from tests.otel_bridge.otlp_requests import (
     RecordingWriter,
     explicit_histogram,
@@ -123,11 +123,11 @@ def test_sdk_exporters_http_gzip_grpc_into_influxdb(bridge: Bridge, influx: Infl
     assert wait_until(stored, timeout_s=10)
     for job in ("http", "gzip", "grpc"):
         rows = influx.query(
-            'SELECT "count", "sum", "p50", "max", "+Inf" FROM "stepwatch.step.duration" '
+            'SELECT "count", "sum", "p50", "max", "buckets" FROM "stepwatch.step.duration" '
             f"WHERE \"stepwatch.job.id\" = '{job}'"
         )[0].records()
         assert len(rows) == 1
-        assert rows[0]["count"] == 4 and rows[0]["+Inf"] == 4
+        assert rows[0]["count"] == 4 and decode_buckets(rows[0]["buckets"]).cumulative[-1] == 4
         assert rows[0]["sum"] == pytest.approx(0.86)
         # nearest rank 2 of [0.11, 0.12, 0.13, 0.5] is 0.12; max_size=40 keeps buckets narrow
         assert rows[0]["p50"] == pytest.approx(0.12, rel=0.05)

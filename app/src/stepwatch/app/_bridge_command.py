@@ -44,6 +44,7 @@ OPTIONS: tuple[tuple[Setting[Any], str], ...] = (
     (settings.BRIDGE_MAX_PAST_SKEW_S, "; e.g. 604800"),
     (settings.BRIDGE_MAX_DURATION_S, ""),
     (settings.BRIDGE_DUPLICATE_RANK_TAKEOVER_S, ""),
+    (settings.BRIDGE_HISTOGRAM_LAYOUT, ""),
 )
 
 
@@ -109,6 +110,12 @@ def _overflow(value: str) -> Literal["drop_oldest", "drop_newest"]:
     return "drop_oldest" if value == "drop_oldest" else "drop_newest"
 
 
+def _layout(value: str) -> str:
+    if value not in ("compact", "per_bound"):
+        raise ConfigError(f"--histogram-layout: {value!r} is not compact or per_bound")
+    return value
+
+
 def auth_token(options: Mapping[str, Any], environ: Mapping[str, str]) -> str | None:
     """The bearer token: from the token file when one is set, else its variable, else none."""
     path = options[settings.BRIDGE_TOKEN_FILE.name]
@@ -164,6 +171,7 @@ def run_bridge(args: argparse.Namespace) -> int:
         max_past_skew_s=_limit(options, settings.BRIDGE_MAX_PAST_SKEW_S),
         max_duration_s=_limit(options, settings.BRIDGE_MAX_DURATION_S),
         duplicate_rank_takeover_s=_limit(options, settings.BRIDGE_DUPLICATE_RANK_TAKEOVER_S),
+        histogram_layout=_layout(options[settings.BRIDGE_HISTOGRAM_LAYOUT.name]),
     )
     stop = threading.Event()
 

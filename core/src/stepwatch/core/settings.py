@@ -242,6 +242,16 @@ BRIDGE_MAX_CONNECTIONS = Setting[int](
     "OTLP/HTTP connections open at once (beyond it 503 and closed)",
 )
 
+# ---- the bridge: stored histogram layout (issue 15; docs/storage.md, "Histogram layouts") ----
+BRIDGE_HISTOGRAM_LAYOUT = Setting[str](
+    "histogram_layout",
+    "STEPWATCH_BRIDGE_HISTOGRAM_LAYOUT",
+    "compact",
+    _text,
+    "compact (buckets in one string field: a fixed set of columns) or per_bound (one field per "
+    "bucket bound, as a Collector's influxdb exporter writes)",
+)
+
 # ---- detectors' sinks ----------------------------------------------------------------------
 ALERTMANAGER_URL = Setting[str](
     "alertmanager_url",

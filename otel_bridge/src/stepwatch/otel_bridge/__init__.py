@@ -12,13 +12,22 @@ Example:
 
 from stepwatch.core._facade import publish
 from stepwatch.otel_bridge._bridge import Bridge
+from stepwatch.otel_bridge._bucket_text import (
+    bucket_quantile,
+    buckets_from_bound_fields,
+    decode_buckets,
+    merge_buckets,
+)
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
 from stepwatch.otel_bridge._convert import TAG_ALLOWLIST, Conversion, convert_request
+from stepwatch.otel_bridge._fields import COMPACT_FIELDS, LAYOUTS
 from stepwatch.otel_bridge._metrics import BridgeMetrics
 from stepwatch.otel_bridge._spool import DiskSpool, MemorySpool, SpoolAppend
 from stepwatch.otel_bridge._writers import InfluxV1Writer, InfluxV2Writer, LineWriter
 
 __all__ = [
+    "COMPACT_FIELDS",
+    "LAYOUTS",
     "TAG_ALLOWLIST",
     "Bridge",
     "BridgeMetrics",
@@ -30,7 +39,11 @@ __all__ = [
     "LineWriter",
     "MemorySpool",
     "SpoolAppend",
+    "bucket_quantile",
+    "buckets_from_bound_fields",
     "convert_request",
+    "decode_buckets",
+    "merge_buckets",
 ]
 
 publish(__name__, [globals()[name] for name in __all__])

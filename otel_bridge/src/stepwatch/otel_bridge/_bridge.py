@@ -19,6 +19,7 @@ from stepwatch.core._errors import ConfigError
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
 from stepwatch.otel_bridge._convert import MAX_DURATION_S, TAG_ALLOWLIST
 from stepwatch.otel_bridge._cumulative import CumulativeState
+from stepwatch.otel_bridge._fields import LAYOUT_COMPACT
 from stepwatch.otel_bridge._forwarder import Forwarder
 from stepwatch.otel_bridge._grpc_receiver import GrpcReceiver
 from stepwatch.otel_bridge._http_receiver import HTTP_PATH, HttpReceiver
@@ -110,6 +111,10 @@ class Bridge:
         max_cumulative_series: CUMULATIVE series whose last point is remembered, to store
             per-window deltas (docs/storage.md, "Cumulative temporality"); the least recently
             seen is forgotten first, and one silent for ``series_ttl_s`` is forgotten.
+        histogram_layout: ``compact`` (default: a histogram's buckets in one ``buckets``
+            string field, so every measurement has a fixed set of columns) or ``per_bound``
+            (one field per bucket bound, the columns of a Collector's influxdb exporter);
+            docs/storage.md, "Histogram layouts".
     """
 
     def __init__(
@@ -156,6 +161,7 @@ class Bridge:
         duplicate_rank_takeover_s: float | None = 30.0,
         clock_unix_nano: Callable[[], int] = time.time_ns,
         max_cumulative_series: int = 100_000,
+        histogram_layout: str = LAYOUT_COMPACT,
     ) -> None:
         for name, port in (("grpc_port", grpc_port), ("http_port", http_port)):
             if port is not None and not 0 <= port <= 65535:
@@ -230,6 +236,7 @@ class Bridge:
             identity=self.identity,
             tag_allowlist=tag_allowlist,
             max_duration_s=max_duration_s,
+            histogram_layout=histogram_layout,
             skew=ClockSkew(max_past_s=max_past_skew_s, max_future_s=max_future_skew_s),
             auth_token=auth_token,
             clock_unix_nano=clock_unix_nano,

@@ -128,6 +128,28 @@ def _exponential_boundary(scale: int, index: int) -> float | None:
         return None
 
 
+@functools.lru_cache(maxsize=16_384)
+def _range_bounds(scale: int, offset: int, length: int) -> tuple[tuple[float, ...], ...]:
+    """Lower and upper bounds of the buckets ``offset .. offset + length - 1`` (positive
+    side: ``(base**i, base**(i+1)]``), each only if strictly increasing, else ``()``.
+
+    Windows of one series repeat the same few ranges, so they are computed once.
+
+    Raises:
+        Rejected: a bound overflows a float.
+    """
+    bounds = [_exponential_boundary(scale, offset + index) for index in range(length + 1)]
+    finite = [bound for bound in bounds if bound is not None]
+    if len(finite) != len(bounds):
+        raise Rejected(REASON_BUCKET_LAYOUT)
+    lowers, uppers = tuple(finite[:-1]), tuple(finite[1:])
+    increasing = [
+        part if all(later > earlier for earlier, later in itertools.pairwise(part)) else ()
+        for part in (lowers, uppers)
+    ]
+    return lowers, uppers, increasing[0], increasing[1]
+
+
 def exponential_buckets(
     scale: int,
     *,
@@ -145,43 +167,38 @@ def exponential_buckets(
     ``[-zero_threshold, zero_threshold]``. Buckets are listed in ascending value order.
 
     Raises:
-        ValueError: bounds overflow a float, scale outside [-10, 20], too many buckets.
+        ValueError: bounds overflow a float, scale outside [-10, 20], too many buckets,
+            bounds not strictly increasing (underflow, a zero threshold above them).
     """
     if len(positive_counts) + len(negative_counts) > MAX_BUCKETS or not -10 <= scale <= 20:
         raise Rejected(REASON_BUCKET_LAYOUT)
     if not math.isfinite(zero_threshold) or zero_threshold < 0:
         raise Rejected(REASON_BUCKET_LAYOUT)
-
-    def boundary(index: int) -> float:
-        bound = _exponential_boundary(scale, index)
-        if bound is None:
-            raise Rejected(REASON_BUCKET_LAYOUT)
-        return bound
-
     lowers: list[float] = []
     uppers: list[float] = []
     counts: list[int] = []
-    for position in reversed(range(len(negative_counts))):
-        index = negative_offset + position
-        lowers.append(-boundary(index + 1))
-        uppers.append(-boundary(index))
-        counts.append(int(negative_counts[position]))
+    if negative_counts:
+        negative_lowers, negative_uppers, increasing, _ = _range_bounds(
+            scale, negative_offset, len(negative_counts)
+        )
+        if not increasing:  # the uppers below are the lowers' negations, reversed
+            raise Rejected(REASON_BUCKET_LAYOUT)  # degenerate: underflowed bounds
+        lowers.extend(-bound for bound in reversed(negative_uppers))
+        uppers.extend(-bound for bound in reversed(negative_lowers))
+        counts.extend(int(count) for count in reversed(negative_counts))
     if zero_count or zero_threshold or not (positive_counts or negative_counts):
+        if uppers and not zero_threshold > uppers[-1]:
+            raise Rejected(REASON_BUCKET_LAYOUT)
         lowers.append(-zero_threshold)
         uppers.append(zero_threshold)
         counts.append(int(zero_count))
-    for position, count in enumerate(positive_counts):
-        index = positive_offset + position
-        lowers.append(boundary(index))
-        uppers.append(boundary(index + 1))
-        counts.append(int(count))
-    if any(math.isinf(bound) for bound in uppers) or any(
-        later <= earlier for earlier, later in itertools.pairwise(uppers)
-    ):
-        raise Rejected(REASON_BUCKET_LAYOUT)  # overflowed or degenerate (zero_threshold)
-    cumulative: list[int] = []
-    running = 0
-    for count in counts:
-        running += count
-        cumulative.append(running)
-    return Buckets(lowers, uppers, cumulative)
+    if positive_counts:
+        positive_lowers, positive_uppers, _, increasing = _range_bounds(
+            scale, positive_offset, len(positive_counts)
+        )
+        if not increasing or (uppers and not positive_uppers[0] > uppers[-1]):
+            raise Rejected(REASON_BUCKET_LAYOUT)  # degenerate (zero_threshold, underflow)
+        lowers.extend(positive_lowers)
+        uppers.extend(positive_uppers)
+        counts.extend(int(count) for count in positive_counts)
+    return Buckets(lowers, uppers, list(itertools.accumulate(counts)))

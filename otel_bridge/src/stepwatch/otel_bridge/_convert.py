@@ -7,7 +7,9 @@ following the OpenTelemetry Collector's influxdb exporter (``otel2influx``, sche
 ``telegraf-prometheus-v1``): histograms carry ``count``, ``sum``, ``min``, ``max`` and one
 cumulative-count field per bucket upper bound plus ``+Inf``; gauges ``gauge``; monotonic sums
 ``counter``; summaries ``count``, ``sum`` and one field per quantile. stepwatch adds ``mean``,
-``p50``, ``p90``, ``p99`` and ``start_time_unix_nano``.
+``p50``, ``p90``, ``p99`` and ``start_time_unix_nano``. That is the ``per_bound`` layout; the
+default ``compact`` layout stores the buckets (summary quantiles) in one string field
+``buckets`` (``quantiles``) instead, so a measurement has a fixed set of columns.
 
 Data model: https://opentelemetry.io/docs/specs/otel/metrics/data-model/
 """
@@ -28,7 +30,7 @@ from stepwatch.core._lineproto import (
     format_field_value,
 )
 from stepwatch.otel_bridge._cumulative import TEMPORALITY_CUMULATIVE, CumulativeState, Pending
-from stepwatch.otel_bridge._fields import point_fields
+from stepwatch.otel_bridge._fields import LAYOUT_COMPACT, LAYOUTS, point_fields
 from stepwatch.otel_bridge._reasons import (
     REASON_CLOCK_SKEW,
     REASON_INVALID_NAME,
@@ -143,6 +145,7 @@ def convert_request(
     max_duration_s: float | None = MAX_DURATION_S,
     time_bounds_unix_nano: tuple[int, int] | None = None,
     cumulative: CumulativeState | None = None,
+    histogram_layout: str = LAYOUT_COMPACT,
 ) -> Conversion:
     """Convert an OTLP metrics export request to InfluxDB line protocol.
 
@@ -158,6 +161,9 @@ def convert_request(
         cumulative: the per-series state that turns CUMULATIVE sums and histograms into
             per-window deltas (``_cumulative.py``), advanced by this call. None: a fresh one,
             so every cumulative point is a baseline (``cumulative_baseline``).
+        histogram_layout: ``compact`` (histogram buckets in one ``buckets`` string field,
+            summary quantiles in ``quantiles``: a fixed set of columns) or ``per_bound`` (one
+            field per bound, the columns of a Collector's influxdb exporter); docs/storage.md.
 
     Returns:
         The lines, the number of accepted points and the rejected points by reason.
@@ -174,6 +180,7 @@ def convert_request(
         max_duration_s=max_duration_s,
         time_bounds_unix_nano=time_bounds_unix_nano,
         cumulative=cumulative,
+        histogram_layout=histogram_layout,
     )
     if cumulative is not None:
         cumulative.commit(batch.pending)
@@ -193,15 +200,23 @@ def convert_to_points(
     time_bounds_unix_nano: tuple[int, int] | None = None,
     resource_check: ResourceCheck | None = None,
     cumulative: CumulativeState | None = None,
+    histogram_layout: str = LAYOUT_COMPACT,
 ) -> PointBatch:
     """Like :func:`convert_request` but returns unencoded points (for filtering).
 
     ``resource_check`` (the bridge's duplicate-rank guard) may refuse a resource's
     ``stepwatch.*`` points; it is called only for resources that carry any. ``cumulative``
     is *not* advanced: the caller commits ``batch.pending`` once the points are accepted.
+
+    Raises:
+        ValueError: ``histogram_layout`` is not one of ``compact``, ``per_bound``.
     """
+    if histogram_layout not in LAYOUTS:
+        raise ValueError(f"histogram_layout: {histogram_layout!r} is not one of {LAYOUTS}")
     batch = PointBatch(points=[], rejected=Counter(), dropped_attributes=0)
-    limits = _Limits(max_duration_s, time_bounds_unix_nano, cumulative or CumulativeState())
+    limits = _Limits(
+        max_duration_s, time_bounds_unix_nano, cumulative or CumulativeState(), histogram_layout
+    )
     for resource_metrics in request.resource_metrics:
         resource_attrs = resource_metrics.resource.attributes
         resource_tags, dropped = _tags(resource_attrs, tag_allowlist)
@@ -242,6 +257,7 @@ class _Limits(NamedTuple):
     max_duration_s: float | None
     time_bounds_unix_nano: tuple[int, int] | None
     cumulative: CumulativeState
+    histogram_layout: str
 
 
 def _attributes_key(attributes: Iterable[KeyValue]) -> bytes:
@@ -342,6 +358,14 @@ def _convert_metric(
         metric, str(kind)
     ).aggregation_temporality == TEMPORALITY_CUMULATIVE
     series = b"\x00".join((scope, metric.name.encode(), str(kind).encode()))
+    # Compact layout: a stepwatch.* histogram's window is its rank's step window (the exporter
+    # builds them together), so its start is stored once, on stepwatch.step.duration.
+    shared_start = (
+        limits.histogram_layout == LAYOUT_COMPACT
+        and kind in ("histogram", "exponential_histogram")
+        and metric.name.startswith(_STEPWATCH_PREFIX)
+        and metric.name != _schema.STEP_DURATION
+    )
     bounds = limits.time_bounds_unix_nano
     points: Sequence[DataPoint] = getattr(metric, str(kind)).data_points
     for point in points:
@@ -365,10 +389,13 @@ def _convert_metric(
                 monotonic=monotonic,
                 duration=duration,
                 max_duration_s=limits.max_duration_s,
+                layout=limits.histogram_layout,
             )
         except Rejected as exc:
             batch.rejected[exc.reason] += 1
             continue
+        if shared_start:
+            fields.pop("start_time_unix_nano", None)
         point_tags, dropped = _tags(point.attributes, allowlist)
         batch.dropped_attributes += dropped
         tags = {**resource_tags, **point_tags}

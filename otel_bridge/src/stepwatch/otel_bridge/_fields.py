@@ -2,8 +2,10 @@
 
 Field names follow the OpenTelemetry Collector's influxdb exporter (``otel2influx``, schema
 ``telegraf-prometheus-v1``); stepwatch adds ``mean``, ``min``, ``max``, the quantiles of
-:data:`QUANTILES` and ``start_time_unix_nano``. A point that cannot be stored raises
-:class:`Rejected` with the reason.
+:data:`QUANTILES` and ``start_time_unix_nano``. Histogram buckets are stored per
+:data:`LAYOUTS`: ``compact`` (the default) puts them in one ``buckets`` string field
+(``_bucket_text``), ``per_bound`` writes one field per bound as otel2influx does. A point
+that cannot be stored raises :class:`Rejected` with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from stepwatch.core._lineproto import FieldValue
+from stepwatch.otel_bridge._bucket_text import encode_explicit, encode_exponential
 from stepwatch.otel_bridge._buckets import (
     Buckets,
     explicit_buckets,
@@ -46,6 +49,21 @@ if TYPE_CHECKING:
 QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
 """The quantile fields derived from every histogram (docs/storage.md, "Derived quantiles")."""
 
+LAYOUT_COMPACT = "compact"
+LAYOUT_PER_BOUND = "per_bound"
+LAYOUTS: tuple[str, ...] = (LAYOUT_COMPACT, LAYOUT_PER_BOUND)
+"""How histogram buckets (and summary quantiles) are stored (docs/storage.md, "Histogram
+layouts"): ``compact``, one ``buckets`` string field, so a measurement's field keys are
+:data:`COMPACT_FIELDS` whatever the data; ``per_bound``, one field per bound (otel2influx's
+columns, unbounded)."""
+
+COMPACT_FIELDS: frozenset[str] = frozenset(
+    {"count", "sum", "mean", "min", "max", "buckets", "quantiles", "start_time_unix_nano"}
+    | {name for name, _ in QUANTILES}
+    | {"gauge", "counter"}
+)
+"""Every field key the compact layout can write, all metric kinds together."""
+
 
 def point_fields(
     kind: str,
@@ -54,6 +72,7 @@ def point_fields(
     monotonic: bool,
     duration: bool,
     max_duration_s: float | None,
+    layout: str = LAYOUT_COMPACT,
 ) -> dict[str, FieldValue]:
     """The fields of one data point of a metric of ``kind`` (``Metric.WhichOneof("data")``).
 
@@ -63,6 +82,7 @@ def point_fields(
         monotonic: a ``sum`` is monotonic (stored as ``counter``, else ``gauge``).
         duration: the metric measures durations (no negative values).
         max_duration_s: a duration whose max or mean exceeds this is implausible; None: any.
+        layout: one of :data:`LAYOUTS`.
 
     Raises:
         Rejected: the point cannot be stored; ``reason`` says why.
@@ -72,11 +92,11 @@ def point_fields(
     elif kind == "sum":
         fields = _number_fields(point, "counter" if monotonic else "gauge")  # type: ignore[arg-type]
     elif kind == "histogram":
-        fields = _histogram_fields(point, duration=duration)  # type: ignore[arg-type]
+        fields = _histogram_fields(point, duration=duration, layout=layout)  # type: ignore[arg-type]
     elif kind == "exponential_histogram":
-        fields = _exponential_fields(point, duration=duration)  # type: ignore[arg-type]
+        fields = _exponential_fields(point, duration=duration, layout=layout)  # type: ignore[arg-type]
     else:
-        fields = _summary_fields(point, duration=duration)  # type: ignore[arg-type]
+        fields = _summary_fields(point, duration=duration, layout=layout)  # type: ignore[arg-type]
     if duration and max_duration_s is not None:
         _plausible(fields, max_duration_s)
     return fields
@@ -150,28 +170,59 @@ def _histogram_head(
     return _Head(fields, minimum, maximum)
 
 
+DERIVED_BITS = 12
+"""Significant bits of the derived ``mean``, ``p50``, ``p90``, ``p99`` in the compact layout."""
+
+
+def _rounded(value: float, minimum: float | None, maximum: float | None) -> float:
+    """``value`` to :data:`DERIVED_BITS` significant bits (relative error < 2**-12), kept in
+    ``[minimum, maximum]``: a float's last 40 bits of noise cost InfluxDB's XOR float encoding
+    ~4 bytes per value; an estimate within half a bucket (≥ 2 %) does not need them."""
+    mantissa, exponent = math.frexp(value)
+    value = math.ldexp(round(mantissa * (1 << DERIVED_BITS)), exponent - DERIVED_BITS)
+    if minimum is not None:
+        value = max(value, minimum)
+    if maximum is not None:
+        value = min(value, maximum)
+    return value
+
+
 def _add_buckets(
-    head: _Head, buckets: Buckets, start_time_unix_nano: int, *, sparse: bool = False
+    head: _Head,
+    buckets: Buckets,
+    start_time_unix_nano: int,
+    *,
+    text: str | None,
+    sparse: bool = False,
 ) -> dict[str, FieldValue]:
-    """The head's fields plus one cumulative count per bound, ``+Inf`` and the quantiles."""
+    """The head's fields plus the quantiles and the buckets: the ``buckets`` string when
+    ``text`` is given (compact layout), else one cumulative count per bound and ``+Inf``."""
     fields, minimum, maximum = head
-    keep = populated_edges(buckets) if sparse else range(len(buckets.uppers))
-    for index in keep:
-        upper = buckets.uppers[index]
-        key = "+Inf" if math.isinf(upper) else format_bound(upper)
-        fields[key] = float(buckets.cumulative[index])
-    if not buckets.uppers or not math.isinf(buckets.uppers[-1]):
-        fields["+Inf"] = fields["count"]
+    if text is None:
+        keep = populated_edges(buckets) if sparse else range(len(buckets.uppers))
+        for index in keep:
+            upper = buckets.uppers[index]
+            key = "+Inf" if math.isinf(upper) else format_bound(upper)
+            fields[key] = float(buckets.cumulative[index])
+        if not buckets.uppers or not math.isinf(buckets.uppers[-1]):
+            fields["+Inf"] = fields["count"]
     for name, quantile in QUANTILES:
         value = nearest_rank_quantile(buckets, quantile, minimum=minimum, maximum=maximum)
         if value is not None:
-            fields[name] = value
+            fields[name] = value if text is None else _rounded(value, minimum, maximum)
+    if text is not None:
+        mean = fields.get("mean")
+        if isinstance(mean, float):
+            fields["mean"] = _rounded(mean, minimum, maximum)
+        fields["buckets"] = text
     if start_time_unix_nano:
         fields["start_time_unix_nano"] = start_time_unix_nano
     return fields
 
 
-def _histogram_fields(point: HistogramDataPoint, *, duration: bool) -> dict[str, FieldValue]:
+def _histogram_fields(
+    point: HistogramDataPoint, *, duration: bool, layout: str
+) -> dict[str, FieldValue]:
     head = _histogram_head(point, duration=duration)
     counts = list(point.bucket_counts)
     if not counts:  # a histogram without buckets: count/sum/min/max only
@@ -181,16 +232,18 @@ def _histogram_fields(point: HistogramDataPoint, *, duration: bool) -> dict[str,
         if point.start_time_unix_nano:
             fields["start_time_unix_nano"] = int(point.start_time_unix_nano)
         return fields
-    buckets = explicit_buckets(list(point.explicit_bounds), counts)
+    bounds = list(point.explicit_bounds)
+    buckets = explicit_buckets(bounds, counts)
     if buckets.cumulative[-1] != point.count:
         raise Rejected(REASON_COUNT_MISMATCH)
     if duration and point.count > 0 and buckets.uppers[0] < 0 and buckets.cumulative[0] > 0:
         raise Rejected(REASON_NEGATIVE_DURATION)
-    return _add_buckets(head, buckets, int(point.start_time_unix_nano))
+    text = encode_explicit(bounds, counts) if layout == LAYOUT_COMPACT else None
+    return _add_buckets(head, buckets, int(point.start_time_unix_nano), text=text)
 
 
 def _exponential_fields(
-    point: ExponentialHistogramDataPoint, *, duration: bool
+    point: ExponentialHistogramDataPoint, *, duration: bool, layout: str
 ) -> dict[str, FieldValue]:
     head = _histogram_head(point, duration=duration)
     negative_counts = list(point.negative.bucket_counts)
@@ -198,10 +251,11 @@ def _exponential_fields(
         negative_counts = []  # SDKs send an empty negative range as zeros; no "-1" fields
     if duration and negative_counts:
         raise Rejected(REASON_NEGATIVE_DURATION)
+    scale, positive_counts = int(point.scale), list(point.positive.bucket_counts)
     buckets = exponential_buckets(
-        int(point.scale),
+        scale,
         positive_offset=int(point.positive.offset),
-        positive_counts=list(point.positive.bucket_counts),
+        positive_counts=positive_counts,
         negative_offset=int(point.negative.offset),
         negative_counts=negative_counts,
         zero_count=int(point.zero_count),
@@ -209,19 +263,43 @@ def _exponential_fields(
     )
     if buckets.cumulative[-1] != point.count:
         raise Rejected(REASON_COUNT_MISMATCH)
-    return _add_buckets(head, buckets, int(point.start_time_unix_nano), sparse=True)
+    text = None
+    if layout == LAYOUT_COMPACT:
+        text = encode_exponential(
+            scale,
+            offset=int(point.positive.offset),
+            counts=positive_counts,
+            zero_count=int(point.zero_count),
+            zero_threshold=float(point.zero_threshold),
+            negative_offset=int(point.negative.offset),
+            negative_counts=negative_counts,
+        )
+    return _add_buckets(head, buckets, int(point.start_time_unix_nano), text=text, sparse=True)
 
 
-def _summary_fields(point: SummaryDataPoint, *, duration: bool) -> dict[str, FieldValue]:
+def _summary_fields(
+    point: SummaryDataPoint, *, duration: bool, layout: str
+) -> dict[str, FieldValue]:
     _finite(point.sum)
     if duration and point.sum < 0:
         raise Rejected(REASON_NEGATIVE_DURATION)
     fields: dict[str, FieldValue] = {"count": float(point.count), "sum": point.sum}
+    pairs: list[str] = []
     for item in point.quantile_values:
         _finite(item.quantile, item.value)
         if not 0.0 <= item.quantile <= 1.0:
             raise Rejected(REASON_BUCKET_LAYOUT)
-        fields[format_bound(item.quantile)] = item.value
+        if layout == LAYOUT_COMPACT:
+            pairs.append(f"{format_bound(item.quantile)}={item.value!r}")
+        else:
+            fields[format_bound(item.quantile)] = item.value
+    if pairs:
+        # compact: every quantile in one string; those of QUANTILES also as plain fields
+        values = {item.quantile: item.value for item in point.quantile_values}
+        for name, quantile in QUANTILES:
+            if quantile in values:
+                fields[name] = values[quantile]
+        fields["quantiles"] = ",".join(pairs)
     if point.start_time_unix_nano:
         fields["start_time_unix_nano"] = int(point.start_time_unix_nano)
     return fields

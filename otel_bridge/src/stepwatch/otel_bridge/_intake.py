@@ -21,6 +21,7 @@ from stepwatch.core._errors import ConfigError
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
 from stepwatch.otel_bridge._convert import convert_to_points
 from stepwatch.otel_bridge._cumulative import CumulativeState
+from stepwatch.otel_bridge._fields import LAYOUT_COMPACT, LAYOUTS
 from stepwatch.otel_bridge._forwarder import Admission, Forwarder
 from stepwatch.otel_bridge._identity import RankIdentityGuard, Verdict
 from stepwatch.otel_bridge._metrics import BridgeMetrics
@@ -99,6 +100,7 @@ class Intake:
         clock_unix_nano: the receive-time clock.
         cumulative: the per-series state turning CUMULATIVE points into deltas; advanced only
             when a request is accepted. None: a fresh one.
+        histogram_layout: ``compact`` or ``per_bound`` (docs/storage.md, "Histogram layouts").
 
     Each is documented, with its default, on :class:`~stepwatch.otel_bridge.Bridge`.
     """
@@ -116,7 +118,10 @@ class Intake:
         auth_token: str | None,
         clock_unix_nano: Callable[[], int],
         cumulative: CumulativeState | None = None,
+        histogram_layout: str = LAYOUT_COMPACT,
     ) -> None:
+        if histogram_layout not in LAYOUTS:
+            raise ConfigError(f"histogram_layout: {histogram_layout!r} is not one of {LAYOUTS}")
         if auth_token is not None and not auth_token.strip():
             raise ConfigError("auth_token: must not be empty")
         for name, bound in (
@@ -135,6 +140,7 @@ class Intake:
         self.skew = skew
         self.clock_unix_nano = clock_unix_nano
         self.cumulative = cumulative if cumulative is not None else CumulativeState()
+        self.histogram_layout = histogram_layout
         self._logged_conflicts: set[tuple[str, str]] = set()
         self._auth = None if auth_token is None else f"Bearer {auth_token.strip()}".encode()
 
@@ -160,6 +166,7 @@ class Intake:
             time_bounds_unix_nano=self.skew.bounds_unix_nano(now_unix_nano),
             resource_check=None if self.identity is None else self._identity_check(now_unix_nano),
             cumulative=self.cumulative,
+            histogram_layout=self.histogram_layout,
         )
         points = batch.points
         rejected = batch.rejected
