@@ -20,7 +20,7 @@ from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm
 
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._lineproto import encode_point
-from stepwatch.otel_bridge import TAG_ALLOWLIST, convert_request
+from stepwatch.otel_bridge import TAG_ALLOWLIST, bucket_quantile, convert_request
 from stepwatch.otel_bridge._buckets import (
     explicit_buckets,
     exponential_buckets,
@@ -171,8 +171,16 @@ def test_compact_layout_holds_the_buckets_in_one_string_field() -> None:
     for compact, per_bound in zip(lines[:2], legacy[:2], strict=True):
         stored, old = fields_of(compact), fields_of(per_bound)
         assert (stored["count"], stored["sum"]) == (old["count"], old["sum"])
-        for name in ("mean", "p50", "p90", "p99"):  # 12 significant bits in the compact layout
+        for name in ("p50", "p90"):  # 12 significant bits in the compact layout
             assert float(stored[name]) == pytest.approx(float(old[name]), rel=2**-12, abs=0)
+        # mean is sum / count, p99 is read from the buckets: neither is stored
+        assert "mean" not in stored and "p99" not in stored
+        assert float(old["mean"]) == float(stored["sum"]) / float(stored["count"])
+        text = stored["buckets"].strip('"')
+        p99 = bucket_quantile(
+            text, 0.99, minimum=float(stored["min"]), maximum=float(stored["max"])
+        )
+        assert p99 == float(old["p99"])
         assert bucket_fields(stored) == {
             key: value for key, value in old.items() if key[0].isdigit() or key == "+Inf"
         }
@@ -455,8 +463,10 @@ def test_one_observation_without_min_max_reads_back_as_its_sum(explicit: bool) -
         (line,) = convert_request(request([metric])).lines
         fields = fields_of(line)
         if count == 1:
-            for name in ("min", "max", "p50", "p90", "p99"):
+            for name in ("min", "max", "p50", "p90"):
                 assert float(fields[name]) == value, name
+            text = fields["buckets"].strip('"')
+            assert bucket_quantile(text, 0.99, minimum=value, maximum=value) == value
         else:
             assert "min" not in fields and "max" not in fields
             assert float(fields["p50"]) != value

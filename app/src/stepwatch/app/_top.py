@@ -79,10 +79,15 @@ class Snapshot:
 def _latest_by(
     client: InfluxClient, measurement: str, field: str, job: str, lookback_s: float, *by: str
 ) -> dict[tuple[str, ...], tuple[int, float]]:
-    """``(tag values...) -> (time, value)`` of the newest point per series in the lookback."""
+    """``(tag values...) -> (time, value)`` of the newest point per series in the lookback.
+
+    ``field="mean"`` reads the newest window's ``sum / count`` (no stored ``mean`` needed:
+    the compact layout and a Collector's data have none).
+    """
     group = ", ".join(quote_ident(tag) for tag in by)
+    selected = 'last("sum"), "count"' if field == "mean" else f"last({quote_ident(field)})"
     series = client.query(
-        f"SELECT last({quote_ident(field)}) FROM {quote_ident(measurement)} "
+        f"SELECT {selected} FROM {quote_ident(measurement)} "
         f"WHERE {quote_ident(JOB_ID)} = {quote_literal(job)} "
         f"AND time > now() - {max(1, round(lookback_s))}s GROUP BY {group}"
     )
@@ -90,8 +95,14 @@ def _latest_by(
     for item in series:
         if not item.values or item.values[0][1] is None:
             continue
+        row = item.values[0]
+        value = float(row[1])
+        if field == "mean":
+            if not isinstance(row[2], int | float) or row[2] <= 0:
+                continue
+            value /= float(row[2])
         key = tuple((item.tags or {}).get(tag, "") for tag in by)
-        found[key] = (int(item.values[0][0]), float(item.values[0][1]))
+        found[key] = (int(row[0]), value)
     return found
 
 

@@ -345,7 +345,7 @@ class StepMonitor:
 
     # ------------------------------------------------------------------ export
     def _wall_ns(self, monotonic_ns: int) -> int:
-        return self._wall_anchor_ns + (monotonic_ns - self._mono_anchor_ns)
+        return self._builder.stamp(self._wall_anchor_ns + (monotonic_ns - self._mono_anchor_ns))
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -456,6 +456,7 @@ class StepMonitor:
             builder.set_progress(self._where(now_ns))
             start_unix_nano = self._last_window_end_ns
             end_unix_nano = self._wall_ns(now_ns)
+        end_unix_nano = builder.stamp(end_unix_nano, after=self._last_window_end_ns)
         if final:
             builder.mark_closed()
         metrics = builder.build(start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano)

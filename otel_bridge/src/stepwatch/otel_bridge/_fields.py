@@ -47,7 +47,14 @@ if TYPE_CHECKING:
     )
 
 QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
-"""The quantile fields derived from every histogram (docs/storage.md, "Derived quantiles")."""
+"""The quantile fields derived from every histogram in the ``per_bound`` layout (docs/storage.md,
+"Derived quantiles")."""
+
+COMPACT_QUANTILES: tuple[tuple[str, float], ...] = QUANTILES[:2]
+"""The quantile fields derived in the ``compact`` layout: ``p50`` and ``p90`` (the ones the
+dashboards and report read). ``p99`` and every other quantile come from the ``buckets`` field
+(:func:`~stepwatch.otel_bridge.bucket_quantile`), and ``mean`` is ``sum / count``: each stored
+field costs its own timestamps on disk (docs/deployment.md, "Stored bytes")."""
 
 LAYOUT_COMPACT = "compact"
 LAYOUT_PER_BOUND = "per_bound"
@@ -58,7 +65,7 @@ layouts"): ``compact``, one ``buckets`` string field, so a measurement's field k
 columns, unbounded)."""
 
 COMPACT_FIELDS: frozenset[str] = frozenset(
-    {"count", "sum", "mean", "min", "max", "buckets", "quantiles", "start_time_unix_nano"}
+    {"count", "sum", "min", "max", "buckets", "quantiles", "start_time_unix_nano"}
     | {name for name, _ in QUANTILES}
     | {"gauge", "counter"}
 )
@@ -171,7 +178,7 @@ def _histogram_head(
 
 
 DERIVED_BITS = 12
-"""Significant bits of the derived ``mean``, ``p50``, ``p90``, ``p99`` in the compact layout."""
+"""Significant bits of the derived ``p50`` and ``p90`` in the compact layout."""
 
 
 def _rounded(value: float, minimum: float | None, maximum: float | None) -> float:
@@ -206,14 +213,12 @@ def _add_buckets(
             fields[key] = float(buckets.cumulative[index])
         if not buckets.uppers or not math.isinf(buckets.uppers[-1]):
             fields["+Inf"] = fields["count"]
-    for name, quantile in QUANTILES:
+    for name, quantile in QUANTILES if text is None else COMPACT_QUANTILES:
         value = nearest_rank_quantile(buckets, quantile, minimum=minimum, maximum=maximum)
         if value is not None:
             fields[name] = value if text is None else _rounded(value, minimum, maximum)
     if text is not None:
-        mean = fields.get("mean")
-        if isinstance(mean, float):
-            fields["mean"] = _rounded(mean, minimum, maximum)
+        fields.pop("mean", None)  # sum / count
         fields["buckets"] = text
     if start_time_unix_nano:
         fields["start_time_unix_nano"] = start_time_unix_nano
@@ -229,6 +234,8 @@ def _histogram_fields(
         if point.explicit_bounds:
             raise Rejected(REASON_BUCKET_LAYOUT)
         fields = head.fields
+        if layout == LAYOUT_COMPACT:
+            fields.pop("mean", None)  # sum / count
         if point.start_time_unix_nano:
             fields["start_time_unix_nano"] = int(point.start_time_unix_nano)
         return fields

@@ -193,7 +193,9 @@ def read_progress(
         f"GROUP BY {rank}, {phase}",
         f'SELECT last("gauge") FROM {quote_ident(_schema.STEP_CURRENT)} WHERE {history} '
         f"GROUP BY {rank}",
-        f'SELECT last("mean"), "start_time_unix_nano" FROM {quote_ident(_schema.STEP_DURATION)} '
+        # the newest window's mean step is sum / count (the compact layout stores no mean)
+        f'SELECT last("sum"), "count", "start_time_unix_nano" '
+        f"FROM {quote_ident(_schema.STEP_DURATION)} "
         f"WHERE {history} GROUP BY {rank}, {host}",
         f'SELECT last("gauge") FROM {quote_ident(_schema.STEP_LAST)} WHERE {history} '
         f"GROUP BY {rank}",
@@ -220,6 +222,12 @@ def progress_from_series(
         if row[0] is None or not isinstance(row[1], int | float):
             continue
         time_unix_nano, value = int(row[0]), float(row[1])
+        if series.name == _schema.STEP_DURATION:
+            count = row[2] if len(row) > 2 else None
+            if not isinstance(count, int | float) or count <= 0:
+                continue
+            value /= count
+            row = [row[0], row[1], *row[3:]]  # then [time, sum, start] as before
         if series.name == _schema.PHASE_ELAPSED:
             phase = series.tags.get(_schema.PHASE, "")
             by_phase.setdefault(rank, {})[phase] = (time_unix_nano, value)

@@ -130,7 +130,7 @@ def load_report_data(
 
     # One value per rank first: with thousands of ranks only the most deviant are drawn,
     # and only their time series are fetched.
-    step_totals = per_rank_total(f'SELECT mean("mean") FROM {step} WHERE {where} {by_rank}')
+    step_totals = per_rank_total(f'SELECT sum("sum") / sum("count") FROM {step} WHERE {where} {by_rank}')
     if not step_totals:
         raise ConfigError(
             f"job: no {STEP_DURATION} data for {job!r} in the requested range "
@@ -146,7 +146,7 @@ def load_report_data(
         alternatives = "|".join(re.escape(rank).replace("/", "\\/") for rank in shown)
         rank_filter = f" AND {quote_ident(RANK)} =~ /^({alternatives})$/"
     step_by_rank = by_tag(
-        f'SELECT mean("mean") FROM {step} WHERE {where}{rank_filter} {group}, '
+        f'SELECT sum("sum") / sum("count") FROM {step} WHERE {where}{rank_filter} {group}, '
         f"{quote_ident(RANK)} fill(none)",
         RANK,
     )
@@ -167,7 +167,7 @@ def load_report_data(
                 step_median[index] = None if row[1] is None else float(row[1])
                 step_max[index] = None if row[2] is None else float(row[2])
     phases = by_tag(
-        f'SELECT mean("mean") FROM {quote_ident(PHASE_DURATION)} WHERE {where} {group}, '
+        f'SELECT sum("sum") / sum("count") FROM {quote_ident(PHASE_DURATION)} WHERE {where} {group}, '
         f"{quote_ident(PHASE)} fill(none)",
         PHASE,
     )
@@ -247,7 +247,7 @@ def kernel_shifts(
     def period(start: int, end: int, extra: str = "") -> dict[tuple[str, ...], float]:
         result: dict[tuple[str, ...], float] = {}
         query = (
-            f'SELECT mean("mean") FROM {kernel} WHERE {job_filter} AND time >= {start} '
+            f'SELECT sum("sum") / sum("count") FROM {kernel} WHERE {job_filter} AND time >= {start} '
             f"AND time < {end} GROUP BY {keys}{extra}"
         )
         for series in client.query(query):
