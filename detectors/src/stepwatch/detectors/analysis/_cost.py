@@ -14,6 +14,10 @@ costs is its lead over the *next* slowest replica, not over the median:
   itself when coordinates are missing.
 * **Slow transfer** (link degradation flagged on step or communication time): the ranks'
   step excess over their peers' median step: the job moves at the pace of its slowest rank.
+* **Wait inside another phase** (no communication phase or kernels: the all-reduce is inside
+  ``backward``, :func:`~._context.held_wait_phase`): the lead is the time outside that
+  phase; the rank's own excess in it hides behind the others' wait, so the job's step over
+  the finding against its step before it (``temporal``) counts too, the larger one wins.
 * **A whole pipeline stage** (a bubble on every replica): the stage's ranks against the
   next slowest rank outside the stage.
 * **No one left to compare with** (every rank, or no collective reported): the job's step
@@ -46,7 +50,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._context import Context, held_wait_phase
 from stepwatch.detectors.analysis._crossrank import OUTSIDE, outside_gap_s
 from stepwatch.detectors.analysis._rule import Verdict
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
@@ -79,12 +83,25 @@ def wait_s(context: Context) -> FloatArray | None:
     return kernels if np.isfinite(kernels).any() else None
 
 
+def _wait_held(context: Context) -> bool:
+    """The job reports no communication times: its wait is inside another phase."""
+    return wait_s(context) is None and held_wait_phase(context.frame) is not None
+
+
 def lead_s(context: Context) -> FloatArray:
-    """``(W, R)`` time a rank spends before its final collective per step."""
+    """``(W, R)`` time a rank spends before its final collective per step.
+
+    Without communication times, the time outside the phase that holds the collective
+    (:func:`~._context.held_wait_phase`): that phase also holds the rank's own work in it,
+    alike on every rank, so the leads are right up to a shift that cancels in a saving.
+    """
     cache = context.__dict__.setdefault("_lead_cache", {})
     if "lead" not in cache:
         frame = context.frame
         wait = wait_s(context)
+        held = held_wait_phase(frame)
+        if wait is None and held is not None:
+            wait = frame.phase(held)
         lead = (
             frame.step_s if wait is None else frame.step_s - np.where(np.isfinite(wait), wait, 0.0)
         )
@@ -281,7 +298,10 @@ def estimate(
     if kind == "link_degradation" and indices:  # the job moves at its slowest rank's pace
         excess = step_excess(context, indices, span)
         costs.append(ratio_of(step[span] + np.clip(excess, 0.0, None), excess, weight))
-    if saving is None:
+    if saving is None or (indices and _wait_held(context)):
+        # No one to compare with; or the wait is inside a phase that also holds the rank's
+        # own work there, which the peers' wait hides (its backward grew as their wait did):
+        # the job's own step before the finding tells the whole excess.
         temporal = temporal_slowdown(context, span, busy)
         if temporal is not None:
             costs.append(temporal)
