@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from stepwatch.core import Diagnosis, InfluxClient
-from stepwatch.detectors import analyse, detect_job
+from stepwatch.detectors import DetectorConfig, analyse, detect_job, diagnose
 from stepwatch.detectors.frame import JobFrame, job_time_range
+from stepwatch.detectors.simulation import Fault, producer_scenarios, score, simulate
 from tests.detectors import real_runs
 
 RANKS = 4
@@ -196,3 +197,44 @@ def test_a_real_healthy_run_without_the_communication_phase_has_no_finding(
 ) -> None:
     _, found = _diagnose_folded(influx, name)
     assert found == []
+
+
+def test_the_simulator_folds_the_all_reduce_into_backward() -> None:
+    fault = [Fault("masked_straggler", 20, (3,), 1.5)]
+    stepwatch = simulate(8, steps=60, faults=fault, seed=4)
+    folded = simulate(8, steps=60, faults=fault, seed=4, communication_phase=False)
+    timer = simulate(
+        8, steps=60, faults=fault, seed=4, communication_phase=False, device_metrics=False
+    )
+    assert "communication" in stepwatch.phases
+    assert "communication" not in folded.phases
+    own = stepwatch.phase_s[..., stepwatch.phases.index("backward")]
+    wait = stepwatch.phase_s[..., stepwatch.phases.index("communication")]
+    np.testing.assert_allclose(folded.phase_s[..., folded.phases.index("backward")], own + wait)
+    np.testing.assert_array_equal(folded.step_s, stepwatch.step_s)
+    assert folded.truth == stepwatch.truth
+    frame = timer.frame()
+    assert frame.kernel_classes == () and frame.sm_clock_hz is None
+    assert not np.isfinite(frame.idle_s).any()
+    observed = timer.observed(0, 0)
+    assert observed is not None
+    assert observed.kernel_durations_s == {} and observed.idle_durations_s == []
+
+
+def test_producer_scenarios_score_without_false_alarms() -> None:
+    # The suite's family of jobs recorded without a communication phase (bench/score_suite.py
+    # scores all of it): a slice of small jobs, every required fault found and localised.
+    picked = producer_scenarios(24, max_world_size=64)
+    assert {s.producer for s in picked} == {"backward-timer", "phase-timer"}
+    assert any(s.kind is None for s in picked)
+    required = 0
+    for scenario in picked:
+        job = scenario.simulate()
+        assert "communication" not in job.phases, scenario.name
+        result = score(
+            job.truth, diagnose(job.frame()), min_slowdown=DetectorConfig().min_slowdown_for
+        )
+        assert not result.false_alarms, scenario.name
+        assert all(item.localised for item in result.faults if item.required), scenario.name
+        required += sum(item.required for item in result.faults)
+    assert required >= 8
