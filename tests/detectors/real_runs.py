@@ -28,13 +28,46 @@ def names() -> list[str]:
     return sorted(path.name.removesuffix(".lp.gz") for path in RUNS.glob("*.lp.gz"))
 
 
-def load(client: InfluxClient, name: str) -> RealRun:
-    """Write ``<name>.lp.gz`` into ``client``'s database; the run's description."""
-    meta = json.loads((RUNS / f"{name}.json").read_text())
+#: The tag of a phase point's phase, as the bridge stores it.
+_PHASE_TAG = ",stepwatch.phase="
+
+
+def lines(name: str) -> list[str]:
+    """Every stored point of ``<name>.lp.gz`` (line protocol)."""
     with gzip.open(RUNS / f"{name}.lp.gz", "rt") as handle:
-        lines = [line for line in handle.read().splitlines() if line]
-    for start in range(0, len(lines), 5000):
-        client.write_lines(lines[start : start + 5000])
+        return [line for line in handle.read().splitlines() if line]
+
+
+def phase_of(line: str) -> str | None:
+    """The ``stepwatch.phase`` tag of a point, ``None`` for other points."""
+    head = line.split(" ", 1)[0]
+    if _PHASE_TAG not in head:
+        return None
+    return head.split(_PHASE_TAG, 1)[1].split(",", 1)[0]
+
+
+def without_communication(points: list[str]) -> list[str]:
+    """The run as a producer without a communication phase would have stored it.
+
+    These runs are DDP: the all-reduce runs inside ``loss.backward()``, so each window's
+    ``backward`` sum, count, max and min already hold it and the ``communication`` points
+    only repeat that time; folding it into backward is dropping them (the test checks
+    the nesting on every window first).
+    """
+    return [line for line in points if phase_of(line) != "communication"]
+
+
+def load(client: InfluxClient, name: str, *, communication: bool = True) -> RealRun:
+    """Write ``<name>.lp.gz`` into ``client``'s database; the run's description.
+
+    ``communication=False``: without its communication phase (:func:`without_communication`).
+    """
+    meta = json.loads((RUNS / f"{name}.json").read_text())
+    points = lines(name)
+    if not communication:
+        points = without_communication(points)
+    for start in range(0, len(points), 5000):
+        client.write_lines(points[start : start + 5000])
     return RealRun(
         name=name,
         job=meta["job"],

@@ -26,6 +26,12 @@ from stepwatch.detectors.analysis._groups import (
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_CATEGORY, JobFrame
 from stepwatch.detectors.stats._stats import BoolArray, FloatArray, nanmedian, safe_log
 
+#: Without a communication phase, the phase that holds the gradient all-reduce and the wait
+#: for the last rank in it: DDP, FSDP and Horovod start the all-reduce from backward hooks,
+#: so every producer that times ``loss.backward()`` (Lightning's and HF Trainer's timers, a
+#: hand-written ``with phase("backward")``, a device timer over backward) records it there.
+WAIT_HOLDING_PHASE = "backward"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Basis:
@@ -140,6 +146,14 @@ def _profile(
     return safe_log(np.where(settled[:, :, None], stacked, np.nan))
 
 
+def held_wait_phase(frame: JobFrame) -> str | None:
+    """The phase that holds the collective wait when the job records no communication
+    phase (:data:`WAIT_HOLDING_PHASE`, when the job records it), else ``None``."""
+    if COMMUNICATION_CATEGORY in frame.phases or WAIT_HOLDING_PHASE not in frame.phases:
+        return None
+    return WAIT_HOLDING_PHASE
+
+
 def _overlap_waiting(frame: JobFrame, present: BoolArray) -> frozenset[str]:
     """Series that hold the wait for peers when the phases overlap the communication.
 
@@ -149,7 +163,15 @@ def _overlap_waiting(frame: JobFrame, present: BoolArray) -> frozenset[str]:
     long as the communication (only such a phase can hold it) measure waiting for the
     slowest rank as much as the rank's own work: the ranks that wait are the long
     ones there, so they are neither cross-rank evidence nor job-level evidence.
+
+    Without a communication phase the wait is inside :func:`held_wait_phase` (the
+    producer times ``loss.backward()`` and the all-reduce with it): that phase holds
+    it. The step does not: every rank leaves the collective together, so a rank whose
+    step is longer than its peers' lost the time in or after the collective.
     """
+    held = held_wait_phase(frame)
+    if held is not None:
+        return frozenset({f"phase:{held}"})
     communication = frame.phase(COMMUNICATION_CATEGORY)
     if communication is None or not present.any():
         return frozenset()

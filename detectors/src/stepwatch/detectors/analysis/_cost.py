@@ -14,6 +14,11 @@ costs is its lead over the *next* slowest replica, not over the median:
   itself when coordinates are missing.
 * **Slow transfer** (link degradation flagged on step or communication time): the ranks'
   step excess over their peers' median step: the job moves at the pace of its slowest rank.
+* **Wait inside another phase** (no communication phase or kernels: the all-reduce is inside
+  ``backward``, :func:`~._context.held_wait_phase`): the lead is the time outside that
+  phase; a straggler's own excess inside it hides behind the others' wait, so for the
+  compute kinds what the straggler's own time in it grew over its history is added where
+  it arrives last (:func:`_held_growth`).
 * **A whole pipeline stage** (a bubble on every replica): the stage's ranks against the
   next slowest rank outside the stage.
 * **No one left to compare with** (every rank, or no collective reported): the job's step
@@ -46,7 +51,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._context import Context, held_wait_phase
 from stepwatch.detectors.analysis._crossrank import OUTSIDE, outside_gap_s
 from stepwatch.detectors.analysis._rule import Verdict
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
@@ -64,6 +69,9 @@ LATE_KINDS = frozenset(
         "pipeline_bubble",
     }
 )
+#: Kinds whose rank's own work may lie inside the phase that holds the wait as well
+#: (compute in forward and backward), see :func:`_held_growth`.
+OWN_WORK_KINDS = frozenset({"compute_straggler", "masked_straggler", "gpu_health"})
 #: Fewest clean windows for the temporal estimate.
 MIN_CLEAN_WINDOWS = 3
 
@@ -79,12 +87,52 @@ def wait_s(context: Context) -> FloatArray | None:
     return kernels if np.isfinite(kernels).any() else None
 
 
+def _held_growth(
+    context: Context, indices: Sequence[int], span: slice, busy: Sequence[slice]
+) -> FloatArray | None:
+    """``(windows,)`` how much the ranks' time in the phase that holds the wait grew over
+    their own time in it before ``span`` (clean windows, as :func:`_usual_spread`), at
+    least 0; ``None`` when the job reports its wait, or without enough clean windows.
+
+    A rank whose own work grew both outside that phase and inside it (a slow host slows
+    forward and backward alike) leads its peers only by the part outside: the part inside
+    hides behind their wait, which grew as much. Once it arrives last it waits for no
+    one, so what its time in the phase grew by is its own work, less the little it used
+    to wait (a lower bound).
+    """
+    frame = context.frame
+    held = held_wait_phase(frame)
+    values = None if held is None or wait_s(context) is not None else frame.phase(held)
+    if values is None or span.start - 1 < MIN_CLEAN_WINDOWS:
+        return None
+    clean = np.zeros(frame.n_windows, dtype=bool)
+    clean[1 : span.start] = True
+    for other in busy:
+        if other != span:
+            clean[other] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mine = np.nanmedian(np.where(context.present, values, np.nan)[:, list(indices)], axis=1)
+    if np.isfinite(mine[clean]).sum() < MIN_CLEAN_WINDOWS:
+        return None
+    before = float(np.nanmedian(mine[clean]))
+    return np.where(np.isfinite(mine[span]), np.clip(mine[span] - before, 0.0, None), 0.0)
+
+
 def lead_s(context: Context) -> FloatArray:
-    """``(W, R)`` time a rank spends before its final collective per step."""
+    """``(W, R)`` time a rank spends before its final collective per step.
+
+    Without communication times, the time outside the phase that holds the collective
+    (:func:`~._context.held_wait_phase`): that phase also holds the rank's own work in it,
+    alike on every rank, so the leads are right up to a shift that cancels in a saving.
+    """
     cache = context.__dict__.setdefault("_lead_cache", {})
     if "lead" not in cache:
         frame = context.frame
         wait = wait_s(context)
+        held = held_wait_phase(frame)
+        if wait is None and held is not None:
+            wait = frame.phase(held)
         lead = (
             frame.step_s if wait is None else frame.step_s - np.where(np.isfinite(wait), wait, 0.0)
         )
@@ -276,6 +324,10 @@ def estimate(
         paused = _paused_s(context, indices, span, busy)
         if paused is not None:
             saving = np.fmax(saving, paused)
+    if saving is not None and kind in OWN_WORK_KINDS:
+        grown = _held_growth(context, indices, span, busy)
+        if grown is not None:  # only where they are the last to arrive (they wait for none)
+            saving = saving + np.where(saving > 0, grown, 0.0)
     if saving is not None:
         costs.append(ratio_of(step[span], saving, weight))
     if kind == "link_degradation" and indices:  # the job moves at its slowest rank's pace

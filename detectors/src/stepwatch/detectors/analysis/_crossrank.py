@@ -16,7 +16,7 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 
 from stepwatch.detectors.analysis._arrival import collectives, is_short, late_flags
-from stepwatch.detectors.analysis._context import Basis, Metrics
+from stepwatch.detectors.analysis._context import Basis, Metrics, held_wait_phase
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.stats._stats import (
     BoolArray,
@@ -53,11 +53,15 @@ def _series(basis: Basis) -> list[_Series]:
     series = [_Series("step", frame.step_s, "time"), _Series("idle", frame.idle_s, "time")]
     for index, phase in enumerate(frame.phases):
         series.append(_Series(f"phase:{phase}", np.asarray(frame.phase_s[:, :, index]), "time"))
-    if COMMUNICATION_CATEGORY in frame.phases:
-        # Time outside the collective: the rank that reaches the collective last spends
-        # the most time outside it and waits least in it (arrival order, ARGUS). Unlike
-        # step or communication time, waiting for a late peer does not inflate it.
-        index = frame.phases.index(COMMUNICATION_CATEGORY)
+    holding = (
+        COMMUNICATION_CATEGORY if COMMUNICATION_CATEGORY in frame.phases else held_wait_phase(frame)
+    )
+    if holding is not None:
+        # Time outside the collective (without a communication phase: outside the phase
+        # that holds it): the rank that reaches the collective last spends the most time
+        # outside it and waits least in it (arrival order, ARGUS). Unlike step or
+        # communication time, waiting for a late peer does not inflate it.
+        index = frame.phases.index(holding)
         outside = np.asarray(frame.step_s - frame.phase_s[:, :, index])
         series.append(_Series(ARRIVAL, outside, "time"))
     # The waiters are the long ones in overlapping series: no blame from them.

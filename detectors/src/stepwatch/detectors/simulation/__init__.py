@@ -17,7 +17,7 @@ from stepwatch.detectors.simulation._evaluate import (
 )
 from stepwatch.detectors.simulation._job import RankPlacement, RankWindow, SimulatedJob, StepTiming
 from stepwatch.detectors.simulation._simulate import simulate
-from stepwatch.detectors.simulation._suite import Scenario, suite
+from stepwatch.detectors.simulation._suite import Scenario, producer_scenarios, suite
 from stepwatch.detectors.simulation._topology import Topology
 from stepwatch.detectors.simulation._truth import Fault, Truth, TruthFault
 
@@ -34,6 +34,7 @@ __all__ = [
     "Topology",
     "Truth",
     "TruthFault",
+    "producer_scenarios",
     "score",
     "simulate",
     "suite",

@@ -65,6 +65,8 @@ class SimulatedJob:
     """Per-step timings of every rank plus the ground truth.
 
     Arrays are ``(steps, ranks[, ...])``; ``alive`` is False after a rank stopped reporting.
+    ``device_metrics`` False: its producer reports no kernel times, device idle or SM clock
+    (the arrays are still simulated; the frame and the exporters' view leave them out).
     """
 
     truth: Truth
@@ -82,6 +84,7 @@ class SimulatedJob:
     sm_clock_hz: FloatArray
     alive: np.ndarray
     export_jitter_s: FloatArray
+    device_metrics: bool = True
 
     @property
     def n_steps(self) -> int:
@@ -118,6 +121,7 @@ class SimulatedJob:
             return None
         timings = []
         durations: dict[tuple[str, str], list[float]] = {}
+        device = self.device_metrics
         for step in steps:
             timings.append(
                 StepTiming(
@@ -130,7 +134,7 @@ class SimulatedJob:
                     },
                 )
             )
-            for k, name in enumerate(self.kernel_classes):
+            for k, name in enumerate(self.kernel_classes if device else ()):
                 calls = self.kernel_calls[k]
                 each = float(self.kernel_s[step, rank, k]) / calls
                 if each > 0:
@@ -144,7 +148,7 @@ class SimulatedJob:
             end_unix_nano=end,
             steps=tuple(timings),
             kernel_durations_s=durations,
-            idle_durations_s=[float(self.idle_s[step, rank]) for step in steps],
+            idle_durations_s=[float(self.idle_s[step, rank]) for step in steps] if device else [],
             sm_clock_hz=float(self.sm_clock_hz[steps, rank].mean()),
         )
 
@@ -178,6 +182,9 @@ class SimulatedJob:
             return np.where(np.isinf(result), np.nan, result)
 
         window_ns = round(self.truth.window_s * 1e9)
+        n_ranks = len(self.hosts)
+        device = self.device_metrics
+        no_values = np.full((n_windows, n_ranks), np.nan)
         return JobFrame(
             job=self.truth.job,
             window_s=self.truth.window_s,
@@ -192,12 +199,12 @@ class SimulatedJob:
             phases=self.phases,
             phase_s=mean(self.phase_s),
             phase_max_s=peak(self.phase_s),
-            kernel_classes=self.kernel_classes,
-            kernel_categories=self.kernel_categories,
-            kernel_s=mean(self.kernel_s),
-            idle_s=mean(self.idle_s),
-            idle_max_s=peak(self.idle_s),
-            sm_clock_hz=mean(self.sm_clock_hz),
+            kernel_classes=self.kernel_classes if device else (),
+            kernel_categories=self.kernel_categories if device else (),
+            kernel_s=mean(self.kernel_s) if device else np.zeros((n_windows, n_ranks, 0)),
+            idle_s=mean(self.idle_s) if device else no_values,
+            idle_max_s=peak(self.idle_s) if device else no_values.copy(),
+            sm_clock_hz=mean(self.sm_clock_hz) if device else None,
             dp_ranks=np.array([self.placement(r).dp_rank for r in range(len(self.hosts))]),
             tp_ranks=np.array([self.placement(r).tp_rank for r in range(len(self.hosts))]),
             phase_min_s=peak(self.phase_s, lowest=True),

@@ -22,6 +22,7 @@ Each fault's ground-truth cost is the same job simulated without it (the same dr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -67,6 +68,8 @@ def simulate(
     stage_work: Sequence[float] | None = None,
     gc_rate: float = 0.0,
     checkpoint_every: int = 0,
+    communication_phase: bool = True,
+    device_metrics: bool = True,
 ) -> SimulatedJob:
     """Simulate ``steps`` steps of a job of ``world_size`` ranks.
 
@@ -93,6 +96,13 @@ def simulate(
             pause of about 3% of a step, exponential).
         checkpoint_every: every so many steps every rank pauses 30% of a step between
             phases (a checkpoint write; 0: never).
+        communication_phase: record the all-reduce (its wait and transfer) as its own
+            phase ``communication``, as stepwatch's exporter does; ``False``: inside
+            ``backward``, as producers that time ``loss.backward()`` record it (Lightning
+            and HF timers, a hand-written ``with phase("backward")``, a device timer).
+        device_metrics: report kernel times, device idle and the SM clock; ``False``: a
+            producer of step and phase times only (the stock OpenTelemetry SDK, framework
+            timers).
 
     Raises:
         ConfigError: inconsistent arguments (named).
@@ -209,6 +219,8 @@ def simulate(
                 step_s=step_s,
             )
         )
+    if not device_metrics:  # a kernel class the producer does not report cannot be named
+        truths = [dataclasses.replace(item, kernel_class=None) for item in truths]
     kernel = draws.kernel
     kernel[..., allreduce] = timings.communication
     if "nccl_sendrecv" in names:
@@ -226,17 +238,18 @@ def simulate(
         end_unix_nano=start_unix_nano + n_windows * window_ns,
         faults=tuple(truths),
     )
-    phases = np.stack(
-        [
-            timings.data,
-            timings.forward,
-            timings.backward,
-            timings.optimizer,
-            timings.communication,
-            timings.other,
-        ],
-        axis=-1,
-    )
+    columns = {
+        "data": timings.data,
+        "forward": timings.forward,
+        "backward": timings.backward,
+        "optimizer": timings.optimizer,
+        "communication": timings.communication,
+        "other": timings.other,
+    }
+    if not communication_phase:  # the all-reduce inside the backward timer
+        columns["backward"] = columns["backward"] + columns.pop("communication")
+    phase_names = tuple(name for name in _PHASES if name in columns)
+    phases = np.stack([columns[name] for name in phase_names], axis=-1)
     return SimulatedJob(
         truth=truth,
         topology=topology,
@@ -245,7 +258,7 @@ def simulate(
         kernel_classes=names,
         kernel_categories=categories,
         kernel_calls=calls,
-        phases=_PHASES,
+        phases=phase_names,
         step_s=timings.step,
         phase_s=phases,
         kernel_s=kernel,
@@ -253,4 +266,5 @@ def simulate(
         sm_clock_hz=draws.clock,
         alive=actual.alive,
         export_jitter_s=jitter,
+        device_metrics=device_metrics,
     )

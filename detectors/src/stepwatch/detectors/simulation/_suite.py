@@ -19,6 +19,43 @@ from stepwatch.detectors.simulation._topology import Topology
 from stepwatch.detectors.simulation._truth import OUTSIDE, SIMULATED_KINDS, Fault
 
 FAULT_KINDS = SIMULATED_KINDS
+#: Who records the job, and the fault kinds its data can tell apart:
+#:
+#: * ``stepwatch``: stepwatch's exporter: the all-reduce is its own phase
+#:   ``communication``, kernel times, device idle and the SM clock (every kind);
+#: * ``backward-timer``: the all-reduce and the wait in it inside ``backward`` (a device
+#:   timer over ``loss.backward()``), kernel times still reported;
+#: * ``phase-timer``: step and phase times only, the all-reduce inside ``backward`` (the
+#:   stock OpenTelemetry SDK with Lightning or HF timers, or a hand-written
+#:   ``with phase("backward")``). Without kernel times a slow device (``compute_straggler``,
+#:   ``gpu_health``) looks like a slow host (``masked_straggler``), without device idle
+#:   short stalls *inside* forward look like a slow forward (``masked_straggler``; its
+#:   ``jit_stall`` scenarios stall between phases), and the stages of a pipeline wait for a
+#:   slow one inside forward and backward alike: those are left out of its scores. (A
+#:   slow link is found by the step of the ranks that finish the transfer late; a rank
+#:   that only *reaches* the collective late from inside backward, or a slow backward,
+#:   holds every rank in backward alike and is a job-level change.)
+PRODUCERS: dict[str, tuple[str, ...]] = {
+    "stepwatch": FAULT_KINDS,
+    "backward-timer": (
+        "masked_straggler",
+        "compute_straggler",
+        "gpu_health",
+        "dataloader_stall",
+        "jit_stall",
+        "link_degradation",
+        "rank_missing",
+        "job_regression",
+    ),
+    "phase-timer": (
+        "masked_straggler",
+        "dataloader_stall",
+        "jit_stall",
+        "link_degradation",
+        "rank_missing",
+        "job_regression",
+    ),
+}
 SEVERITIES = (1.05, 1.1, 1.2, 1.5, 2.0, 3.0)
 WORLD_SIZES = (8, 16, 32, 64, 128, 256, 1024, 4096)
 #: Structure of a healthy pipeline: the first stage holds the embedding, the last the
@@ -39,6 +76,7 @@ class Scenario:
     """One simulated job of the suite.
 
     Attributes:
+        producer: what records the job (:data:`PRODUCERS`).
         faults_given: faults to inject instead of the one drawn from ``kind`` (issue
             scenarios).
         title: what the scenario reproduces (issue scenarios).
@@ -58,13 +96,15 @@ class Scenario:
     checkpoint_every: int = 100
     faults_given: tuple[Fault, ...] | None = None
     title: str = ""
+    producer: str = "stepwatch"
 
     @property
     def name(self) -> str:
         if self.title:
             return f"{self.index:03d}-{self.title}"
         what = self.kind or "clean"
-        return f"{self.index:03d}-{what}-{self.world_size}r-{self.severity:g}"
+        by = "" if self.producer == "stepwatch" else f"-{self.producer}"
+        return f"{self.index:03d}-{what}-{self.world_size}r-{self.severity:g}{by}"
 
     def faults(self) -> list[Fault]:
         if self.faults_given is not None:
@@ -87,7 +127,7 @@ class Scenario:
             ranks = tuple(sorted(int(r) for r in rng.choice(world, size=2, replace=False)))
         else:
             ranks = (int(rng.integers(0, world)),)
-        if self.kind == "jit_stall" and self.index % 2:
+        if self.kind == "jit_stall" and (self.index % 2 or self.producer == "phase-timer"):
             phase = OUTSIDE  # the masked form: a stall between phases
         kernel = None
         if self.kind in ("compute_straggler", "job_regression"):
@@ -117,6 +157,8 @@ class Scenario:
             stage_work=stage_work(self.topology.pp),
             gc_rate=self.gc_rate,
             checkpoint_every=self.checkpoint_every,
+            communication_phase=self.producer == "stepwatch",
+            device_metrics=self.producer != "phase-timer",
         )
 
 
@@ -194,3 +236,42 @@ def issue_scenarios(*, start: int = 0, seed: int = 2026) -> list[Scenario]:
         )
         for offset, (world, topology, fault, title) in enumerate(jobs)
     ]
+
+
+def producer_scenarios(
+    count: int = 64, *, start: int = 0, seed: int = 2026, max_world_size: int = 4096
+) -> list[Scenario]:
+    """``count`` scenarios recorded without a communication phase: the producers other than
+    stepwatch (:data:`PRODUCERS`) in turn, their kinds round-robin, one clean run in every 4;
+    ``phase-timer`` jobs are data-parallel only (see :data:`PRODUCERS`).
+    """
+    scenarios = []
+    producers = [name for name in PRODUCERS if name != "stepwatch"]
+    turns = dict.fromkeys(producers, 0)
+    sizes = [w for w in WORLD_SIZES if w <= max_world_size]
+    for offset in range(count):
+        producer = producers[offset % len(producers)]
+        kinds = PRODUCERS[producer]
+        turn = turns[producer]
+        turns[producer] += 1
+        kind: str | None = None if turn % 4 == 3 else kinds[(turn - turn // 4) % len(kinds)]
+        choices = sizes
+        if kind == "link_degradation":
+            choices = [w for w in sizes if w >= 32] or [32]
+        world = choices[(offset * 3 + offset // 7) % len(choices)]
+        index = start + offset
+        # Phase times alone cannot single out a stage of a pipeline (its stages wait for
+        # each other inside forward and backward alike): those are data-parallel jobs.
+        topology = _topology(world, kind, index) if producer != "phase-timer" else Topology(world)
+        scenarios.append(
+            Scenario(
+                index=index,
+                kind=kind,
+                world_size=world,
+                topology=topology,
+                severity=SEVERITIES[(offset // 5) % len(SEVERITIES)],
+                seed=seed * 1000 + 500 + offset,
+                producer=producer,
+            )
+        )
+    return scenarios

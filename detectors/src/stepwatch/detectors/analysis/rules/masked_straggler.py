@@ -2,18 +2,23 @@
 
 Its peers wait for it in the collective, so their communication time grows and its own
 shrinks: the blame goes to the rank whose compute-phase wall time or device idle grew
-(precedence 50), never to the waiters. Any other phase flagged alone is one too (70). On
-whole pipeline stages the same signature is a ``pipeline_bubble``. From a single step (a
-profiler trace, ``late:<collective>`` flags): the ranks that reached a collective last, by
-their short wait in it (:mod:`.._arrival`), with what their lateness cost the step.
+(precedence 50), never to the waiters. A job that records no communication phase holds
+the wait in backward (:func:`~.._context.held_wait_phase`): there the peers are the long
+ones and the straggler the shortest, so backward is no evidence against a rank. Any other
+phase flagged alone is one too (70). On whole pipeline stages the same signature is a
+``pipeline_bubble``. From a single step (a profiler trace, ``late:<collective>`` flags): the
+ranks that reached a collective last, by their short wait in it (:mod:`.._arrival`), with
+what their lateness cost the step.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from stepwatch.detectors.analysis._arrival import collectives
-from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._context import Context, held_wait_phase
 from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
 from stepwatch.detectors.analysis.rules import pipeline_bubble
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_PHASES
@@ -26,17 +31,40 @@ def _straggler(context: Context, group: EpisodeGroup) -> Description:
     phase = context.top_phase(indices, group.span, (*COMPUTE_PHASES, "other"))
     ratio = context.ratio(f"phase:{phase}", indices, first, last)
     wait_name = f"phase:{COMMUNICATION_CATEGORY}"
-    wait = context.ratio(wait_name, indices, first, last)
-    wait_text = (
-        f"its collective wait {wait:.2f}x {context.peer_noun} (they wait for it)"
-        if wait_name in context.metrics.names
-        else "its peers wait for it in the collective"
-    )
+    held = held_wait_phase(context.frame)
+    if wait_name in context.metrics.names:
+        wait = context.ratio(wait_name, indices, first, last)
+        wait_text = f"its collective wait {wait:.2f}x {context.peer_noun} (they wait for it)"
+    elif held is not None and held != phase:
+        # No communication phase: the wait is inside ``held``, where the rank is shortest.
+        shrunk = _held_ratio(context, held, group)
+        wait_text = (
+            f"its {held} (which holds the collective) {shrunk:.2f}x {context.peer_noun} "
+            "(they wait for it there)"
+        )
+    else:
+        wait_text = "its peers wait for it in the collective"
+    kernels = "with normal kernels" if context.frame.kernel_classes else "(no kernel times)"
     summary = (
-        f"{context.who(indices)} {phase} {ratio:.2f}x {context.peer_noun} with normal kernels; "
+        f"{context.who(indices)} {phase} {ratio:.2f}x {context.peer_noun} {kernels}; "
         f"{wait_text} since {context.since(first)}"
     )
     return Description(RULE.kind, summary, ratio, phase, indices=indices)
+
+
+def _held_ratio(context: Context, held: str, group: EpisodeGroup) -> float:
+    """The ranks' time in ``held`` over their peers' (median over the group's windows)."""
+    values = context.frame.phase(held)
+    if values is None:
+        return 1.0
+    block = np.where(context.present, values, np.nan)[group.span]
+    mine = np.zeros(block.shape[1], dtype=bool)
+    mine[list(group.indices)] = True
+    with warnings.catch_warnings():  # windows where one side is silent stay NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ratio = np.nanmedian(block[:, mine], axis=1) / np.nanmedian(block[:, ~mine], axis=1)
+    usable = ratio[np.isfinite(ratio)]
+    return float(np.median(usable)) if usable.size else 1.0
 
 
 def _late(context: Context, group: EpisodeGroup) -> Description | None:
