@@ -183,16 +183,6 @@ def by_cost(diagnoses: list[Diagnosis]) -> list[Diagnosis]:
     return sorted(diagnoses, key=lambda d: (-d.slowdown, d.start_unix_nano, d.kind))
 
 
-def _who(diagnosis: Diagnosis) -> str:
-    if diagnosis.ranks:
-        plural = "s" if len(diagnosis.ranks) > 1 else ""
-        return f"rank{plural} " + ", ".join(str(rank) for rank in diagnosis.ranks)
-    if diagnosis.hosts:
-        plural = "s" if len(diagnosis.hosts) > 1 else ""
-        return f"host{plural} " + ", ".join(diagnosis.hosts)
-    return "the whole job"
-
-
 #: Demo "faults" after which a healthy job is the right answer: none, and an evaluation pass
 #: (a long but normal step on every rank).
 HEALTHY_FAULTS = ("none", "eval")
@@ -255,7 +245,7 @@ def closing_lines(
             )
     else:
         top = diagnoses[0]
-        where = f"{_who(top)}" + (f", phase {top.phase}" if top.phase else "")
+        where = (top.blamed or "the whole job") + (f", phase {top.phase}" if top.phase else "")
         if top.kernel_class:
             where += f", kernel class {top.kernel_class}"
         lines.append(f"finding:  {top.kind.replace('_', ' ')} ({top.kind}) on {where}")

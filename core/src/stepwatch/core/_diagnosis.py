@@ -93,6 +93,15 @@ class Diagnosis:
             parts.append(f"kernel class {self.kernel_class}")
         return "; ".join(parts) if parts else "job-wide"
 
+    @property
+    def blamed(self) -> str:
+        """Who the finding names, in words: "rank 2", "ranks 1, 5", "host node-1", or "" when
+        it names no rank or host (a job-wide finding)."""
+        for noun, names in (("rank", [str(rank) for rank in self.ranks]), ("host", self.hosts)):
+            if names:
+                return f"{noun}{'s' if len(names) > 1 else ''} " + ", ".join(names)
+        return ""
+
     def to_json_dict(self) -> dict[str, Any]:
         """The JSON object of docs/schema.md."""
         return {

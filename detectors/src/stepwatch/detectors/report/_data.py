@@ -31,6 +31,10 @@ from stepwatch.detectors.sinks import read_diagnoses
 
 MAX_HEATMAP_RANKS = 64
 
+_MEAN = 'sum("sum") / sum("count")'
+"""The mean duration of the selected windows, exact (no stored ``mean`` needed: the compact
+layout and a Collector's data have ``sum`` and ``count``)."""
+
 
 class KernelShift(NamedTuple):
     """How one kernel class moved between before and after the change."""
@@ -130,7 +134,7 @@ def load_report_data(
 
     # One value per rank first: with thousands of ranks only the most deviant are drawn,
     # and only their time series are fetched.
-    step_totals = per_rank_total(f'SELECT sum("sum") / sum("count") FROM {step} WHERE {where} {by_rank}')
+    step_totals = per_rank_total(f"SELECT {_MEAN} FROM {step} WHERE {where} {by_rank}")
     if not step_totals:
         raise ConfigError(
             f"job: no {STEP_DURATION} data for {job!r} in the requested range "
@@ -146,7 +150,7 @@ def load_report_data(
         alternatives = "|".join(re.escape(rank).replace("/", "\\/") for rank in shown)
         rank_filter = f" AND {quote_ident(RANK)} =~ /^({alternatives})$/"
     step_by_rank = by_tag(
-        f'SELECT sum("sum") / sum("count") FROM {step} WHERE {where}{rank_filter} {group}, '
+        f"SELECT {_MEAN} FROM {step} WHERE {where}{rank_filter} {group}, "
         f"{quote_ident(RANK)} fill(none)",
         RANK,
     )
@@ -167,7 +171,7 @@ def load_report_data(
                 step_median[index] = None if row[1] is None else float(row[1])
                 step_max[index] = None if row[2] is None else float(row[2])
     phases = by_tag(
-        f'SELECT sum("sum") / sum("count") FROM {quote_ident(PHASE_DURATION)} WHERE {where} {group}, '
+        f"SELECT {_MEAN} FROM {quote_ident(PHASE_DURATION)} WHERE {where} {group}, "
         f"{quote_ident(PHASE)} fill(none)",
         PHASE,
     )
@@ -247,7 +251,7 @@ def kernel_shifts(
     def period(start: int, end: int, extra: str = "") -> dict[tuple[str, ...], float]:
         result: dict[tuple[str, ...], float] = {}
         query = (
-            f'SELECT sum("sum") / sum("count") FROM {kernel} WHERE {job_filter} AND time >= {start} '
+            f"SELECT {_MEAN} FROM {kernel} WHERE {job_filter} AND time >= {start} "
             f"AND time < {end} GROUP BY {keys}{extra}"
         )
         for series in client.query(query):

@@ -141,16 +141,6 @@ def findings_html(data: ReportData) -> str:
     return f"<ol class='findings'>{''.join(items)}</ol>"
 
 
-def _who(finding: Diagnosis) -> str:
-    if finding.ranks:
-        plural = "s" if len(finding.ranks) > 1 else ""
-        return f"rank{plural} " + ", ".join(str(rank) for rank in finding.ranks)
-    if finding.hosts:
-        plural = "s" if len(finding.hosts) > 1 else ""
-        return f"host{plural} " + ", ".join(finding.hosts)
-    return ""
-
-
 def headline(data: ReportData) -> str:
     """One true sentence: what the costliest finding did to the job, or that it is healthy."""
     if not data.findings:
@@ -163,7 +153,7 @@ def headline(data: ReportData) -> str:
     top = data.findings[0]  # the costliest (load_report_data orders them)
     what = top.kind.replace("_", " ") + (f" in {top.phase}" if top.phase else "")
     since = stamp(max(top.start_unix_nano, data.start_unix_nano))
-    who = _who(top)
+    who = top.blamed
     more = len(data.findings) - 1
     tail = f" ({more} more finding{'s' if more > 1 else ''} below.)" if more else ""
     if top.slowdown > 1.0:
