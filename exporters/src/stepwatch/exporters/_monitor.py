@@ -92,7 +92,8 @@ class StepMonitor:
 
     OTel SDK variables (``_sdk_env``, docs/exporters.md): ``OTEL_SDK_DISABLED=true`` makes it
     a no-op that never raises; ``OTEL_SERVICE_NAME``/``OTEL_RESOURCE_ATTRIBUTES`` add to the
-    resource (arguments win), which always has a ``service.instance.id``.
+    resource (arguments win), which always has a ``service.instance.id``;
+    ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=cumulative`` sends running totals.
 
     Args:
         job_id: The training run (``stepwatch.job.id``); else ``TORCHELASTIC_RUN_ID``.

@@ -4,7 +4,8 @@ The exporter does not use the SDK's ``MeterProvider``: its collection cycle cann
 window with step boundaries. :class:`WindowBuilder` aggregates the steps of one window into
 exponential histograms itself and emits SDK ``MetricsData`` (DELTA, one data point per series,
 window bounds as ``start_time_unix_nano``/``time_unix_nano``) that any SDK
-``MetricExporter`` (OTLP gRPC, OTLP HTTP, in-memory) exports unchanged.
+``MetricExporter`` (OTLP gRPC, OTLP HTTP, in-memory) exports unchanged. With
+``temporality="cumulative"`` histograms are running totals instead (``_running``).
 
 Cardinality is bounded by construction, which is why the SDK's default per-instrument
 cardinality limit (2000 series) is never relevant and can never be silently hit: a window holds
