@@ -195,29 +195,40 @@ def test_service_instance_id_is_a_uuid4_per_process(monkeypatch: pytest.MonkeyPa
 
 
 # ---------------------------------------------------------------- exporter configuration
-def test_temporality_preference_cumulative_warns_once_and_windows_stay_delta(
+def _temporalities(exporter: InMemoryExporter) -> set[Any]:
+    return {
+        metric.data.aggregation_temporality
+        for window in exporter.exported
+        for metric in window.resource_metrics[0].scope_metrics[0].metrics
+        if hasattr(metric.data, "aggregation_temporality")
+    }
+
+
+def test_temporality_preference_cumulative_is_honoured_delta_and_lowmemory_stay_delta(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     from opentelemetry.sdk.metrics.export import AggregationTemporality
 
-    for value in ("delta", "lowmemory", "LowMemory"):
+    def exported() -> set[Any]:
+        monitor, exporter = _monitor()
+        with monitor.step(), monitor.phase("forward"):
+            pass
+        assert monitor.export_now()
+        monitor.close()
+        return _temporalities(exporter)
+
+    assert exported() == {AggregationTemporality.DELTA}  # unset: delta (docs/exporters.md)
+    for value in ("delta", "lowmemory", "LowMemory", " DELTA "):
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", value)
-        _sent_resource()
+        assert exported() == {AggregationTemporality.DELTA}, value
+    for value in ("cumulative", "Cumulative"):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", value)
+        assert exported() == {AggregationTemporality.CUMULATIVE}, value
     assert not _warnings(caplog)
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "cumulative")
-    monitor, exporter = _monitor()
-    with monitor.step():
-        pass
-    monitor.export_now()
-    monitor.close()
-    assert len([m for m in _warnings(caplog) if "cumulative" in m]) == 1
-    histograms = [
-        metric.data
-        for metric in exporter.exported[0].resource_metrics[0].scope_metrics[0].metrics
-        if hasattr(metric.data, "aggregation_temporality")
-    ]
-    assert histograms
-    assert all(h.aggregation_temporality == AggregationTemporality.DELTA for h in histograms)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "sometimes")
+    assert exported() == {AggregationTemporality.DELTA}  # unknown: warned, treated as unset
+    (warning,) = _warnings(caplog)
+    assert "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE" in warning and "sometimes" in warning
 
 
 def test_metrics_endpoint_variable_is_used_as_is() -> None:

@@ -469,7 +469,8 @@ OTLP_TEMPORALITY_PREFERENCE = Setting[str](
     "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE",
     None,
     _text,
-    "delta or lowmemory; cumulative is not honoured (windows stay delta; one warning)",
+    "unset, delta or lowmemory: histograms and counters are delta (one window each); "
+    "cumulative: running totals since the first window (docs/exporters.md, Temporality)",
 )
 OTLP_INSECURE = Setting[str](
     "insecure",

@@ -29,8 +29,8 @@ from typing import Any, Final, cast
 
 from stepwatch.core import settings
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters._sdk_env import flag
-from stepwatch.exporters._window import HISTOGRAM_BUCKETS
+from stepwatch.exporters._sdk_env import flag, temporality_preference
+from stepwatch.exporters._window import HISTOGRAM_BUCKETS, WindowOptions
 
 logger = logging.getLogger("stepwatch.exporters")
 
@@ -308,3 +308,15 @@ def resolve_histogram_buckets(argument: str | None, environ: Mapping[str, str]) 
         )
         return str(settings.HISTOGRAM_BUCKETS.default)
     return value
+
+
+def window_options(histogram_buckets: str | None, environ: Mapping[str, str]) -> WindowOptions:
+    """The :class:`~stepwatch.exporters.WindowBuilder` options a monitor resolves.
+
+    ``histogram_buckets`` as :func:`resolve_histogram_buckets`; ``temporality`` from
+    ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE`` (:func:`temporality_preference`).
+    """
+    return WindowOptions(
+        histogram_buckets=resolve_histogram_buckets(histogram_buckets, environ),
+        temporality=temporality_preference(environ),
+    )

@@ -379,7 +379,7 @@ series is sent at the next coarser grid (every second bound: 9.5 % error, then 1
 
 
 def explicit_layout(
-    snapshot: HistogramSnapshot, *, max_bounds: int = MAX_EXPLICIT_BOUNDS
+    snapshot: HistogramSnapshot, *, max_bounds: int = MAX_EXPLICIT_BOUNDS, contiguous: bool = False
 ) -> tuple[list[float], list[int]]:
     """``(explicit_bounds, bucket_counts)`` of ``snapshot`` on the fixed grid.
 
@@ -395,6 +395,11 @@ def explicit_layout(
     Args:
         snapshot: The exponential histogram's state.
         max_bounds: Most bounds returned; the grid coarsens (halves) until they fit.
+        contiguous: For a CUMULATIVE series, whose reader differences two totals and needs
+            equal bounds to do so: every grid bound from the octave below the lowest populated
+            bucket to the octave above the highest (whole octaves; without the spare octaves,
+            then without rounding, when they do not fit), and always ``0``. The bounds then
+            change only when a value falls outside those octaves or the grid coarsens.
 
     Returns:
         Ascending finite bounds and ``len(bounds) + 1`` counts.
@@ -408,9 +413,13 @@ def explicit_layout(
         if count:
             index = (snapshot.offset + position) >> shift
             buckets[index] = buckets.get(index, 0) + count
+    zero_bound = 1 if snapshot.zero_count or contiguous else 0
     while True:
-        edges = {index for index in buckets} | {index + 1 for index in buckets}
-        if len(edges) + (1 if snapshot.zero_count else 0) <= max_bounds or level <= MIN_SCALE:
+        if contiguous and buckets:
+            edges = _padded_edges(min(buckets), max(buckets) + 1, level, max_bounds - zero_bound)
+        else:
+            edges = {index for index in buckets} | {index + 1 for index in buckets}
+        if len(edges) + zero_bound <= max_bounds or level <= MIN_SCALE:
             break
         level -= 1
         merged: dict[int, int] = {}
@@ -426,9 +435,79 @@ def explicit_layout(
         # bucket ``index`` is (bound of edge index, bound of edge index + 1]: counts[i] is the
         # interval (bounds[i - 1], bounds[i]], so it sits at its upper edge's position
         counts[slot[index + 1]] += count
-    if snapshot.zero_count:
+    if zero_bound:
         bounds.insert(0, 0.0)
         counts.insert(0, snapshot.zero_count)
     if any(math.isinf(value) for value in bounds):
         raise ConfigError("explicit_layout: a bound overflows a float")
     return bounds, counts
+
+
+def merge_snapshots(
+    total: HistogramSnapshot, window: HistogramSnapshot, *, max_size: int
+) -> HistogramSnapshot:
+    """``total`` plus ``window``: the running histogram of a CUMULATIVE series.
+
+    Both are brought to the smaller of their scales (index ``i`` becomes ``i >> shift``: the
+    data model's downscaling, "ExponentialHistogram" → "Scale"), their counts added, and the
+    result downscaled further until its occupied range fits ``max_size`` buckets. That is the
+    histogram one aggregator would hold after recording the values of both (same scale, same
+    buckets: tests/exporters/test_cumulative.py), and its scale never rises, so a reader can
+    difference two successive totals (its buckets map onto the newer, coarser ones).
+    ``min``/``max`` are the smallest and largest over both; ``sum`` is their sum.
+
+    Args:
+        total: The running histogram (may be empty).
+        window: One window's histogram (may be empty).
+        max_size: Most positive buckets in the result.
+
+    Returns:
+        The merged snapshot; ``total`` itself when ``window`` is empty.
+    """
+    if window.count == 0:
+        return total
+    if total.count == 0 and window.scale <= total.scale:
+        return window
+    scale = min(total.scale, window.scale)
+    counts: dict[int, int] = {}
+    for snap in (total, window):
+        shift = snap.scale - scale
+        for position, count in enumerate(snap.bucket_counts):
+            if count:
+                index = (snap.offset + position) >> shift
+                counts[index] = counts.get(index, 0) + count
+    if counts:
+        change = _downscale_needed(min(counts), max(counts), max_size)
+        if change:
+            scale -= change
+            merged: dict[int, int] = {}
+            for index, count in counts.items():
+                merged[index >> change] = merged.get(index >> change, 0) + count
+            counts = merged
+        low, high = min(counts), max(counts)
+        offset, buckets = low, tuple(counts.get(i, 0) for i in range(low, high + 1))
+    else:
+        offset, buckets = 0, ()
+    extremes = [snap for snap in (total, window) if snap.count]
+    return HistogramSnapshot(
+        count=total.count + window.count,
+        sum=total.sum + window.sum,
+        min=min(snap.min for snap in extremes),
+        max=max(snap.max for snap in extremes),
+        scale=scale,
+        zero_count=total.zero_count + window.zero_count,
+        offset=offset,
+        bucket_counts=buckets,
+    )
+
+
+def _padded_edges(low: int, high: int, level: int, room: int) -> set[int]:
+    """Grid edges ``low..high`` at ``level``, widened to whole octaves plus one spare octave
+    on each side when they fit in ``room``, else to whole octaves, else as they are."""
+    per = 1 << level if level > 0 else 1  # level buckets per octave
+    for pad in (1, 0):
+        first = (low // per - pad) * per
+        last = (-(-high // per) + pad) * per
+        if last - first + 1 <= room:
+            return set(range(first, last + 1))
+    return set(range(low, high + 1))

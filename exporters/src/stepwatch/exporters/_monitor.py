@@ -29,7 +29,7 @@ from stepwatch.exporters._config import (
     DEFAULT_TIMEOUT_S,
     ExporterConfig,
     resolve_exporter_config,
-    resolve_histogram_buckets,
+    window_options,
 )
 from stepwatch.exporters._device import (
     DeviceTimer,
@@ -92,7 +92,8 @@ class StepMonitor:
 
     OTel SDK variables (``_sdk_env``, docs/exporters.md): ``OTEL_SDK_DISABLED=true`` makes it
     a no-op that never raises; ``OTEL_SERVICE_NAME``/``OTEL_RESOURCE_ATTRIBUTES`` add to the
-    resource (arguments win), which always has a ``service.instance.id``.
+    resource (arguments win), which always has a ``service.instance.id``;
+    ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=cumulative`` sends running totals.
 
     Args:
         job_id: The training run (``stepwatch.job.id``); else ``TORCHELASTIC_RUN_ID``.
@@ -207,10 +208,8 @@ class StepMonitor:
                 raise ConfigError(f"timeout_s must be positive, got {timeout_s!r}")
             self._export_timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         self._exporter: Exporter = exporter
-        buckets = resolve_histogram_buckets(histogram_buckets, environ)
-        self._builder = WindowBuilder(
-            resource, max_scale=max_scale, max_size=max_size, histogram_buckets=buckets
-        )
+        options = window_options(histogram_buckets, environ)  # and the temporality preference
+        self._builder = WindowBuilder(resource, max_scale=max_scale, max_size=max_size, **options)
         self._kernel_source = kernel_source
         self._health = resolve_health(health, resource)
         self._clock: Clock = clock if clock is not None else SystemClock()

@@ -164,27 +164,30 @@ def with_environment(resource: Resource, attributes: Mapping[str, str]) -> Resou
     return Resource(merged)
 
 
-def warn_temporality(environ: Mapping[str, str]) -> None:
-    """``..._METRICS_TEMPORALITY_PREFERENCE``: windows are delta; ``cumulative`` is warned about.
+def temporality_preference(environ: Mapping[str, str], *, warn: bool = True) -> str:
+    """``..._METRICS_TEMPORALITY_PREFERENCE`` as what histograms and counters go out as.
 
-    Specification, "OTLP Exporter Configuration": ``cumulative`` (the default), ``delta`` or
-    ``lowmemory`` (delta for counters and histograms). A window is the distribution of the
-    steps finished in it, and the bridge and detectors read each window by itself; a
-    cumulative histogram would grow with the run and a restarted rank would reset it. So an
-    explicit ``cumulative`` is not honoured: one warning, windows stay delta (every point
-    carries its ``start_time_unix_nano``, so a consumer can accumulate them).
+    Specification, OTLP Exporter, "Additional Environment Variable Configuration"
+    (https://opentelemetry.io/docs/specs/otel/metrics/sdk_exporters/otlp/): ``cumulative``
+    (every instrument cumulative), ``delta`` (counters and histograms delta) or ``lowmemory``
+    (counters and histograms delta too; only synchronous up-down counters differ, and
+    stepwatch has none), case-insensitive. Unset is ``delta``: unlike an SDK, whose default
+    is ``cumulative``, a stepwatch window is the distribution of the steps finished in it and
+    the bridge stores windows (docs/exporters.md, "Temporality"). Another value is warned
+    about (when ``warn``) and treated as unset, as the specification says for enum values.
+
+    Returns:
+        ``cumulative`` or ``delta``.
     """
     value, variable = settings.OTLP_TEMPORALITY_PREFERENCE.lookup(environ)
     if value is None:
-        return
+        return "delta"
     lowered = value.strip().lower()
-    if lowered == "cumulative":
-        logger.warning(
-            "%s=cumulative is not honoured: stepwatch windows are delta (docs/exporters.md)",
-            variable,
-        )
-    elif lowered not in _TEMPORALITIES:
-        logger.warning("%s=%r is not one of %s; ignored", variable, value, _TEMPORALITIES)
+    if lowered not in _TEMPORALITIES:
+        if warn:
+            logger.warning("%s=%r is not one of %s; ignored", variable, value, _TEMPORALITIES)
+        return "delta"
+    return "cumulative" if lowered == "cumulative" else "delta"
 
 
 def identity(
@@ -242,8 +245,6 @@ def rank_resource(
 ) -> Resource:
     """The monitor's resource: arguments > torchrun's and OTel's variables > defaults.
 
-    Also warns about an unhonoured temporality preference (:func:`warn_temporality`).
-
     Raises:
         ConfigError: as :func:`identity` and ``build_resource``.
     """
@@ -262,7 +263,6 @@ def rank_resource(
         pp_rank=pp_rank,
         service_name=resolve_service_name(service_name, attributes, environ),
     )
-    warn_temporality(environ)
     return with_environment(resource, attributes)
 
 

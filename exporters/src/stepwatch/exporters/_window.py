@@ -4,7 +4,8 @@ The exporter does not use the SDK's ``MeterProvider``: its collection cycle cann
 window with step boundaries. :class:`WindowBuilder` aggregates the steps of one window into
 exponential histograms itself and emits SDK ``MetricsData`` (DELTA, one data point per series,
 window bounds as ``start_time_unix_nano``/``time_unix_nano``) that any SDK
-``MetricExporter`` (OTLP gRPC, OTLP HTTP, in-memory) exports unchanged.
+``MetricExporter`` (OTLP gRPC, OTLP HTTP, in-memory) exports unchanged. With
+``temporality="cumulative"`` histograms are running totals instead (``_running``).
 
 Cardinality is bounded by construction, which is why the SDK's default per-instrument
 cardinality limit (2000 series) is never relevant and can never be silently hit: a window holds
@@ -28,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, TypedDict
 
 from stepwatch.core import _schema
 from stepwatch.core._errors import ConfigError
@@ -36,8 +37,9 @@ from stepwatch.exporters._histogram import (
     FLOAT_BITS,
     ExponentialHistogram,
     HistogramSnapshot,
-    explicit_layout,
 )
+from stepwatch.exporters._running import RunningTotals
+from stepwatch.exporters._running import histogram_metric as _histogram_metric
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import Metric, MetricsData
@@ -70,6 +72,19 @@ buckets on the fixed log-spaced bounds of :data:`~stepwatch.exporters._histogram
 EXPLICIT_GRID_SCALE` (quantiles within 4.5 %), the one histogram kind an OpenTelemetry
 Collector's influxdb exporter (otel2influx, telegraf-prometheus-v1) stores: it has no case for
 exponential histograms and fails the whole request on one."""
+
+TEMPORALITIES = ("delta", "cumulative")
+"""What histograms go out as (``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``,
+:func:`~stepwatch.exporters._sdk_env.temporality_preference`): ``delta``, one window each (the
+default), or ``cumulative``, running totals since the first window (``_running``)."""
+
+
+class WindowOptions(TypedDict):
+    """The :class:`WindowBuilder` options a monitor resolves from its arguments and variables."""
+
+    histogram_buckets: str
+    temporality: str
+
 
 # Metric descriptions are not sent: OTLP makes them optional, the bridge does not store them,
 # and on a one-step window they cost ~130 of ~1,250 gzipped bytes (bench/kernel_bytes.py).
@@ -231,6 +246,9 @@ class WindowBuilder:
         kernel_min_max: Send ``min``/``max`` on kernel histograms (see
             :data:`DEFAULT_KERNEL_MIN_MAX`).
         histogram_buckets: ``exponential`` or ``explicit`` (see :data:`HISTOGRAM_BUCKETS`).
+        temporality: ``delta`` or ``cumulative`` (see :data:`TEMPORALITIES`). Cumulative
+            histograms carry exact sums (a rounded total would err by a share of the run, not
+            of the window, once differenced) and their series are capped over the run.
 
     Raises:
         ConfigError: An option is out of range.
@@ -247,6 +265,7 @@ class WindowBuilder:
         kernel_significant_bits: int = DEFAULT_KERNEL_SIGNIFICANT_BITS,
         kernel_min_max: bool = DEFAULT_KERNEL_MIN_MAX,
         histogram_buckets: str = "exponential",
+        temporality: str = "delta",
     ) -> None:
         ExponentialHistogram(max_scale=max_scale, max_size=max_size)  # validates both
         if histogram_buckets not in HISTOGRAM_BUCKETS:
@@ -254,6 +273,8 @@ class WindowBuilder:
                 f"histogram_buckets must be one of {HISTOGRAM_BUCKETS}, got {histogram_buckets!r}"
             )
         self._explicit = histogram_buckets == "explicit"
+        if temporality not in TEMPORALITIES:
+            raise ConfigError(f"temporality must be one of {TEMPORALITIES}, got {temporality!r}")
         if max_phase_series < 1:
             raise ConfigError(f"max_phase_series must be >= 1, got {max_phase_series}")
         if max_kernel_series < 1:
@@ -279,11 +300,37 @@ class WindowBuilder:
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
         self._scope = InstrumentationScope(SCOPE_NAME)
-        self.overflow_observations = 0
-        """Observations folded into ``other`` because a series cap was reached (cumulative)."""
+        self._totals: RunningTotals | None = None
+        if temporality == "cumulative":
+            self._totals = RunningTotals(
+                max_size=max_size,
+                max_series={
+                    _schema.PHASE_DURATION: max_phase_series,
+                    _schema.KERNEL_DURATION: max_kernel_series,
+                },
+                overflow={
+                    _schema.PHASE_DURATION: {_schema.PHASE: OTHER},
+                    _schema.KERNEL_DURATION: {
+                        _schema.KERNEL_CLASS: OTHER,
+                        _schema.KERNEL_CATEGORY: OTHER,
+                    },
+                },
+            )
+        self._overflow_observations = 0
         self.rejected_observations = 0
         """Durations refused for being negative, NaN or infinite (cumulative)."""
         self._reset()
+
+    @property
+    def overflow_observations(self) -> int:
+        """Observations folded into ``other`` because a series cap was reached (cumulative)."""
+        run_wide = 0 if self._totals is None else self._totals.overflow_observations
+        return self._overflow_observations + run_wide
+
+    @property
+    def temporality(self) -> str:
+        """``delta`` or ``cumulative``."""
+        return "delta" if self._totals is None else "cumulative"
 
     def _new_histogram(self) -> ExponentialHistogram:
         return ExponentialHistogram(max_scale=self._max_scale, max_size=self._max_size)
@@ -318,7 +365,7 @@ class WindowBuilder:
             histogram = self._phases.get(phase)
             if histogram is None:
                 if len(self._phases) >= self._max_phase_series and phase != OTHER:
-                    self.overflow_observations += 1
+                    self._overflow_observations += 1
                     phase = OTHER
                     histogram = self._phases.get(phase)
                 if histogram is None:
@@ -332,7 +379,7 @@ class WindowBuilder:
             histogram = self._kernels.get(key)
             if histogram is None:
                 if len(self._kernels) >= self._max_kernel_series and key != overflow:
-                    self.overflow_observations += len(durations)
+                    self._overflow_observations += len(durations)
                     key = overflow
                     histogram = self._kernels.get(key)
                 if histogram is None:
@@ -384,58 +431,68 @@ class WindowBuilder:
             return None
         end_unix_nano = max(end_unix_nano, start_unix_nano)
         bounds = (start_unix_nano, end_unix_nano)
+        totals = self._totals
+        histogram_bounds = bounds
+        if totals is not None:  # cumulative: every point since the first window's start
+            if totals.start_unix_nano is None:
+                totals.start_unix_nano = start_unix_nano
+            histogram_bounds = (totals.start_unix_nano, end_unix_nano)
         # Metric and point order is free in OTLP; this one is the smallest gzipped on the DLRM
         # window (bench/kernel_bytes.py): the one-point histograms together, so deflate finds
         # their shared bytes close by, and kernel points by total time, so neighbours have
         # similar offsets, bucket runs and doubles.
         metrics: list[Metric] = []
-        if self._steps.count:
-            metrics.append(
-                _histogram_metric(
-                    _schema.STEP_DURATION,
-                    [({}, self._steps.snapshot())],
-                    bounds,
-                    explicit=self._explicit,
+        explicit = self._explicit
+
+        def histograms(name: str, series: list[tuple[dict[str, str], HistogramSnapshot]]) -> None:
+            if totals is not None:
+                series = totals.add(name, series)
+            if series:
+                metrics.append(
+                    _histogram_metric(
+                        name,
+                        series,
+                        histogram_bounds,
+                        explicit=explicit,
+                        cumulative=totals is not None,
+                    )
                 )
-            )
+
+        if self._steps.count:
+            histograms(_schema.STEP_DURATION, [({}, self._steps.snapshot())])
         if self._last_step is not None:
             metrics.append(_gauge(_schema.STEP_LAST, "{step}", [({}, self._last_step)], bounds))
         if self._idle.count:
-            metrics.append(
-                _histogram_metric(
-                    _schema.DEVICE_IDLE_DURATION,
-                    [({}, self._idle.snapshot())],
-                    bounds,
-                    explicit=self._explicit,
-                )
-            )
+            histograms(_schema.DEVICE_IDLE_DURATION, [({}, self._idle.snapshot())])
         phases = [
             ({_schema.PHASE: phase}, histogram.snapshot())
             for phase, histogram in sorted(self._phases.items())
             if histogram.count
         ]
-        if phases:
-            metrics.append(
-                _histogram_metric(_schema.PHASE_DURATION, phases, bounds, explicit=self._explicit)
-            )
-        bits = self._kernel_significant_bits
+        histograms(_schema.PHASE_DURATION, phases)
         kernels = [
             (
                 {_schema.KERNEL_CLASS: kernel_class, _schema.KERNEL_CATEGORY: category},
-                histogram.snapshot().with_significant_bits(bits),
+                histogram.snapshot(),
             )
             for (kernel_class, category), histogram in sorted(self._kernels.items())
             if histogram.count
         ]
+        if totals is not None:
+            kernels = totals.add(_schema.KERNEL_DURATION, kernels)
+        else:  # a cumulative sum stays exact: its rounding error would be a share of the run
+            bits = self._kernel_significant_bits
+            kernels = [(key, snap.with_significant_bits(bits)) for key, snap in kernels]
         kernels.sort(key=lambda series: series[1].sum)  # stable: ties stay in (class, category)
         if kernels:
             metrics.append(
                 _histogram_metric(
                     _schema.KERNEL_DURATION,
                     kernels,
-                    bounds,
+                    histogram_bounds,
                     min_max=self._kernel_min_max,
-                    explicit=self._explicit,
+                    explicit=explicit,
+                    cumulative=totals is not None,
                 )
             )
         if self._progress is not None:
@@ -492,77 +549,3 @@ def _progress_metrics(progress: Progress, bounds: tuple[int, int]) -> list[Metri
             _gauge(_schema.PHASE_ELAPSED, "s", [(phase, progress.phase_elapsed_s)], bounds)
         )
     return metrics
-
-
-def _histogram_metric(
-    name: str,
-    series: Sequence[tuple[dict[str, str], HistogramSnapshot]],
-    bounds: tuple[int, int],
-    *,
-    min_max: bool = True,
-    explicit: bool = False,
-) -> Metric:
-    from opentelemetry.sdk.metrics.export import (
-        AggregationTemporality,
-        Buckets,
-        ExponentialHistogramDataPoint,
-        HistogramDataPoint,
-        Metric,
-    )
-    from opentelemetry.sdk.metrics.export import ExponentialHistogram as OtelHistogram
-    from opentelemetry.sdk.metrics.export import Histogram as ExplicitHistogram
-
-    # OTLP's min and max are optional fields; the SDK's encoder leaves them unset when None
-    # (its dataclass annotates them as float, hence the cast).
-    unset = cast(float, None)
-    if explicit:
-        explicit_points = []
-        for attributes, snap in series:
-            explicit_bounds, bucket_counts = explicit_layout(snap)
-            explicit_points.append(
-                HistogramDataPoint(
-                    attributes=attributes,
-                    start_time_unix_nano=bounds[0],
-                    time_unix_nano=bounds[1],
-                    count=snap.count,
-                    sum=snap.sum,
-                    bucket_counts=bucket_counts,
-                    explicit_bounds=explicit_bounds,
-                    min=snap.min if min_max else unset,
-                    max=snap.max if min_max else unset,
-                )
-            )
-        return Metric(
-            name=name,
-            description=_DESCRIPTION,
-            unit="s",
-            data=ExplicitHistogram(
-                data_points=explicit_points, aggregation_temporality=AggregationTemporality.DELTA
-            ),
-        )
-    points = []
-    for attributes, snap in series:
-        points.append(
-            ExponentialHistogramDataPoint(
-                attributes=attributes,
-                start_time_unix_nano=bounds[0],
-                time_unix_nano=bounds[1],
-                count=snap.count,
-                sum=snap.sum,
-                scale=snap.scale,
-                zero_count=snap.zero_count,
-                positive=Buckets(offset=snap.offset, bucket_counts=list(snap.bucket_counts)),
-                negative=Buckets(offset=0, bucket_counts=[]),
-                flags=0,
-                min=snap.min if min_max else unset,
-                max=snap.max if min_max else unset,
-            )
-        )
-    return Metric(
-        name=name,
-        description=_DESCRIPTION,
-        unit="s",
-        data=OtelHistogram(
-            data_points=points, aggregation_temporality=AggregationTemporality.DELTA
-        ),
-    )

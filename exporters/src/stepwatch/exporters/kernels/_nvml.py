@@ -10,11 +10,11 @@ readings of a window into OTel SDK ``MetricsData`` on :meth:`~HealthSampler.buil
 | ``hw.gpu.memory.usage`` | updowncounter (*) | By | device memory used |
 | ``hw.power`` | gauge | W | board power draw |
 | ``hw.temperature`` | gauge | Cel | GPU core temperature (``hw.type=temperature``, **) |
-| ``hw.errors`` | counter, DELTA | {error} | new uncorrected ECC errors (``error.type``) |
+| ``hw.errors`` | counter (***) | {error} | new uncorrected ECC errors (``error.type``) |
 | ``stepwatch.gpu.sm_clock`` | gauge | Hz | SM clock |
 | ``stepwatch.gpu.clock_event.mask`` | gauge | 1 | NVML clock-event bitmask |
 | ``stepwatch.gpu.clock_event.active`` | gauge | 1 | 0/1 per ``stepwatch.gpu.clock_event.reason`` |
-| ``stepwatch.gpu.xid.errors`` | counter, DELTA | {error} | XIDs per ``stepwatch.gpu.xid.code`` |
+| ``stepwatch.gpu.xid.errors`` | counter (***) | {error} | XIDs per ``stepwatch.gpu.xid.code`` |
 
 Every point has ``hw.id``, ``hw.name`` and ``hw.type=gpu`` (but temperature, **);
 ``hw.errors`` has ``error.type=uncorrected``.
@@ -28,7 +28,9 @@ asynchronously: a non-monotonic CUMULATIVE sum whose start is the sampler's firs
 ``hw.parent`` the GPU's id. ``hw.id`` of a GPU is its UUID, else its NVML index. The
 ``stepwatch.gpu.*`` names follow the naming rules (a plural only for a count with a ``{unit}``;
 no metric named like an attribute namespace). Per-reason points are always sent (0 or 1) so
-"last value" queries never see a stale 1.
+"last value" queries never see a stale 1. (***) DELTA (the window's count); CUMULATIVE with
+``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE=cumulative``: the count since the sampler's
+first window (its start), sent for every device and code seen so far.
 
 Without a GPU or without ``pynvml`` the first failing call is logged once and the sampler
 produces nothing. NVML reference: https://docs.nvidia.com/deploy/nvml-api/
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -224,6 +227,8 @@ class HealthSampler:
         resource: The rank's resource (``build_resource``).
         backend: NVML calls (default :class:`PynvmlBackend`).
         devices: NVML indices to report (default: all).
+        temporality: ``delta`` or ``cumulative`` for the two counters; default: the
+            temporality preference variable (``_sdk_env.temporality_preference``).
     """
 
     def __init__(
@@ -232,7 +237,13 @@ class HealthSampler:
         *,
         backend: NvmlBackend | None = None,
         devices: Sequence[int] | None = None,
+        temporality: str | None = None,
     ) -> None:
+        from stepwatch.exporters._sdk_env import temporality_preference
+
+        if temporality is None:  # the monitor has warned about a bad value already
+            temporality = temporality_preference(os.environ, warn=False)
+        self._cumulative = temporality == "cumulative"
         self._resource = resource
         self._backend: NvmlBackend = backend if backend is not None else PynvmlBackend()
         self._devices = None if devices is None else list(devices)
@@ -282,7 +293,8 @@ class HealthSampler:
     def build(self, *, start_unix_nano: int, end_unix_nano: int) -> MetricsData | None:
         """The window's health metrics from the last readings; ``None`` when nothing was read.
 
-        Resets the error and XID counts (they are DELTA sums); gauges report the last reading.
+        Resets the error and XID counts when they are DELTA sums (CUMULATIVE ones keep
+        counting from the first window); gauges report the last reading.
         """
         from opentelemetry.sdk.metrics.export import (
             AggregationTemporality,
@@ -303,6 +315,8 @@ class HealthSampler:
         if self._first_start_unix_nano is None:
             self._first_start_unix_nano = start_unix_nano
         first_start = self._first_start_unix_nano
+        cumulative = self._cumulative
+        counter_start = first_start if cumulative else start_unix_nano
 
         def point(
             reading: GpuReading,
@@ -372,26 +386,27 @@ class HealthSampler:
                 by_index[index],
                 self._ecc_delta.get(index, 0),
                 {_schema.ERROR_TYPE: "uncorrected"},
+                start=counter_start,
             )
             for index in sorted(by_index)
             if by_index[index].ecc_uncorrected_errors is not None
         ]
-        self._ecc_delta = {}
-        add(_schema.HW_ERRORS, "{error}", _delta_sum(error_points, Sum, AggregationTemporality))
+        counter = AggregationTemporality.CUMULATIVE if cumulative else AggregationTemporality.DELTA
+        if not cumulative:
+            self._ecc_delta = {}
+        add(_schema.HW_ERRORS, "{error}", _counter(error_points, Sum, counter))
         xid_points = [
             point(
                 by_index.get(device, GpuReading(index=device)),
                 count,
                 {_schema.GPU_XID_CODE: str(code)},
+                start=counter_start,
             )
             for (device, code), count in sorted(self._xid_counts.items())
         ]
-        self._xid_counts = {}
-        add(
-            _schema.GPU_XID_ERRORS,
-            "{error}",
-            _delta_sum(xid_points, Sum, AggregationTemporality),
-        )
+        if not cumulative:
+            self._xid_counts = {}
+        add(_schema.GPU_XID_ERRORS, "{error}", _counter(xid_points, Sum, counter))
         scope = InstrumentationScope("stepwatch.exporters.kernels")
         return MetricsData(
             resource_metrics=[
@@ -411,10 +426,6 @@ class HealthSampler:
             _log.debug("NVML close failed", exc_info=True)
 
 
-def _delta_sum(points: list[NumberDataPoint], sum_type: Any, temporality: Any) -> Any:
-    """A monotonic DELTA sum (a counter's window) of ``points``."""
-    return sum_type(
-        data_points=points,
-        aggregation_temporality=temporality.DELTA,
-        is_monotonic=True,
-    )
+def _counter(points: list[NumberDataPoint], sum_type: Any, temporality: Any) -> Any:
+    """A monotonic sum (a counter) of ``points``: the window's (DELTA) or the run's."""
+    return sum_type(data_points=points, aggregation_temporality=temporality, is_monotonic=True)
