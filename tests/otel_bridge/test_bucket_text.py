@@ -25,7 +25,12 @@ from stepwatch.otel_bridge import (
     decode_buckets,
     merge_buckets,
 )
-from stepwatch.otel_bridge._bucket_text import encode_explicit, encode_exponential
+from stepwatch.otel_bridge._bucket_text import (
+    _counts_text,
+    _counts_text_reference,
+    encode_explicit,
+    encode_exponential,
+)
 from stepwatch.otel_bridge._buckets import explicit_buckets, exponential_buckets
 from tests.otel_bridge.otlp_requests import (
     RecordingWriter,
@@ -99,6 +104,14 @@ def test_explicit_text_round_trips(bounds: list[float], data: st.DataObject) -> 
     )
     text = encode_explicit(bounds, counts)
     assert decode_buckets(text) == explicit_buckets(bounds, counts)
+
+
+@settings(max_examples=500)
+@given(st.lists(st.sampled_from([0, 0, 0, 1, 7, 10, 100, 2**64 - 1]), max_size=40))
+def test_zero_runs_are_written_as_the_reference_writes_them(counts: list[int]) -> None:
+    # the hot path finds zero runs with a regular expression; the reference walks the counts
+    assert _counts_text(counts) == _counts_text_reference(counts)
+    assert _counts_text([0, 0, 0, 10, 0, 0, 100, 0, 0, 0, 0]) == "*3,10,0,0,100,*4"
 
 
 def test_encoding_examples() -> None:

@@ -20,7 +20,7 @@ from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm
 
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._lineproto import encode_point
-from stepwatch.otel_bridge import TAG_ALLOWLIST, bucket_quantile, convert_request
+from stepwatch.otel_bridge import TAG_ALLOWLIST, _convert, bucket_quantile, convert_request
 from stepwatch.otel_bridge._buckets import (
     explicit_buckets,
     exponential_buckets,
@@ -210,6 +210,20 @@ def test_tags_are_allowlisted_and_escaped() -> None:
         tag_allowlist=TAG_ALLOWLIST | {"kernel.raw"},
     )
     assert "kernel.raw=void\\ at::native::gemm<float>(...)" in extended.lines[1]
+
+
+def test_known_series_are_bounded_and_never_change_the_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Series keys are built once per resource and reused; the store is cleared when full.
+    request = golden_request()
+    expected = convert_request(request).lines  # type: ignore[arg-type]
+    monkeypatch.setattr(_convert, "MAX_KNOWN_SERIES", 3)
+    _convert._forget_series()
+    for _ in range(3):
+        assert convert_request(request).lines == expected  # type: ignore[arg-type]
+        assert _convert._known_count[0] <= 3
+    _convert._forget_series()
 
 
 def test_gauges_and_sums_use_telegraf_names() -> None:

@@ -174,6 +174,15 @@ def exponential_buckets(
         raise Rejected(REASON_BUCKET_LAYOUT)
     if not math.isfinite(zero_threshold) or zero_threshold < 0:
         raise Rejected(REASON_BUCKET_LAYOUT)
+    if positive_counts and not (negative_counts or zero_count or zero_threshold):
+        # what stepwatch's exporters send: the positive range only (the bridge's hot path)
+        positive_lowers, positive_uppers, _, increasing = _range_bounds(
+            scale, positive_offset, len(positive_counts)
+        )
+        if not increasing:
+            raise Rejected(REASON_BUCKET_LAYOUT)  # degenerate: underflowed bounds
+        cumulative = list(itertools.accumulate(map(int, positive_counts)))
+        return Buckets(list(positive_lowers), list(positive_uppers), cumulative)
     lowers: list[float] = []
     uppers: list[float] = []
     counts: list[int] = []
