@@ -100,7 +100,7 @@ def _zero_run(match: re.Match[str]) -> str:
     return f"*{(len(match.group()) + 1) // 2}"  # "0,0,0" holds 3 zeros in 5 characters
 
 
-def _counts_text(counts: Iterable[int]) -> str:
+def counts_text(counts: Iterable[int]) -> str:
     text = ",".join(map(str, counts))
     return _ZERO_RUN.sub(_zero_run, text) if "0,0,0" in text else text
 
@@ -122,7 +122,7 @@ def _counts_text_reference(counts: Iterable[int]) -> str:
 
 def encode_explicit(bounds: Sequence[float], counts: Sequence[int]) -> str:
     """The ``buckets`` text of an explicit-bounds histogram (bounds already validated)."""
-    return "x" + ",".join(format_bound(bound) for bound in bounds) + ":" + _counts_text(counts)
+    return "x" + ",".join(format_bound(bound) for bound in bounds) + ":" + counts_text(counts)
 
 
 def encode_exponential(
@@ -136,13 +136,13 @@ def encode_exponential(
     negative_counts: Sequence[int] = (),
 ) -> str:
     """The ``buckets`` text of an exponential histogram (layout already validated)."""
-    text = f"e{scale}:{offset if counts else 0}:{_counts_text(counts)}"
+    text = f"e{scale}:{offset if counts else 0}:{counts_text(counts)}"
     if zero_count:
         text += f";z{zero_count}"
     if zero_threshold:
         text += f";t{format_bound(zero_threshold)}"
     if negative_counts:
-        text += f";n{negative_offset}:{_counts_text(negative_counts)}"
+        text += f";n{negative_offset}:{counts_text(negative_counts)}"
     return text
 
 
