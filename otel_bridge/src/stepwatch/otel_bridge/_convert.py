@@ -225,7 +225,7 @@ def convert_to_points(
     for resource_metrics in request.resource_metrics:
         resource_attrs = resource_metrics.resource.attributes
         resource_tags, dropped = _tags(resource_attrs, tag_allowlist)
-        known = _known_series(tag_allowlist, resource_tags)
+        resource = _resource_part(resource_tags)
         resource_problem = _resource_problem(resource_attrs)
         checked = resource_check is None or resource_problem is not None
         resource_key = _attributes_key(resource_attrs)
@@ -255,7 +255,7 @@ def convert_to_points(
                     if resource_problem is not None:
                         batch.rejected[resource_problem] += total
                         continue
-                _convert_metric(metric, known, tag_allowlist, batch, limits, scope)
+                _convert_metric(metric, resource, tag_allowlist, batch, limits, scope)
     return batch
 
 
@@ -343,65 +343,100 @@ def _tags(attributes: Iterable[KeyValue], allowlist: frozenset[str]) -> tuple[di
     return tags, dropped
 
 
-class _Series(NamedTuple):
-    """A point's tags (resource and point attributes merged), its escaped series key, and
-    whether a tag value cannot be carried (``unrepresentable``)."""
+Pieces = tuple[tuple[str, str], ...]
+"""Tags as ``(key, ",key=value")`` escaped, sorted by key; empty values left out (not stored)."""
+
+
+class _TagPart(NamedTuple):
+    """Tags of a resource, or of a metric's point, ready to be merged into a series key.
+
+    ``pieces`` is None when a tag cannot be carried: a value ending in a backslash
+    (``unrepresentable``, the point is rejected) or a key ending in one (the encoder raises)."""
 
     tags: dict[str, str]
-    text: str
+    pieces: Pieces | None
     unrepresentable: bool
 
 
-class _KnownSeries(NamedTuple):
-    """The series of one resource (and tag allowlist) seen so far, by metric name and
-    allowlisted point tags: a rank's windows repeat them, so each is built once."""
+def _tag_part(tags: dict[str, str]) -> _TagPart:
+    if any(value.endswith("\\") for value in tags.values()):
+        return _TagPart(tags, None, True)
+    try:
+        pieces = tuple(
+            sorted(
+                (key, f",{escape_key(key)}={escape_key(value)}")
+                for key, value in tags.items()
+                if value != ""
+            )
+        )
+    except ConfigError:
+        return _TagPart(tags, None, False)
+    return _TagPart(tags, pieces, False)
 
-    resource_tags: dict[str, str]
-    series: dict[tuple[str, tuple[tuple[str, str], ...]], _Series]
+
+class _Resource(NamedTuple):
+    part: _TagPart
+    text: str  # the pieces joined: the series key after the measurement, for points without tags
 
 
-# resource tags (and allowlist) -> its known series; cleared whole when it holds more series
-# than this (a few hundred bytes each): per resource, about 30 series per rank-window.
-MAX_KNOWN_SERIES = 262_144
-_known: dict[tuple[frozenset[str], tuple[tuple[str, str], ...]], _KnownSeries] = {}
-_known_count = [0]
+def _resource_part(resource_tags: dict[str, str]) -> _Resource:
+    """Once per resource of a request: its tags escaped and sorted."""
+    part = _tag_part(resource_tags)
+    return _Resource(part, "".join(piece for _, piece in part.pieces or ()))
 
 
-def _known_series(allowlist: frozenset[str], resource_tags: dict[str, str]) -> _KnownSeries:
-    key = (allowlist, tuple(resource_tags.items()))
-    known = _known.get(key)
-    if known is None:
-        if len(_known) >= MAX_KNOWN_SERIES // 8:
-            _forget_series()
-        known = _known[key] = _KnownSeries(resource_tags, {})
-    return known
+class _Metric(NamedTuple):
+    measurement: str  # escaped
+    point: _TagPart
+
+
+# (metric name, allowlisted point tags) -> their escaped parts; rank-independent (kernel classes,
+# phases, devices), so small; cleared whole beyond this many entries.
+MAX_KNOWN_SERIES = 65_536
+_known: dict[tuple[str, Pieces], _Metric] = {}
 
 
 def _forget_series() -> None:
     _known.clear()
-    _known_count[0] = 0
 
 
-def _new_series(known: _KnownSeries, name: str, point_tags: tuple[tuple[str, str], ...]) -> _Series:
-    tags = {**known.resource_tags, **dict(point_tags)}
-    unrepresentable = any(value.endswith("\\") for value in tags.values())
-    text = ""
-    if not unrepresentable:
-        try:
-            text = _series_text(name, tuple(sorted(tags.items())))
-        except ConfigError:
-            text = ""  # a tag key that cannot be carried: Point.encode raises it
-    entry = _Series(tags, text, unrepresentable)
-    if _known_count[0] >= MAX_KNOWN_SERIES:
-        _forget_series()
-    known.series[(name, point_tags)] = entry
-    _known_count[0] += 1
-    return entry
+def _metric_part(name: str, point_tags: Pieces) -> _Metric:
+    known = _known.get((name, point_tags))
+    if known is None:
+        if len(_known) >= MAX_KNOWN_SERIES:
+            _forget_series()
+        known = _known[(name, point_tags)] = _Metric(
+            escape_measurement(name), _tag_part(dict(point_tags))
+        )
+    return known
+
+
+def _series(resource: _Resource, metric: _Metric) -> tuple[dict[str, str], str, bool]:
+    """A point's tags, its series key (empty: the encoder computes it, or raises), and
+    whether a tag value cannot be carried; as ``Point.encode`` writes them."""
+    point = metric.point
+    if not point.tags:
+        part = resource.part
+        text = "" if part.pieces is None else metric.measurement + resource.text
+        return part.tags, text, part.unrepresentable
+    tags = {**resource.part.tags, **point.tags}
+    if (
+        resource.part.pieces is None
+        or point.pieces is None
+        or len(tags) != len(resource.part.tags) + len(point.tags)
+    ):  # a point tag overrides a resource tag: from the merged tags
+        merged = _tag_part(tags)
+        if merged.pieces is None:
+            return tags, "", merged.unrepresentable
+        pieces = merged.pieces
+    else:
+        pieces = tuple(sorted(resource.part.pieces + point.pieces))
+    return tags, metric.measurement + "".join([piece for _, piece in pieces]), False
 
 
 def _convert_metric(
     metric: Metric,
-    known: _KnownSeries,
+    resource: _Resource,
     allowlist: frozenset[str],
     batch: PointBatch,
     limits: _Limits,
@@ -431,7 +466,6 @@ def _convert_metric(
     layout = limits.histogram_layout
     rejected = batch.rejected
     append = batch.points.append
-    known_series = known.series
     points: Sequence[DataPoint] = data.data_points
     for point in points:
         time_unix_nano = point.time_unix_nano
@@ -476,10 +510,8 @@ def _convert_metric(
         if dropped:
             batch.dropped_attributes += dropped
         tag_key = tuple(point_tags)
-        entry = known_series.get((name, tag_key))
-        if entry is None:
-            entry = _new_series(known, name, tag_key)
-        if entry.unrepresentable:
+        tags, text, unrepresentable = _series(resource, _metric_part(name, tag_key))
+        if unrepresentable:
             rejected[REASON_UNREPRESENTABLE] += 1
             continue
-        append(Point(name, entry.tags, fields, int(time_unix_nano), entry.text))
+        append(Point(name, tags, fields, int(time_unix_nano), text))
