@@ -25,7 +25,12 @@ from stepwatch.otel_bridge import (
     decode_buckets,
     merge_buckets,
 )
-from stepwatch.otel_bridge._bucket_text import encode_explicit, encode_exponential
+from stepwatch.otel_bridge._bucket_text import (
+    _counts_text_reference,
+    counts_text,
+    encode_explicit,
+    encode_exponential,
+)
 from stepwatch.otel_bridge._buckets import explicit_buckets, exponential_buckets
 from tests.otel_bridge.otlp_requests import (
     RecordingWriter,
@@ -99,6 +104,14 @@ def test_explicit_text_round_trips(bounds: list[float], data: st.DataObject) -> 
     )
     text = encode_explicit(bounds, counts)
     assert decode_buckets(text) == explicit_buckets(bounds, counts)
+
+
+@settings(max_examples=500)
+@given(st.lists(st.sampled_from([0, 0, 0, 1, 7, 10, 100, 2**64 - 1]), max_size=40))
+def test_zero_runs_are_written_as_the_reference_writes_them(counts: list[int]) -> None:
+    # the hot path's loop writes what the reference writes
+    assert counts_text(counts) == _counts_text_reference(counts)
+    assert counts_text([0, 0, 0, 10, 0, 0, 100, 0, 0, 0, 0]) == "*3,10,0,0,100,*4"
 
 
 def test_encoding_examples() -> None:
@@ -373,3 +386,70 @@ def test_exponential_buckets_match_the_reference(
     except ValueError:
         got = None
     assert (None if got is None else tuple(got)) == want
+
+
+@settings(max_examples=500)
+@given(
+    scale=st.integers(-12, 22),
+    offset=st.integers(-1100, 1100),
+    counts=st.lists(st.integers(0, 5), max_size=12),
+    extra=st.sampled_from([0, 0, 0, -1, 1]),
+    sum_=st.one_of(st.none(), st.floats(-1.0, 1e6), st.just(math.inf)),
+    minimum=st.one_of(st.none(), st.floats(-1.0, 1e6)),
+    maximum=st.one_of(st.none(), st.floats(-1.0, 1e6)),
+    zero_count=st.sampled_from([0, 0, 0, 0, 1]),
+    negative=st.sampled_from([[], [], [], [], [0], [1]]),
+    duration=st.booleans(),
+)
+def test_compact_fast_path_matches_the_general_path(
+    scale: int,
+    offset: int,
+    counts: list[int],
+    extra: int,
+    sum_: float | None,
+    minimum: float | None,
+    maximum: float | None,
+    zero_count: int,
+    negative: list[int],
+    duration: bool,
+) -> None:
+    # stepwatch's exporters send positive-only exponential histograms: the bridge takes them
+    # by a shorter path, which must give the same fields or refuse for the same reason
+    from opentelemetry.proto.metrics.v1.metrics_pb2 import ExponentialHistogramDataPoint
+
+    from stepwatch.otel_bridge._fields import (
+        LAYOUT_COMPACT,
+        _compact_positive,
+        _exponential_fields,
+    )
+    from stepwatch.otel_bridge._reasons import Rejected
+
+    point = ExponentialHistogramDataPoint(
+        count=max(0, sum(counts) + zero_count + sum(negative) + extra),
+        scale=scale,
+        zero_count=zero_count,
+        start_time_unix_nano=5,
+    )
+    point.positive.offset = offset
+    point.positive.bucket_counts.extend(counts)
+    point.negative.bucket_counts.extend(negative)
+    for name, value in (("sum", sum_), ("min", minimum), ("max", maximum)):
+        if value is not None:
+            setattr(point, name, value)
+
+    def outcome(fast: bool) -> object:
+        try:
+            if fast:
+                return _compact_positive(point, duration)
+            return _exponential_fields(point, duration=duration, layout=LAYOUT_COMPACT)
+        except Rejected as exc:
+            return exc.reason
+
+    fast = outcome(True)
+    if fast is None:
+        assert not counts or zero_count or negative
+        return
+    general = outcome(False)
+    assert fast == general
+    if isinstance(fast, dict):
+        assert list(fast) == list(general)  # type: ignore[call-overload]

@@ -20,7 +20,7 @@ from opentelemetry.sdk.metrics._internal.exponential_histogram.mapping.logarithm
 
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._lineproto import encode_point
-from stepwatch.otel_bridge import TAG_ALLOWLIST, bucket_quantile, convert_request
+from stepwatch.otel_bridge import TAG_ALLOWLIST, _convert, bucket_quantile, convert_request
 from stepwatch.otel_bridge._buckets import (
     explicit_buckets,
     exponential_buckets,
@@ -30,6 +30,7 @@ from stepwatch.otel_bridge._buckets import (
 from stepwatch.otel_bridge._convert import Point
 from stepwatch.otel_bridge._decode import decode_body
 from tests.otel_bridge.otlp_requests import (
+    T1,
     bucket_fields,
     counter,
     explicit_histogram,
@@ -210,6 +211,50 @@ def test_tags_are_allowlisted_and_escaped() -> None:
         tag_allowlist=TAG_ALLOWLIST | {"kernel.raw"},
     )
     assert "kernel.raw=void\\ at::native::gemm<float>(...)" in extended.lines[1]
+
+
+def test_known_series_are_bounded_and_never_change_the_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Escaped tags of (metric, point tags) are kept and reused; the store is cleared when full.
+    request = golden_request()
+    expected = convert_request(request).lines  # type: ignore[arg-type]
+    monkeypatch.setattr(_convert, "MAX_KNOWN_SERIES", 3)
+    _convert._forget_series()
+    for _ in range(3):
+        assert convert_request(request).lines == expected  # type: ignore[arg-type]
+        assert len(_convert._known) <= 3
+    _convert._forget_series()
+
+
+_TAG_TEXT = st.sampled_from(["", "a", "b c", "x,y=z", "end\\", "mid\\dle", "é"])
+
+
+@settings(max_examples=300)
+@given(
+    resource_extra=st.dictionaries(st.sampled_from(["host.name", "service.name"]), _TAG_TEXT),
+    point_tags=st.dictionaries(
+        st.sampled_from(["host.name", "stepwatch.kernel.class", "stepwatch.job.id", "other"]),
+        _TAG_TEXT,
+        max_size=3,
+    ),
+    name=st.sampled_from(["custom.metric", "with space,comma"]),
+)
+def test_series_keys_merge_resource_and_point_tags_as_the_encoder_does(
+    resource_extra: dict[str, str], point_tags: dict[str, str], name: str
+) -> None:
+    # resource and point tags are escaped apart and merged per point; a point attribute
+    # overrides a resource one; a value ending in a backslash is rejected
+    resource = {"stepwatch.job.id": "j", "stepwatch.rank": 0, **resource_extra}
+    conversion = convert_request(request([gauge(name, 1.5, attrs=point_tags)], resource))
+    merged = {
+        key: str(value) for key, value in {**resource, **point_tags}.items() if key in TAG_ALLOWLIST
+    }
+    if any(value.endswith("\\") for value in merged.values()):
+        assert conversion.rejected == {"unrepresentable": 1}
+        return
+    assert conversion.lines == [encode_point(name, merged, {"gauge": 1.5}, T1)]
+    assert Point(name, merged, {"gauge": 1.5}, T1).encode() == conversion.lines[0]
 
 
 def test_gauges_and_sums_use_telegraf_names() -> None:

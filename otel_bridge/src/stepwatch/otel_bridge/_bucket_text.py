@@ -91,7 +91,30 @@ def _downscale(offset: int, counts: Sequence[int], shift: int) -> tuple[int, tup
     return low, tuple(merged.get(index, 0) for index in range(low, max(merged) + 1))
 
 
-def _counts_text(counts: Iterable[int]) -> str:
+def _zeros(run: int) -> str:
+    return "0" if run == 1 else "0,0" if run == 2 else f"*{run}"
+
+
+def counts_text(counts: Iterable[int]) -> str:
+    """Counts as ``c0,c1,...``, a run of three or more zeros as ``*k`` (the bridge's hot path:
+    kernel histograms are mostly empty buckets, so zeros cost one addition each)."""
+    parts: list[str] = []
+    zeros = 0
+    for count in counts:
+        if count:
+            if zeros:
+                parts.append(_zeros(zeros))
+                zeros = 0
+            parts.append(str(count))
+        else:
+            zeros += 1
+    if zeros:
+        parts.append(_zeros(zeros))
+    return ",".join(parts)
+
+
+def _counts_text_reference(counts: Iterable[int]) -> str:
+    """:func:`counts_text` as first written (the tests check that both agree)."""
     parts: list[str] = []
     zeros = 0
     for count in counts:
@@ -107,7 +130,7 @@ def _counts_text(counts: Iterable[int]) -> str:
 
 def encode_explicit(bounds: Sequence[float], counts: Sequence[int]) -> str:
     """The ``buckets`` text of an explicit-bounds histogram (bounds already validated)."""
-    return "x" + ",".join(format_bound(bound) for bound in bounds) + ":" + _counts_text(counts)
+    return "x" + ",".join(format_bound(bound) for bound in bounds) + ":" + counts_text(counts)
 
 
 def encode_exponential(
@@ -121,13 +144,13 @@ def encode_exponential(
     negative_counts: Sequence[int] = (),
 ) -> str:
     """The ``buckets`` text of an exponential histogram (layout already validated)."""
-    text = f"e{scale}:{offset if counts else 0}:{_counts_text(counts)}"
+    text = f"e{scale}:{offset if counts else 0}:{counts_text(counts)}"
     if zero_count:
         text += f";z{zero_count}"
     if zero_threshold:
         text += f";t{format_bound(zero_threshold)}"
     if negative_counts:
-        text += f";n{negative_offset}:{_counts_text(negative_counts)}"
+        text += f";n{negative_offset}:{counts_text(negative_counts)}"
     return text
 
 

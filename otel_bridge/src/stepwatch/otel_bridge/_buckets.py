@@ -129,7 +129,7 @@ def _exponential_boundary(scale: int, index: int) -> float | None:
 
 
 @functools.lru_cache(maxsize=16_384)
-def _range_bounds(scale: int, offset: int, length: int) -> tuple[tuple[float, ...], ...]:
+def range_bounds(scale: int, offset: int, length: int) -> tuple[tuple[float, ...], ...]:
     """Lower and upper bounds of the buckets ``offset .. offset + length - 1`` (positive
     side: ``(base**i, base**(i+1)]``), each only if strictly increasing, else ``()``.
 
@@ -174,11 +174,20 @@ def exponential_buckets(
         raise Rejected(REASON_BUCKET_LAYOUT)
     if not math.isfinite(zero_threshold) or zero_threshold < 0:
         raise Rejected(REASON_BUCKET_LAYOUT)
+    if positive_counts and not (negative_counts or zero_count or zero_threshold):
+        # what stepwatch's exporters send: the positive range only (the bridge's hot path)
+        positive_lowers, positive_uppers, _, increasing = range_bounds(
+            scale, positive_offset, len(positive_counts)
+        )
+        if not increasing:
+            raise Rejected(REASON_BUCKET_LAYOUT)  # degenerate: underflowed bounds
+        cumulative = list(itertools.accumulate(map(int, positive_counts)))
+        return Buckets(list(positive_lowers), list(positive_uppers), cumulative)
     lowers: list[float] = []
     uppers: list[float] = []
     counts: list[int] = []
     if negative_counts:
-        negative_lowers, negative_uppers, increasing, _ = _range_bounds(
+        negative_lowers, negative_uppers, increasing, _ = range_bounds(
             scale, negative_offset, len(negative_counts)
         )
         if not increasing:  # the uppers below are the lowers' negations, reversed
@@ -193,7 +202,7 @@ def exponential_buckets(
         uppers.append(zero_threshold)
         counts.append(int(zero_count))
     if positive_counts:
-        positive_lowers, positive_uppers, _, increasing = _range_bounds(
+        positive_lowers, positive_uppers, _, increasing = range_bounds(
             scale, positive_offset, len(positive_counts)
         )
         if not increasing or (uppers and not positive_uppers[0] > uppers[-1]):

@@ -103,10 +103,7 @@ class CardinalityGuard:
     def filter(self, points: Iterable[Point]) -> Guarded:
         """The points allowed through, how many were refused, and whether to throttle."""
         now = self.clock()
-        keyed = [
-            (point, hash((point.measurement, tuple(sorted(point.tags.items())))))
-            for point in points
-        ]
+        keyed = [(point, hash(_series_key(point))) for point in points]
         kept: list[Point] = []
         refused = 0
         with self._lock:
@@ -162,6 +159,11 @@ class CardinalityGuard:
             self._per_rank[budget] -= 1
             if self._per_rank[budget] <= 0:
                 del self._per_rank[budget]
+
+
+def _series_key(point: Point) -> str | tuple[str, tuple[tuple[str, str], ...]]:
+    """The point's series: its escaped series key, as stored (computed by the conversion)."""
+    return point.series or (point.measurement, tuple(sorted(point.tags.items())))
 
 
 class _Seen:

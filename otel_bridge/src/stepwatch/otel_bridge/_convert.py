@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from stepwatch.core import _schema
+from stepwatch.core._errors import ConfigError
 from stepwatch.core._lineproto import (
     FieldValue,
     escape_key,
@@ -67,23 +68,33 @@ returns a rejection reason for its ``stepwatch.*`` points, or None to accept the
 
 
 class Point(NamedTuple):
-    """One InfluxDB point before encoding (tags are allowlisted, values stringified)."""
+    """One InfluxDB point before encoding (tags are allowlisted, values stringified).
+
+    ``series`` is the escaped series key (measurement and sorted tags, as the line starts);
+    empty: computed from ``measurement`` and ``tags`` when encoding.
+    """
 
     measurement: str
     tags: dict[str, str]
     fields: dict[str, FieldValue]
     time_unix_nano: int
+    series: str = ""
 
     def encode(self) -> str:
         """The point as one line; byte-identical to :func:`stepwatch.core._lineproto.encode_point`.
 
         Measurements, tag sets and field keys repeat across windows, so their escaped forms
-        are cached (the bridge's hot path; see bench/bridge_load.py).
+        are computed once (the bridge's hot path; see bench/bridge_cpu.py).
         """
         field_text = ",".join(
-            f"{_field_key(key)}={_field_value(value)}" for key, value in self.fields.items()
+            [
+                f"{_field_key(key)}={value!r}"  # finite: validated during conversion
+                if type(value) is float
+                else f"{_field_key(key)}={format_field_value(value)}"
+                for key, value in self.fields.items()
+            ]
         )
-        head = _series_text(self.measurement, tuple(sorted(self.tags.items())))
+        head = self.series or _series_text(self.measurement, tuple(sorted(self.tags.items())))
         return f"{head} {field_text} {int(self.time_unix_nano)}"
 
 
@@ -97,12 +108,6 @@ def _series_text(measurement: str, tags: tuple[tuple[str, str], ...]) -> str:
 @functools.lru_cache(maxsize=16_384)
 def _field_key(key: str) -> str:
     return escape_key(key)
-
-
-def _field_value(value: FieldValue) -> str:
-    if type(value) is float:
-        return repr(value)  # finite: validated during conversion
-    return format_field_value(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +225,7 @@ def convert_to_points(
     for resource_metrics in request.resource_metrics:
         resource_attrs = resource_metrics.resource.attributes
         resource_tags, dropped = _tags(resource_attrs, tag_allowlist)
+        resource = _resource_part(resource_tags)
         resource_problem = _resource_problem(resource_attrs)
         checked = resource_check is None or resource_problem is not None
         resource_key = _attributes_key(resource_attrs)
@@ -249,7 +255,7 @@ def convert_to_points(
                     if resource_problem is not None:
                         batch.rejected[resource_problem] += total
                         continue
-                _convert_metric(metric, resource_tags, tag_allowlist, batch, limits, scope)
+                _convert_metric(metric, resource, tag_allowlist, batch, limits, scope)
     return batch
 
 
@@ -337,69 +343,175 @@ def _tags(attributes: Iterable[KeyValue], allowlist: frozenset[str]) -> tuple[di
     return tags, dropped
 
 
-def _is_duration(metric: Metric) -> bool:
-    return metric.unit == "s" or metric.name.endswith(".duration")
+Pieces = tuple[tuple[str, str], ...]
+"""Tags as ``(key, ",key=value")`` escaped, sorted by key; empty values left out (not stored)."""
+
+
+class _TagPart(NamedTuple):
+    """Tags of a resource, or of a metric's point, ready to be merged into a series key.
+
+    ``pieces`` is None when a tag cannot be carried: a value ending in a backslash
+    (``unrepresentable``, the point is rejected) or a key ending in one (the encoder raises)."""
+
+    tags: dict[str, str]
+    pieces: Pieces | None
+    unrepresentable: bool
+
+
+def _tag_part(tags: dict[str, str]) -> _TagPart:
+    if any(value.endswith("\\") for value in tags.values()):
+        return _TagPart(tags, None, True)
+    try:
+        pieces = tuple(
+            sorted(
+                (key, f",{escape_key(key)}={escape_key(value)}")
+                for key, value in tags.items()
+                if value != ""
+            )
+        )
+    except ConfigError:
+        return _TagPart(tags, None, False)
+    return _TagPart(tags, pieces, False)
+
+
+class _Resource(NamedTuple):
+    part: _TagPart
+    text: str  # the pieces joined: the series key after the measurement, for points without tags
+
+
+def _resource_part(resource_tags: dict[str, str]) -> _Resource:
+    """Once per resource of a request: its tags escaped and sorted."""
+    part = _tag_part(resource_tags)
+    return _Resource(part, "".join(piece for _, piece in part.pieces or ()))
+
+
+class _Metric(NamedTuple):
+    measurement: str  # escaped
+    point: _TagPart
+
+
+# (metric name, allowlisted point tags) -> their escaped parts; rank-independent (kernel classes,
+# phases, devices), so small; cleared whole beyond this many entries.
+MAX_KNOWN_SERIES = 65_536
+_known: dict[tuple[str, Pieces], _Metric] = {}
+
+
+def _forget_series() -> None:
+    _known.clear()
+
+
+def _metric_part(name: str, point_tags: Pieces) -> _Metric:
+    known = _known.get((name, point_tags))
+    if known is None:
+        if len(_known) >= MAX_KNOWN_SERIES:
+            _forget_series()
+        known = _known[(name, point_tags)] = _Metric(
+            escape_measurement(name), _tag_part(dict(point_tags))
+        )
+    return known
+
+
+def _series(resource: _Resource, metric: _Metric) -> tuple[dict[str, str], str, bool]:
+    """A point's tags, its series key (empty: the encoder computes it, or raises), and
+    whether a tag value cannot be carried; as ``Point.encode`` writes them."""
+    point = metric.point
+    if not point.tags:
+        part = resource.part
+        text = "" if part.pieces is None else metric.measurement + resource.text
+        return part.tags, text, part.unrepresentable
+    tags = {**resource.part.tags, **point.tags}
+    if (
+        resource.part.pieces is None
+        or point.pieces is None
+        or len(tags) != len(resource.part.tags) + len(point.tags)
+    ):  # a point tag overrides a resource tag: from the merged tags
+        merged = _tag_part(tags)
+        if merged.pieces is None:
+            return tags, "", merged.unrepresentable
+        pieces = merged.pieces
+    else:
+        pieces = tuple(sorted(resource.part.pieces + point.pieces))
+    return tags, metric.measurement + "".join([piece for _, piece in pieces]), False
 
 
 def _convert_metric(
     metric: Metric,
-    resource_tags: Mapping[str, str],
+    resource: _Resource,
     allowlist: frozenset[str],
     batch: PointBatch,
     limits: _Limits,
     scope: bytes,
 ) -> None:
-    kind = metric.WhichOneof("data")
-    duration = _is_duration(metric)
-    monotonic = kind == "sum" and metric.sum.is_monotonic
+    kind = str(metric.WhichOneof("data"))
+    name = metric.name
+    data = getattr(metric, kind)
+    duration = metric.unit == "s" or name.endswith(".duration")
+    monotonic = kind == "sum" and data.is_monotonic
     # Data model, "Temporality": a CUMULATIVE point covers (start, time]; stored per window.
     # A non-monotonic sum is a level (stored as given), a summary has no temporality.
-    cumulative = (kind in ("histogram", "exponential_histogram") or monotonic) and getattr(
-        metric, str(kind)
-    ).aggregation_temporality == TEMPORALITY_CUMULATIVE
-    series = b"\x00".join((scope, metric.name.encode(), str(kind).encode()))
+    cumulative = (
+        kind in ("histogram", "exponential_histogram") or monotonic
+    ) and data.aggregation_temporality == TEMPORALITY_CUMULATIVE
+    series = b"\x00".join((scope, name.encode(), kind.encode())) if cumulative else b""
     # Compact layout: a stepwatch.* histogram's window is its rank's step window (the exporter
     # builds them together), so its start is stored once, on stepwatch.step.duration.
     shared_start = (
         limits.histogram_layout == LAYOUT_COMPACT
         and kind in ("histogram", "exponential_histogram")
-        and metric.name.startswith(_STEPWATCH_PREFIX)
-        and metric.name != _schema.STEP_DURATION
+        and name.startswith(_STEPWATCH_PREFIX)
+        and name != _schema.STEP_DURATION
     )
     bounds = limits.time_bounds_unix_nano
-    points: Sequence[DataPoint] = getattr(metric, str(kind)).data_points
+    max_duration_s = limits.max_duration_s
+    layout = limits.histogram_layout
+    rejected = batch.rejected
+    append = batch.points.append
+    points: Sequence[DataPoint] = data.data_points
     for point in points:
+        time_unix_nano = point.time_unix_nano
         try:
-            if point.time_unix_nano == 0:
+            if time_unix_nano == 0:
                 raise Rejected(REASON_MISSING_TIME)
-            if max(point.time_unix_nano, point.start_time_unix_nano) > MAX_TIME_UNIX_NANO:
+            if time_unix_nano > MAX_TIME_UNIX_NANO or (
+                point.start_time_unix_nano > MAX_TIME_UNIX_NANO
+            ):
                 raise Rejected(REASON_TIME_RANGE)  # fixed64 on the wire; found by fuzzing
-            if bounds is not None and not bounds[0] <= point.time_unix_nano <= bounds[1]:
+            if bounds is not None and not bounds[0] <= time_unix_nano <= bounds[1]:
                 raise Rejected(REASON_CLOCK_SKEW)
             if cumulative:
                 point = limits.cumulative.delta(
                     series + b"\x00" + _attributes_key(point.attributes),
-                    str(kind),
+                    kind,
                     point,
                     batch.pending,
                 )
             fields = point_fields(
-                str(kind),
+                kind,
                 point,
                 monotonic=monotonic,
                 duration=duration,
-                max_duration_s=limits.max_duration_s,
-                layout=limits.histogram_layout,
+                max_duration_s=max_duration_s,
+                layout=layout,
             )
         except Rejected as exc:
-            batch.rejected[exc.reason] += 1
+            rejected[exc.reason] += 1
             continue
         if shared_start:
             fields.pop("start_time_unix_nano", None)
-        point_tags, dropped = _tags(point.attributes, allowlist)
-        batch.dropped_attributes += dropped
-        tags = {**resource_tags, **point_tags}
-        if any(value.endswith("\\") for value in tags.values()):
-            batch.rejected[REASON_UNREPRESENTABLE] += 1
+        point_tags: list[tuple[str, str]] = []
+        dropped = 0
+        for item in point.attributes:
+            key = item.key
+            text = _tag_value(item.value) if key in allowlist else None
+            if text is None:
+                dropped += 1
+            else:
+                point_tags.append((key, text))
+        if dropped:
+            batch.dropped_attributes += dropped
+        tag_key = tuple(point_tags)
+        tags, text, unrepresentable = _series(resource, _metric_part(name, tag_key))
+        if unrepresentable:
+            rejected[REASON_UNREPRESENTABLE] += 1
             continue
-        batch.points.append(Point(metric.name, tags, fields, int(point.time_unix_nano)))
+        append(Point(name, tags, fields, int(time_unix_nano), text))

@@ -1,0 +1,256 @@
+"""The bridge's CPU per stored point, stage by stage, before vs after, against influxd's.
+
+Run: ``.venv/bin/python bench/bridge_cpu.py [--ranks 1024] [--windows 4] [--baseline-rev HEAD~1]``
+
+Builds ``ranks x windows`` OTLP requests with the exporters' WindowBuilder (as
+bench/storage_bytes.py does: one request per rank-window, 3 steps, 5 phases, ``--kernels``
+kernel classes; 28 points per window with 20 classes), serialized and gzip-compressed as the
+exporter sends them by default. Each bridge version runs in its own child process (the code of
+``--baseline-rev`` is taken with ``git archive``; the working tree's is "after"), the children
+interleaved ``--rounds`` times, each timing (``time.process_time``, after a warm-up pass that
+fills every cache and the cardinality guard) on the same bodies:
+
+* ``decode``: gunzip + protobuf parse (``decode_body``);
+* ``convert``: ``convert_to_points`` (resource checks, fields, buckets text, tags);
+* ``guard``: ``CardinalityGuard.filter`` (all series known: the steady state);
+* ``encode``: ``Point.encode`` (line protocol);
+* ``intake``: the whole path per request: ``decode_body`` then ``Intake.ingest`` of a
+  ``Bridge`` with a memory spool (convert, duplicate-rank and cardinality guards, encode,
+  spool append; the forwarder not started, so nothing is sent).
+
+Then writes the lines once into a REAL influxd 1.x: the first window (which creates every
+series) apart, then the later windows, lets it snapshot and fully compact the shard, and
+reports influxd's CPU per point (``/proc``) for each, and the ratio of each bridge version's
+intake CPU to influxd's steady state (later windows, write + compaction): a job's series are
+created once and then written every window for hours. Machine noise: every figure is the median of
+the rounds, with min-max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import pickle
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+STAGES = ("decode", "convert", "guard", "encode", "intake")
+WEEK_S = 7 * 86_400
+SOURCES = ("core/src", "exporters/src", "otel_bridge/src")
+
+
+def build_bodies(ranks: int, windows: int, kernels: int, seed: int) -> list[bytes]:
+    from bench.storage_bytes import window
+    from stepwatch.exporters._window import window_stamp
+
+    rng = random.Random(seed)
+    now_s = time.time_ns() // 10**9
+    base_ns = (now_s - windows * 10 - 60) * 10**9  # recent: inside the bridge's skew bounds
+    bodies: list[bytes] = []
+    for index in range(windows):  # rank after rank within a window, as they arrive
+        for rank in range(ranks):
+            start = base_ns + index * 10 * 10**9
+            end = window_stamp(start + 10 * 10**9 + rng.randrange(5_000_000), after=start)
+            request, _ = window(
+                rng, rank=rank, ranks=ranks, kernels=kernels, start_ns=start, end_ns=end
+            )
+            bodies.append(gzip.compress(request.SerializeToString()))
+    return bodies
+
+
+class _Unsent:
+    """The forwarder is not started: nothing is ever written."""
+
+    def write_lines(self, lines: Any) -> None:  # pragma: no cover - never called
+        raise RuntimeError("not sending")
+
+    def close(self) -> None:
+        pass
+
+
+def child(bodies_path: str, lines_path: str) -> None:
+    """Time each stage on the bodies with the stepwatch found on sys.path; print JSON."""
+    from stepwatch.otel_bridge import Bridge
+    from stepwatch.otel_bridge._cardinality import CardinalityGuard
+    from stepwatch.otel_bridge._convert import convert_to_points
+    from stepwatch.otel_bridge._decode import decode_body
+
+    bodies: list[bytes] = pickle.loads(Path(bodies_path).read_bytes())
+
+    def decode(body: bytes) -> Any:
+        return decode_body(
+            body, content_type="application/x-protobuf", content_encoding="gzip",
+            max_bytes=1 << 24,
+        )  # fmt: skip
+
+    requests = [decode(body) for body in bodies]
+    batches = [convert_to_points(request) for request in requests]
+    points = sum(len(batch.points) for batch in batches)
+    guard = CardinalityGuard(max_new_series_per_s=None)
+    bridge = Bridge(
+        _Unsent(), grpc_port=None, http_port=0, spool_max_bytes=1 << 40,
+        max_queue_lines=1 << 40, max_new_series_per_s=None,
+    )  # fmt: skip
+    intake = bridge.intake
+
+    def ingest() -> None:
+        for body in bodies:
+            outcome = intake.ingest(decode(body))
+            if not outcome.accepted or outcome.rejected_points:
+                raise RuntimeError(f"not stored: {outcome}")
+
+    stages = {
+        "decode": lambda: [decode(body) for body in bodies],
+        "convert": lambda: [convert_to_points(request) for request in requests],
+        "guard": lambda: [guard.filter(batch.points) for batch in batches],
+        "encode": lambda: [[point.encode() for point in batch.points] for batch in batches],
+        "intake": ingest,
+    }
+    result: dict[str, float] = {}
+    for name, run in stages.items():
+        run()  # warm-up: caches, known series, the interpreter's specialisation
+        started = time.process_time()
+        run()
+        result[name] = (time.process_time() - started) / points * 1e6
+    if lines_path:
+        lines = [point.encode() for batch in batches for point in batch.points]
+        Path(lines_path).write_text("\n".join(lines) + "\n")
+    print(json.dumps({"points": points, "us_per_point": result}))
+
+
+def source_tree(rev: str, directory: Path) -> Path:
+    """The packages as of ``rev`` (``git archive``), or the working tree for ``""``."""
+    if not rev:
+        return REPO
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", rev, *SOURCES], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(directory)], input=archive, check=True)
+    return directory
+
+
+def run_child(tree: Path, bodies: Path, lines: Path | None) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*(str(tree / s) for s in SOURCES), str(REPO)])
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(bodies), str(lines or "")],
+        env=env, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def influxd_cpu(lines_path: Path, first: int) -> dict[str, float | bool]:
+    """influxd CPU seconds per point: creating the series (the first window's ``first``
+    lines), then the steady state (the later windows: write, and write + full compaction)."""
+    from bench.bridge_clients import cpu_seconds
+    from bench.storage_bytes import settle
+    from stepwatch.core import InfluxClient, ManagedInfluxDB
+
+    lines = [line for line in lines_path.read_text().split("\n") if line]
+    with tempfile.TemporaryDirectory(prefix="bridge-cpu-influxd-") as directory:
+        os.environ["INFLUXDB_DATA_CACHE_SNAPSHOT_WRITE_COLD_DURATION"] = "2s"
+        os.environ["INFLUXDB_DATA_COMPACT_FULL_WRITE_COLD_DURATION"] = "5s"
+        data_dir = Path(directory) / "influxd"
+        influxd = ManagedInfluxDB(data_dir, database="bridgecpu").start()
+        try:
+            pid = influxd._process.pid  # type: ignore[union-attr]
+            client = InfluxClient(influxd.url, database="bridgecpu", timeout_s=300)
+            client.create_database()
+
+            def write(part: list[str]) -> float:
+                before = cpu_seconds(pid)
+                for index in range(0, len(part), 5000):
+                    client.write_lines(part[index : index + 5000])
+                return cpu_seconds(pid) - before
+
+            created = write(lines[:first])
+            before = cpu_seconds(pid)
+            written = write(lines[first:])
+            _, settled = settle(data_dir, "bridgecpu", timeout_s=300)
+            total = cpu_seconds(pid) - before
+        finally:
+            influxd.stop()
+    steady = len(lines) - first
+    return {
+        "create": created / first * 1e6,
+        "write": written / steady * 1e6,
+        "total": total / steady * 1e6,
+        "settled": settled,
+    }
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):6.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--windows", type=int, default=4, help="windows per rank")
+    parser.add_argument("--kernels", type=int, default=20, help="kernel classes per window")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved runs per version")
+    parser.add_argument("--baseline-rev", default="", help="git rev measured as 'before'")
+    parser.add_argument("--seed", type=int, default=15)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(*args.child)
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="bridge-cpu-") as directory:
+        work = Path(directory)
+        bodies = build_bodies(args.ranks, args.windows, args.kernels, args.seed)
+        (work / "bodies.pickle").write_bytes(pickle.dumps(bodies))
+        versions = {"after": source_tree("", work)}
+        if args.baseline_rev:
+            (work / "before").mkdir()
+            versions = {"before": source_tree(args.baseline_rev, work / "before"), **versions}
+        figures: dict[str, dict[str, list[float]]] = {v: {s: [] for s in STAGES} for v in versions}
+        points = 0
+        for round_index in range(args.rounds):
+            for version, tree in versions.items():
+                last = round_index == args.rounds - 1 and version == "after"
+                result = run_child(tree, work / "bodies.pickle", work / "lines" if last else None)
+                points = result["points"]
+                for stage in STAGES:
+                    figures[version][stage].append(result["us_per_point"][stage])
+        influxd = influxd_cpu(work / "lines", points // args.windows)
+
+    size = sum(len(body) for body in bodies) / len(bodies)
+    print(
+        f"{args.ranks} ranks x {args.windows} windows, {args.kernels} kernel classes: "
+        f"{points} points ({points / len(bodies):.0f} per request, {size:.0f} B gzip bodies); "
+        f"bridge CPU per point, median of {args.rounds} interleaved rounds (min-max)"
+    )
+    header = "".join(f"{version:>22}" for version in versions)
+    print(f"{'stage (us/point)':28}{header}")
+    for stage in STAGES:
+        print(f"  {stage:26}" + "".join(f"{spread(figures[v][stage]):>22}" for v in versions))
+    print(f"  influxd, first window (creates the series)   {influxd['create']:6.2f} us/point")
+    print(f"  influxd, later windows: write                {influxd['write']:6.2f} us/point")
+    print(
+        f"  influxd, later windows: write + compaction   {influxd['total']:6.2f} us/point"
+        f"{'' if influxd['settled'] else ' (compaction not finished)'}"
+    )
+    for version in versions:
+        intake = statistics.median(figures[version]["intake"])
+        print(
+            f"  {version}: bridge intake / influxd (later windows, write + compaction) = "
+            f"{intake / float(influxd['total']):.2f}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
