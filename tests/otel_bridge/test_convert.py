@@ -515,3 +515,20 @@ def test_one_observation_without_min_max_reads_back_as_its_sum(explicit: bool) -
         else:
             assert "min" not in fields and "max" not in fields
             assert float(fields["p50"]) != value
+
+
+def test_identity_attributes_are_read_not_counted_as_dropped() -> None:
+    """``service.instance.id`` and ``process.pid`` (every StepMonitor sends the first) feed
+    the duplicate-rank guard: not tags, and not counted as dropped; other extras still are."""
+    resource = {
+        **rank_resource(),
+        "service.instance.id": "0b6c5e2a-5b0e-4a59-9a8e-0f3d1f0a7c11",
+        "process.pid": 4242,
+        "deployment.environment": "prod",
+    }
+    conversion = convert_request(
+        request([gauge("stepwatch.step.last", 1), gauge("hw.power", 300.0)], resource)
+    )
+    assert conversion.accepted_points == 2
+    assert conversion.dropped_attributes == 2  # deployment.environment on both points
+    assert all("service.instance.id" not in line for line in conversion.lines)

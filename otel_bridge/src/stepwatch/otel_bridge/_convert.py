@@ -32,6 +32,7 @@ from stepwatch.core._lineproto import (
 )
 from stepwatch.otel_bridge._cumulative import TEMPORALITY_CUMULATIVE, CumulativeState, Pending
 from stepwatch.otel_bridge._fields import LAYOUT_COMPACT, LAYOUTS, point_fields
+from stepwatch.otel_bridge._identity import IDENTITY_KEYS
 from stepwatch.otel_bridge._reasons import (
     REASON_CLOCK_SKEW,
     REASON_INVALID_NAME,
@@ -224,7 +225,7 @@ def convert_to_points(
     )
     for resource_metrics in request.resource_metrics:
         resource_attrs = resource_metrics.resource.attributes
-        resource_tags, dropped = _tags(resource_attrs, tag_allowlist)
+        resource_tags, dropped = _tags(resource_attrs, tag_allowlist, consumed=IDENTITY_KEYS)
         resource = _resource_part(resource_tags)
         resource_problem = _resource_problem(resource_attrs)
         checked = resource_check is None or resource_problem is not None
@@ -331,13 +332,22 @@ def _tag_value(value: AnyValue) -> str | None:
     return None
 
 
-def _tags(attributes: Iterable[KeyValue], allowlist: frozenset[str]) -> tuple[dict[str, str], int]:
+def _tags(
+    attributes: Iterable[KeyValue],
+    allowlist: frozenset[str],
+    *,
+    consumed: Iterable[str] = (),
+) -> tuple[dict[str, str], int]:
+    """The allowlisted attributes as tags, and how many others were dropped. Keys in
+    ``consumed`` are not tags but not lost either (the duplicate-rank guard reads a resource's
+    ``service.instance.id`` and ``process.pid``): they are not counted as dropped."""
     tags: dict[str, str] = {}
     dropped = 0
     for item in attributes:
         text = _tag_value(item.value) if item.key in allowlist else None
         if text is None:
-            dropped += 1
+            if item.key not in consumed:
+                dropped += 1
         else:
             tags[item.key] = text
     return tags, dropped
