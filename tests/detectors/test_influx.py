@@ -248,6 +248,36 @@ def test_cli_simulate_detect_evaluate(influx: InfluxClient, tmp_path: Path) -> N
     assert count_points(influx, DIAGNOSIS_MEASUREMENT) == 1
 
 
+@pytest.mark.parametrize("producer", ["backward-timer", "phase-timer"])
+def test_cli_simulates_other_producers(influx: InfluxClient, producer: str) -> None:
+    """``--producer``: no communication phase (and, phase-timer, no device metrics) is
+    written, and the stall is still found on the right rank."""
+    from stepwatch.core._schema import KERNEL_DURATION, PHASE, PHASE_DURATION
+
+    job = f"cli-{producer}"
+    common = ["--influx-url", influx.url, "--database", influx.database]
+    simulate_args = ["simulate", "--ranks", "8", "--steps", "150", "--seed", "3"]
+    fault = ["--fault", "dataloader_stall@60:4:1.3", "--job", job, "--producer", producer]
+    with redirect_stdout(io.StringIO()):
+        assert main([*simulate_args, *fault, "--write-direct", *common]) == 0
+    phases = {
+        str(row[1])
+        for series in influx.query(
+            f'SHOW TAG VALUES FROM "{PHASE_DURATION}" WITH KEY = "{PHASE}" '
+            f"WHERE \"stepwatch.job.id\" = '{job}'"
+        )
+        for row in series.values
+    }
+    assert "backward" in phases and "data" in phases and "communication" not in phases
+    kernels = count_points(influx, KERNEL_DURATION, f"\"stepwatch.job.id\" = '{job}'")
+    assert (kernels == 0) == (producer == "phase-timer")
+    buffer = io.StringIO()
+    with redirect_stdout(buffer):
+        assert main(["detect", "--job", job, "--since", "1h", "--json", *common]) == 0
+    found = [json.loads(line) for line in buffer.getvalue().splitlines()]
+    assert [(d["kind"], d["ranks"]) for d in found] == [("dataloader_stall", [4])]
+
+
 def test_simulated_ranks_over_otlp_through_the_bridge(influx: InfluxClient) -> None:
     from stepwatch.core._influx import wait_until
     from stepwatch.otel_bridge import Bridge, InfluxV1Writer

@@ -164,6 +164,8 @@ def _simulate(args: argparse.Namespace) -> int:
         stage_work=stage_work,
         gc_rate=args.gc_rate,
         checkpoint_every=args.checkpoint_every,
+        communication_phase=args.producer == "stepwatch",
+        device_metrics=args.producer != "phase-timer",
     )
     if args.truth:
         job.truth.write(args.truth)
@@ -279,6 +281,14 @@ def register(subparsers: Any) -> None:
     )
     sim.add_argument(
         "--checkpoint-every", type=int, default=0, help="steps between checkpoint pauses"
+    )
+    sim.add_argument(
+        "--producer",
+        choices=("stepwatch", "backward-timer", "phase-timer"),
+        default="stepwatch",
+        help="what records the job: stepwatch's exporter (a communication phase, device "
+        "metrics), a timer around loss.backward() (the all-reduce inside backward), or phase "
+        "times only (no kernels, idle or clock)",
     )
     sim.add_argument("--start", default="now", help="first window start (default: ends now)")
     target = sim.add_mutually_exclusive_group()
