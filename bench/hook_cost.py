@@ -33,8 +33,13 @@ thread, gloo's included) and the median wall time per step of the block; each is
 over rounds of the per-round difference to ``plain``, with a 95 % bootstrap CI (resampling
 rounds), in µs and as a share of a 20 ms step (issue 15: the goal is 0.1 % of it for everything).
 
+``--hidden N`` uses bench/overhead.py's MLP N wide (``--batch``, default 64) instead of the
+64-64-8 one: the hooks cost more there (cache misses, docs/exporters.md), but a ~10 ms step's
+noise on a shared VM is far larger than the hooks; ``bench/hook_callgrind.py`` counts
+instructions instead.
+
 Usage: ``.venv/bin/python bench/hook_cost.py [--rounds 60] [--block 40] [--kind both]
-[--arms all,plain,...] [--baseline-rev HEAD]``
+[--arms all,plain,...] [--baseline-rev HEAD] [--hidden 0] [--batch 64]``
 """
 
 from __future__ import annotations
