@@ -10,11 +10,13 @@ against the real stepwatch bridge (``stepwatch.otel_bridge.Bridge`` with a count
 - ``phases``: 46 steps x 5 phases (what a CPU rank without op histograms sends each second);
 - ``kernels``: the same plus 20 kernel classes x 30 executions.
 
-Stages: ``build`` (WindowBuilder fill + build of the SDK ``MetricsData``; the same code in
-both columns), ``encode`` (SDK: ``encode_metrics`` + ``SerializeToString``; lean: its direct
-protobuf writer, byte-identical), ``compress`` (SDK: ``GzipFile`` level 9; lean: zlib level 6)
-and ``post``, then the whole ``export`` call (encode + compress + POST). Also prints the bytes
-on the wire per compression level.
+Stages: ``build`` (WindowBuilder fill + build of the SDK ``MetricsData``, the steps added in
+one ``add_steps`` as the monitor does; the same code in both columns), ``build-1by1`` (the
+SDK column: the steps added one ``add_step`` each, as before issue 15; the lean column:
+``build`` again, interleaved), ``encode`` (SDK: ``encode_metrics`` + ``SerializeToString``;
+lean: its direct protobuf writer, byte-identical), ``compress`` (SDK: ``GzipFile`` level 9;
+lean: zlib level 6) and ``post``, then the whole ``export`` call (encode + compress + POST).
+Also prints the bytes on the wire per compression level.
 
 Usage: ``.venv/bin/python bench/export_cost.py [--windows 300] [--compression gzip]``
 """
@@ -54,9 +56,19 @@ def _window_values(rng: random.Random, kernel_classes: int) -> tuple[list[Any], 
     return steps, kernels if kernel_classes else None
 
 
-def _fill(builder: Any, steps: list[Any], kernels: Any) -> None:
-    for index, (duration_s, phases_s) in enumerate(steps):
-        builder.add_step(step_index=index, duration_s=duration_s, phases_s=phases_s)
+def _fill(builder: Any, steps: list[Any], kernels: Any, *, batched: bool = True) -> None:
+    """What the monitor does with a window's steps: one ``add_steps`` (``batched=False``: one
+    ``add_step`` per step, as it did before issue 15)."""
+    if batched:
+        phases: dict[str, list[float]] = {}
+        for _, phases_s in steps:
+            for name, seconds in phases_s.items():
+                phases.setdefault(name, []).append(seconds)
+        durations = [duration_s for duration_s, _ in steps]
+        builder.add_steps(last_step_index=len(steps) - 1, durations_s=durations, phases_s=phases)
+    else:
+        for index, (duration_s, phases_s) in enumerate(steps):
+            builder.add_step(step_index=index, duration_s=duration_s, phases_s=phases_s)
     if kernels is not None:
         builder.add_kernels(kernels)
 
@@ -156,6 +168,16 @@ def main() -> None:
                 rows.append((label, name, sdk_cpu, sdk_wall, lean_cpu, lean_wall))
 
             stage("build", build, build)
+
+            def build_per_step(
+                builder: Any = builder, steps: Any = steps, kernels: Any = kernels
+            ) -> Any:
+                _fill(builder, steps, kernels, batched=False)
+                now = time.time_ns()
+                return builder.build(start_unix_nano=now - 1_000_000_000, end_unix_nano=now)
+
+            # Before/after of the batched fill, interleaved (both columns: the same builder).
+            stage("build-1by1", build_per_step, build)
             stage(
                 "encode",
                 lambda w=window: encode_metrics(w).SerializeToString(),

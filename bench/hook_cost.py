@@ -13,8 +13,10 @@ Arms (``plain`` is the reference; the others are reported as the difference to i
 - ``all@REV`` (``--baseline-rev REV``): the same with ``_auto.py`` as of git ``REV``
   (the state before an optimisation), so that before and after are measured in one run;
 - ``all-X``: ``all`` without component ``X`` (the cost of ``X`` in context is ``all - all-X``);
-- ``X``: component ``X`` alone (``fwd_pre``, ``fwd_post``: forward hook including the mark of
-  the backward start, ``opt_pre``, ``opt_post``, ``last_grad``: DDP only);
+- ``X``: component ``X`` alone (``fwd``: the forward timed by the class swap, including the
+  mark of the backward start; ``opt_pre``, ``opt_post``, ``last_grad``: DDP only);
+- ``fwd_hooks``: the forward timed by module hooks instead (instrument's fallback, and what
+  it did before the class swap), with the mark of the backward start;
 - mechanism probes with no stepwatch code: ``noop_fwd_pre`` / ``noop_fwd_post`` (an empty
   module hook: the price of leaving ``nn.Module._call_impl``'s fast path),
   ``noop_global_fwd_pre`` (an empty global module pre-hook: every submodule leaves it),
@@ -29,10 +31,15 @@ Arms (``plain`` is the reference; the others are reported as the difference to i
 Figures per arm: process CPU time per step (``time.process_time_ns`` over the block: every
 thread, gloo's included) and the median wall time per step of the block; each is the median
 over rounds of the per-round difference to ``plain``, with a 95 % bootstrap CI (resampling
-rounds), in µs and as a share of a 26 ms step (the 2-rank CPU DDP job of bench/overhead.py).
+rounds), in µs and as a share of a 20 ms step (issue 15: the goal is 0.1 % of it for everything).
+
+``--hidden N`` uses bench/overhead.py's MLP N wide (``--batch``, default 64) instead of the
+64-64-8 one: the hooks cost more there (cache misses, docs/exporters.md), but a ~10 ms step's
+noise on a shared VM is far larger than the hooks; ``bench/hook_callgrind.py`` counts
+instructions instead.
 
 Usage: ``.venv/bin/python bench/hook_cost.py [--rounds 60] [--block 40] [--kind both]
-[--arms all,plain,...] [--baseline-rev HEAD]``
+[--arms all,plain,...] [--baseline-rev HEAD] [--hidden 0] [--batch 64]``
 """
 
 from __future__ import annotations
@@ -51,8 +58,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-REFERENCE_STEP_US = 26_000.0
-COMPONENTS = ("fwd_pre", "fwd_post", "opt_pre", "opt_post", "last_grad")
+REFERENCE_STEP_US = 20_000.0
+COMPONENTS = ("fwd", "opt_pre", "opt_post", "last_grad")
 
 
 class NullExporter:
@@ -143,15 +150,27 @@ def _install(auto: ModuleType, recorder: Any, model: Any, optimizer: Any) -> Any
 class Bench:
     """One model and optimizer; installs an arm's hooks, times blocks of steps."""
 
-    def __init__(self, kind: str, baseline: ModuleType | None) -> None:
+    def __init__(
+        self, kind: str, baseline: ModuleType | None, hidden: int = 0, batch: int = 64
+    ) -> None:
         import torch
 
         from stepwatch.exporters import StepMonitor
 
         torch.manual_seed(0)
-        model: Any = torch.nn.Sequential(
-            torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
-        )
+        model: Any
+        if hidden:  # bench/overhead.py's model
+            model = torch.nn.Sequential(
+                torch.nn.Linear(128, hidden),
+                torch.nn.ReLU(),
+                torch.nn.Linear(hidden, hidden),
+                torch.nn.ReLU(),
+                torch.nn.Linear(hidden, 10),
+            )
+        else:
+            model = torch.nn.Sequential(
+                torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
+            )
         if kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -170,7 +189,8 @@ class Bench:
         )
         self.baseline = baseline
         generator = torch.Generator().manual_seed(1)
-        self.inputs = [torch.randn(16, 64, generator=generator) for _ in range(8)]
+        shape = (batch, 128) if hidden else (16, 64)
+        self.inputs = [torch.randn(*shape, generator=generator) for _ in range(8)]
 
     def arms(self) -> list[str]:
         components = [c for c in COMPONENTS if c != "last_grad" or self.kind == "ddp"]
@@ -179,6 +199,7 @@ class Bench:
             names.append("all@base")
         names += [f"all-{c}" for c in components]
         names += components
+        names += ["fwd_hooks"]
         names += ["noop_fwd_pre", "noop_fwd_post", "noop_opt_pre", "noop_opt_post"]
         names += ["noop_tensor_hook", "noop_node_prehook", "noop_hook_dict"]
         names += ["noop_global_fwd_pre"]
@@ -201,6 +222,12 @@ class Bench:
             if self.baseline is None:
                 raise RuntimeError("no baseline")
             instrumentation = _install(self.baseline, recorder, model, optimizer)
+        elif arm == "fwd_hooks":
+            state = _auto._AutoState(recorder)
+            handles = [
+                model.register_forward_pre_hook(state.forward_pre),
+                model.register_forward_hook(state.forward_post, always_call=True),
+            ]
         elif arm.startswith("all-") or arm in COMPONENTS:
             state = _auto._AutoState(recorder)
             wanted = set(COMPONENTS) - {arm[4:]} if arm.startswith("all-") else {arm}
@@ -277,10 +304,10 @@ class _ForwardWrap:
 
 def _install_components(state: Any, model: Any, optimizer: Any, wanted: set[str]) -> list[Any]:
     handles = []
-    if "fwd_pre" in wanted:
-        handles.append(model.register_forward_pre_hook(state.forward_pre))
-    if "fwd_post" in wanted:
-        handles.append(model.register_forward_hook(state.forward_post))
+    if "fwd" in wanted:
+        from stepwatch.exporters import _auto
+
+        handles.append(_auto.time_forward(state, model))
     if "opt_pre" in wanted:
         handles.append(optimizer.register_step_pre_hook(state.optimizer_pre))
     if "opt_post" in wanted:
@@ -304,7 +331,7 @@ def _free_port() -> int:
 
 def measure(kind: str, arms_filter: list[str] | None, args: argparse.Namespace) -> None:
     baseline = _load_auto_at(args.baseline_rev) if args.baseline_rev else None
-    bench = Bench(kind, baseline)
+    bench = Bench(kind, baseline, args.hidden, args.batch)
     arms = bench.arms()
     if arms_filter:
         arms = [a for a in arms if a in arms_filter or a == "plain"]
@@ -331,7 +358,7 @@ def measure(kind: str, arms_filter: list[str] | None, args: argparse.Namespace) 
     )
     print(
         f"{'arm':<20}{'CPU µs/step [95% CI]':>28}{'wall µs/step [95% CI]':>28}"
-        f"{'CPU % of 26 ms':>16}"
+        f"{'CPU % of 20 ms':>16}"
     )
     ci_rng = random.Random(args.seed + 1)
     for arm in arms:
@@ -367,6 +394,10 @@ def main() -> None:
     parser.add_argument("--arms", default="", help="comma-separated arm names (default: all)")
     parser.add_argument("--baseline-rev", default="", help="git rev of _auto.py for all@base")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--hidden", type=int, default=0, help="bench/overhead.py's MLP this wide (0: 64-64-8)"
+    )
+    parser.add_argument("--batch", type=int, default=64, help="batch with --hidden")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch

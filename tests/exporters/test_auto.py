@@ -526,10 +526,11 @@ def test_deep_copy_of_an_instrumented_model_is_not_instrumented() -> None:
     monitor.instrument(model, optimizer)
     _train(model, optimizer, 2)
     average = copy.deepcopy(model)  # e.g. an EMA copy, made after instrument()
-    copied_hooks = [*average._forward_pre_hooks.values(), *average._forward_hooks.values()]
-    assert len(copied_hooks) == 2
-    assert not any(hook.__self__.enabled for hook in copied_hooks)
+    assert type(average) is torch.nn.Sequential  # a plain module of the original class
+    assert isinstance(model, torch.nn.Sequential) and type(model) is not torch.nn.Sequential
     with torch.no_grad():
+        average[0].weight.add_(1.0)  # the copy computes with its own weights
+        assert not torch.equal(average(torch.ones(2, 16)), model(torch.ones(2, 16)))
         for _ in range(3):
             average(torch.ones(2, 16))
     _train(model, optimizer, 2)
@@ -572,3 +573,61 @@ def test_backward_start_on_a_tensor_subclass_output_goes_through_register_hook()
     monitor.close()
     assert _summary(exporter)["phases"]["backward"]["count"] == 3
     assert monitor.stats.misuse == 0
+
+
+def test_pickled_and_replicated_copies_run_their_own_forward_untimed() -> None:
+    import pickle
+
+    exporter = InMemoryExporter()
+    monitor = _monitor(exporter)
+    model = _model(13)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instrumentation = monitor.instrument(model, optimizer)
+    assert model.forward.__wrapped__ is torch.nn.Sequential.forward  # signature kept
+    restored = pickle.loads(pickle.dumps(model))
+    assert type(restored) is torch.nn.Sequential
+    # What nn.DataParallel's replicate() does: a new instance of type(model), same __dict__.
+    replica = model._replicate_for_data_parallel()
+    assert type(replica) is type(model)
+    inputs = torch.ones(2, 16)
+    with torch.no_grad():
+        restored[0].weight.add_(1.0)
+        assert not torch.equal(restored(inputs), model(inputs))
+        replica(inputs)
+    assert monitor._recorder.step_depth == 1  # only the model's own forward opened a step
+    _train(model, optimizer, 2)
+    instrumentation.remove()
+    assert type(model) is torch.nn.Sequential
+    _train(model, optimizer, 2)
+    monitor.close()
+    summary = _summary(exporter)
+    assert summary["steps"]["count"] == 2
+    # One forward phase per step: the no-grad forward and the first step's are summed.
+    assert summary["phases"]["forward"]["count"] == 2
+    assert monitor.stats.misuse == 0
+
+
+def test_a_forward_set_on_the_instance_is_timed_with_module_hooks() -> None:
+    exporter = InMemoryExporter()
+    monitor = _monitor(exporter)
+    model = _model(14)
+    plain_forward = model.forward
+    calls: list[int] = []
+
+    def forward(inputs: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return plain_forward(inputs)
+
+    model.forward = forward  # type: ignore[method-assign]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    instrumentation = monitor.instrument(model, optimizer)
+    assert type(model) is torch.nn.Sequential  # no swap: the instance's forward would win
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    _train(model, optimizer, 3)
+    instrumentation.remove()
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    monitor.close()
+    assert len(calls) == 3
+    summary = _summary(exporter)
+    assert summary["phases"]["forward"]["count"] == 3
+    assert summary["phases"]["backward"]["count"] == 3

@@ -63,11 +63,14 @@ def test_switched_off_hooks_record_nothing_and_switched_on_record_every_phase() 
                     optimizer._optimizer_step_post_hooks,
                     first._post_accumulate_grad_hooks or {},
                 )
-                return [len(hooks) for hooks in dicts]
+                # The forward is timed by a subclass of DDP swapped in (no module hook).
+                return [int(type(model) is not DistributedDataParallel)] + [
+                    len(hooks) for hooks in dicts
+                ]
 
-            assert hook_counts() == [1, 1, 1, 1, 1]  # where instrument() puts its hooks
+            assert hook_counts() == [1, 0, 0, 1, 1, 1]  # where instrument() puts its hooks
             switch.set(False)
-            assert hook_counts() == [0, 0, 0, 0, 0]
+            assert hook_counts() == [0, 0, 0, 0, 0, 0]
             train(3)
             assert monitor.stats.steps_recorded == 0
             # No hook ran at all: no phase, no step opened, no gradient-ready time taken.

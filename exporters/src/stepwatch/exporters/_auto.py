@@ -4,9 +4,12 @@ One line, no change to the training loop::
 
     monitor.instrument(model, optimizer)
 
-- forward: module forward pre-hook → forward hook of the top-level module (summed when the
-  model runs several times per step, e.g. gradient accumulation; the forward hook is
-  ``always_call``, so a forward that raises still closes the phase);
+- forward: from entering the top-level module's ``forward`` to its return (summed when the
+  model runs several times per step, e.g. gradient accumulation), timed by swapping the
+  model's class for a subclass whose ``forward`` wraps the original (``_forward``): no module
+  hook, so ``nn.Module.__call__`` keeps its fast path. A forward that raises still closes
+  the phase. Module hooks are the fallback (a forward set on the instance, a class that
+  refuses the swap);
 - backward: from the moment the gradient reaches the model's output (a tensor hook on the
   output, registered at the end of each forward) to the next ``optimizer.step()`` or forward
   on the training thread (by then ``loss.backward()`` has returned, DDP's allreduce wait
@@ -31,33 +34,25 @@ One line, no change to the training loop::
 Numerics are untouched: hooks return ``None`` (no gradient or output is replaced) and the
 comm hook returns the inner hook's own tensor.
 
-Cost on the training thread, measured by ``bench/hook_cost.py`` (one process, a 64-64-8
-MLP, a ~0.5 ms CPU step; process CPU time per step over no hooks, median of 300 interleaved
-rounds): about 52 µs per step for a plain module and 63 µs under DDP (1-rank gloo), down from
-73 and 83 µs. On a larger model the same hooks cost more (~110-160 µs per step at a
-1024-wide MLP, not yet explained; docs/exporters.md): ~1 % of a 22 ms step, ~0.1-0.2 % of an
-86 ms one. Where it goes, by elimination (empty hooks of
-each kind): leaving ``nn.Module._call_impl``'s hook-free fast path, ~10-30 µs (one slow path
-serves both module hooks); registering and calling an autograd hook on each step's output,
-~15-20 µs as done here (~30 µs through ``Tensor.register_hook``); the post-accumulate-grad
-hook ~7-10 µs (DDP); optimizer hooks and the hooks' own code a few µs. Hence:
+Cost on the training thread (issue 15; docs/exporters.md has the figures and how they were
+measured). Instruction counts (callgrind, deterministic) do not grow with the model; what
+grows is what each instruction costs: the hooks run between the model's kernels, which on a
+large model evict the hooks' code and data from L2, so their ~2-3 k L1 cache misses per step
+are served from L3 instead of L2. Hence the least code per step:
 
+- the forward by a class swap (above) instead of two module hooks, whose slow path in
+  ``nn.Module._call_impl`` was ~10 k instructions a step on its own;
 - the backward-start hook is put in the output's tensor-hook dict with the two calls
   ``Tensor.register_hook`` makes (``_backward_hooks`` and the node's
   ``_register_hook_dict``), not through it: its per-call ``OrderedDict`` and
-  ``RemovableHandle`` were ~14 µs of a step (a one-time probe at set-up falls back to
+  ``RemovableHandle`` cost more than the hook (a one-time probe at set-up falls back to
   ``register_hook`` if a torch version changes those internals; tensor subclasses that
-  override torch functions still go through it). Same hook, same moment.
-  ``grad_fn.register_prehook`` builds the same two Python objects and measured no cheaper;
+  override torch functions still go through it). Same hook, same moment;
 - each hook reads the clock once (``time.perf_counter_ns`` itself with the system clock) and
   the step boundary is one reading: the end of a step is the next one's start and the data
   phase's start;
-- module hooks stay: replacing the model's ``forward`` on the instance keeps the fast path
-  (10-25 µs less) but is visible to code that inspects, wraps, copies or pickles the model
-  (``copy.deepcopy`` would copy a wrapper that still runs the original model); a global
-  module hook takes every submodule off the fast path (worse);
-- a deep copy of an instrumented model (an EMA copy) gets inert hooks instead of failing on
-  the monitor's lock.
+- a deep copy, a copy or a pickle of an instrumented model (an EMA copy) is of the original
+  class and not instrumented; a replica made by ``nn.DataParallel`` runs the plain forward.
 """
 
 from __future__ import annotations
@@ -67,6 +62,7 @@ import logging
 from typing import Any, Final
 
 from stepwatch.core._errors import ConfigError
+from stepwatch.exporters._forward import time_forward
 from stepwatch.exporters._recorder import StepRecorder
 
 logger = logging.getLogger("stepwatch.exporters")
@@ -499,10 +495,8 @@ def install_hooks(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     state = _AutoState(recorder)
-    handles = [
-        model.register_forward_pre_hook(state.forward_pre),
-        # always_call: a forward that raises still closes the phase (else it stays open forever).
-        model.register_forward_hook(state.forward_post, always_call=True),
+    handles: list[Any] = [
+        time_forward(state, model),
         optimizer.register_step_pre_hook(state.optimizer_pre),
         optimizer.register_step_post_hook(state.optimizer_post),
     ]

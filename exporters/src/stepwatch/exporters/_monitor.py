@@ -45,6 +45,7 @@ from stepwatch.exporters._recorder import (
     StepRecord,
     StepRecorder,
     SystemClock,
+    window_values,
 )
 from stepwatch.exporters._sdk_env import (
     NoHooks,
@@ -429,18 +430,10 @@ class StepMonitor:
             except Exception:
                 self._log.warning("kernel-drain", "kernel source drain() raised", exc_info=True)
         builder = self._builder
-        for position, (index, start_ns, end_ns, phases, device) in enumerate(records):
-            if position % _YIELD_EVERY_STEPS == _YIELD_EVERY_STEPS - 1:
-                # Release the GIL now and then: the training thread (and DDP's comm-hook
-                # callbacks) must never wait a whole switch interval (5 ms) for this thread.
-                time.sleep(0)
-            duration_s = (end_ns - start_ns) * 1e-9
-            phases_s = {name: ns * 1e-9 for name, ns in phases.items()}
-            if device is not None and timer is not None:
-                duration_s = timer.elapsed_s(device[0], device[1])
-                for name, intervals in device[2].items():
-                    phases_s[name] = sum(timer.elapsed_s(a, b) for a, b in intervals)
-            builder.add_step(step_index=index, duration_s=duration_s, phases_s=phases_s)
+        if records:
+            durations, phases = window_values(records, timer, _YIELD_EVERY_STEPS)
+            last_index = max(record[0] for record in records)
+            builder.add_steps(last_step_index=last_index, durations_s=durations, phases_s=phases)
         if kernels is not None:
             builder.add_kernels(kernels)
         if records:

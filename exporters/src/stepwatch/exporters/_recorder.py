@@ -31,6 +31,48 @@ DeviceMarks = tuple[Any, Any, dict[str, list[tuple[Any, Any]]]]
 StepRecord = tuple[int, int, int, dict[str, int], DeviceMarks | None]
 
 
+def window_values(
+    records: list[StepRecord], timer: DeviceTimer | None, yield_every: int
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Step durations and per-phase times (seconds) of ``records``, for ``add_steps``.
+
+    Device time where a step carries device marks. Sleeps ``0`` every ``yield_every`` steps:
+    the export thread releases the GIL now and then, so the training thread (and DDP's
+    comm-hook callbacks) never wait a whole switch interval (5 ms) for it.
+    """
+    durations: list[float] = []
+    phases: dict[str, list[float]] = {}
+    for position, (_, start_ns, end_ns, step_phases, device) in enumerate(records):
+        if position % yield_every == yield_every - 1:
+            time.sleep(0)
+        if device is not None and timer is not None:
+            durations.append(timer.elapsed_s(device[0], device[1]))
+            device_phases = {
+                name: sum(timer.elapsed_s(a, b) for a, b in intervals)
+                for name, intervals in device[2].items()
+            }
+            for name, ns in step_phases.items():
+                seconds = device_phases.pop(name, None)
+                _append(phases, name, ns * 1e-9 if seconds is None else seconds)
+            for name, seconds in device_phases.items():
+                _append(phases, name, seconds)
+        else:
+            durations.append((end_ns - start_ns) * 1e-9)
+            for name, ns in step_phases.items():
+                values = phases.get(name)
+                if values is None:
+                    values = phases[name] = []
+                values.append(ns * 1e-9)
+    return durations, phases
+
+
+def _append(phases: dict[str, list[float]], name: str, seconds: float) -> None:
+    values = phases.get(name)
+    if values is None:
+        values = phases[name] = []
+    values.append(seconds)
+
+
 class Clock(Protocol):
     """Time source of a monitor (injected; tests pass a fake that implements it)."""
 

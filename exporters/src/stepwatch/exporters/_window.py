@@ -372,6 +372,35 @@ class WindowBuilder:
                     histogram = self._phases[phase] = self._new_histogram()
             self._record(histogram, seconds)
 
+    def add_steps(
+        self,
+        *,
+        last_step_index: int,
+        durations_s: Sequence[float],
+        phases_s: Mapping[str, Sequence[float]],
+    ) -> None:
+        """Add many finished steps at once: what :meth:`add_step` on each does, in one pass
+        per histogram (:meth:`ExponentialHistogram.record_many`; the export thread's cost).
+
+        Args:
+            last_step_index: The largest step index among them.
+            durations_s: Wall time of each step.
+            phases_s: Phase name → that phase's time in each step it occurred in.
+        """
+        self.rejected_observations += self._steps.record_many(durations_s)
+        if self._last_step is None or last_step_index > self._last_step:
+            self._last_step = last_step_index
+        for phase, values in phases_s.items():
+            histogram = self._phases.get(phase)
+            if histogram is None:
+                if len(self._phases) >= self._max_phase_series and phase != OTHER:
+                    self._overflow_observations += len(values)
+                    phase = OTHER
+                    histogram = self._phases.get(phase)
+                if histogram is None:
+                    histogram = self._phases[phase] = self._new_histogram()
+            self.rejected_observations += histogram.record_many(values)
+
     def add_kernels(self, window: KernelWindow) -> None:
         """Add the kernel executions and device-idle gaps of a drained :class:`KernelWindow`."""
         overflow = (OTHER, OTHER)

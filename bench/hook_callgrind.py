@@ -1,0 +1,86 @@
+"""Instructions (and simulated L1 misses) per step of auto-mode arms, deterministic: callgrind.
+
+Wall and CPU figures of ``bench/hook_cost.py`` are noisy on a shared VM (±300 µs per step at
+1024 wide); instruction counts are not. Run under callgrind; each arm of ``hook_cost.Bench``
+runs a warm-up block, then the counters are zeroed, ``--steps`` steps run, and the counters are
+dumped with the arm's name (a tiny C helper, built here with gcc, issues the client requests)::
+
+    PYTHONHASHSEED=0 valgrind --tool=callgrind --cache-sim=yes \\
+        --callgrind-out-file=/tmp/cg.%p .venv/bin/python bench/hook_callgrind.py \\
+        --arms plain,all,all@base,plain,all,all@base --baseline-rev a6f1a51
+    .venv/bin/python bench/hook_callgrind.py --report '/tmp/cg.*.*' --steps 10
+
+``--report`` prints each dump's events per step. Put ``plain`` twice or more: the first block
+of a run is inflated (allocator, first calls); compare arms of the same round. At 1024 wide
+(``--hidden 1024``) MKL's own instruction count varies by ±50 k per step between blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_HELPER = """#include <valgrind/callgrind.h>
+void cg_zero(void) { CALLGRIND_ZERO_STATS; }
+void cg_dump(const char *name) { CALLGRIND_DUMP_STATS_AT(name); }
+"""
+
+
+def _helper() -> ctypes.CDLL:
+    folder = Path(tempfile.mkdtemp())
+    (folder / "cg.c").write_text(_HELPER)
+    library = folder / "libcg.so"
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(library), str(folder / "cg.c")])
+    return ctypes.CDLL(str(library))
+
+
+def _report(pattern: str, steps: int) -> None:
+    for path in sorted(glob.glob(pattern), key=lambda p: int(p.rsplit(".", 1)[1])):
+        lines = Path(path).read_text(errors="replace").splitlines()
+        arm = next((line.split(":")[-1].strip() for line in lines if "Trigger" in line), "?")
+        events = next((line.split()[1:] for line in lines if line.startswith("events:")), [])
+        summary = next((line.split()[1:] for line in lines if line.startswith("summary:")), [])
+        values = ", ".join(
+            f"{event} {int(value) / steps:,.0f}"
+            for event, value in zip(events, summary, strict=False)
+        )
+        print(f"{Path(path).name:<16} {arm:<12} per step: {values}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", default="plain,all,plain,all")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--baseline-rev", default="")
+    parser.add_argument("--report", default="", help="glob of callgrind dumps to summarise")
+    args = parser.parse_args()
+    if args.report:
+        _report(args.report, args.steps)
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import hook_cost
+    import torch
+
+    torch.set_num_threads(1)
+    helper = _helper()
+    baseline = hook_cost._load_auto_at(args.baseline_rev) if args.baseline_rev else None
+    bench = hook_cost.Bench("plain", baseline, args.hidden, args.batch)
+    for arm in args.arms.split(","):
+        with bench.installed(arm):
+            bench.run_block(3)
+            helper.cg_zero()
+            bench.run_block(args.steps)
+            helper.cg_dump(arm.encode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Auto mode's forward timing: a class swap that keeps ``nn.Module.__call__``'s fast path.
+
+``time_forward(state, model)`` makes ``model``'s forward call ``state.forward_pre(model, args)``
+before and ``state.forward_post(model, args, output)`` after (also when it raises), where
+``state`` is the auto-mode state of ``_auto``. Any module hook, however empty, takes
+``nn.Module._call_impl`` off its fast path (a closure, a set, ``torch.compiler.is_compiling``
+and the hook loops per call: ~10-11 k instructions per step under callgrind with empty hooks,
+whose cache misses cost more on a large model, as its kernels evict that code from L2 between
+calls; docs/exporters.md). The swap adds one Python frame. Module hooks remain the fallback.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import functools
+import logging
+import types
+from typing import Any
+
+logger = logging.getLogger("stepwatch.exporters")
+
+
+class _ClassSwap:
+    """The model's class swapped for a subclass whose ``forward`` times it; ``remove()`` undoes.
+
+    ``nn.Module.__call__`` keeps its hook-free fast path (no module hook is registered), and
+    the subclass binds ``self``: it times only the instrumented instance. A copy made by
+    ``copy.deepcopy``/``copy.copy``/pickle is of the original class (``__reduce_ex__``), a
+    replica made as ``nn.DataParallel`` does (``__new__(type(model))``) is not the instance
+    and runs the plain forward. The subclass carries the original's name, module and
+    docstring; ``isinstance`` holds; only ``type(model) is Original`` sees the swap.
+    """
+
+    def __init__(self, model: Any, original: type, timed: type) -> None:
+        self.model = model
+        self.original = original
+        self.timed = timed
+
+    def remove(self) -> None:
+        if type(self.model) is self.timed:
+            object.__setattr__(self.model, "__class__", self.original)
+
+
+def time_forward(state: Any, model: Any) -> Any:
+    """Time ``model``'s forward by a class swap, or with module hooks where it cannot be.
+
+    Module hooks are the fallback: a forward set on the instance (it would shadow the
+    class's), a forward that is not a plain function, or a class that refuses the swap.
+    """
+    try:
+        swap = _swap_class(state, model)
+    except Exception:
+        logger.debug("class swap refused; forward timed with module hooks", exc_info=True)
+        swap = None
+    if swap is not None:
+        return swap
+    pre = model.register_forward_pre_hook(state.forward_pre)
+    # always_call: a forward that raises still closes the phase (else it stays open forever).
+    post = model.register_forward_hook(state.forward_post, always_call=True)
+    return _Handles(pre, post)
+
+
+class _Handles:
+    """Several removable handles as one."""
+
+    def __init__(self, *handles: Any) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _new_object(cls: Any, *args: Any) -> Any:
+    """``copyreg.__newobj__`` for the original class of a swapped instance (pickle, copy)."""
+    return cls.__new__(cls, *args)
+
+
+def _swap_class(state: Any, model: Any) -> _ClassSwap | None:
+    original: Any = type(model)
+    forward = getattr(original, "forward", None)
+    if "forward" in vars(model) or not isinstance(forward, types.FunctionType):
+        return None
+    target = model
+    forward_pre, forward_post = state.forward_pre, state.forward_post
+
+    @functools.wraps(forward)
+    def timed_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self is not target or not state.enabled:
+            return forward(self, *args, **kwargs)
+        forward_pre(self, args)
+        output = None
+        try:
+            output = forward(self, *args, **kwargs)
+        finally:
+            forward_post(self, args, output)  # also when the forward raises: the phase closes
+        return output
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        # Copies and pickles are of the original class: not instrumented, importable.
+        reduced = original.__reduce_ex__(self, protocol)
+        if isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[1]:
+            arguments = reduced[1]
+            if arguments[0] is timed:
+                # pickle insists that copyreg.__newobj__'s class is the object's: same call.
+                newobj = getattr(copyreg, "__newobj__", None)
+                rebuild = _new_object if reduced[0] is newobj else reduced[0]
+                reduced = (rebuild, (original, *arguments[1:]), *reduced[2:])
+        return reduced
+
+    namespace = {
+        "__slots__": (),
+        "forward": timed_forward,
+        "__reduce_ex__": __reduce_ex__,
+        "__module__": original.__module__,
+        "__qualname__": original.__qualname__,
+        "__doc__": original.__doc__,
+    }
+    metaclass: Any = type(original)
+    timed = metaclass(original.__name__, (original,), namespace)
+    object.__setattr__(model, "__class__", timed)
+    return _ClassSwap(model, original, timed)
