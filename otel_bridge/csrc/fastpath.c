@@ -637,7 +637,10 @@ static int scan_point(Conv *c, Rd rd, int kind, DataPoint *dp) {
                 CHECK(rd_len(&rd, &sub));
                 CHECK(scan_buckets(sub, &offset, &counts, &has));
                 dp->has_negative = 1;
-                dp->negative_counts = has && counts.p != counts.end;
+                while (has && counts.p < counts.end) { /* SDKs send an empty range as zeros */
+                    CHECK(rd_varint(&counts, &v));
+                    if (v) dp->negative_counts = 1;
+                }
             } else if (field == 10 && wire == 0) {
                 CHECK(rd_varint(&rd, &v)); /* flags */
             } else if (field == 12 && wire == 1) {
