@@ -64,8 +64,7 @@ typedef struct {
     size_t n, cap;
 } Buf;
 
-static int buf_grow(Buf *buf, size_t extra) {
-    if (buf->n + extra <= buf->cap) return OK;
+static int buf_realloc(Buf *buf, size_t extra) {
     size_t cap = buf->cap ? buf->cap : 256;
     while (cap < buf->n + extra) cap *= 2;
     char *b = PyMem_Realloc(buf->b, cap);
@@ -78,7 +77,12 @@ static int buf_grow(Buf *buf, size_t extra) {
     return OK;
 }
 
-static int buf_put(Buf *buf, const void *data, size_t n) {
+static inline __attribute__((always_inline)) int buf_grow(Buf *buf, size_t extra) {
+    if (buf->n + extra <= buf->cap) return OK;
+    return buf_realloc(buf, extra);
+}
+
+static inline __attribute__((always_inline)) int buf_put(Buf *buf, const void *data, size_t n) {
     CHECK(buf_grow(buf, n));
     if (n) memcpy(buf->b + buf->n, data, n);
     buf->n += n;
@@ -86,6 +90,9 @@ static int buf_put(Buf *buf, const void *data, size_t n) {
 }
 
 static int buf_str(Buf *buf, const char *text) { return buf_put(buf, text, strlen(text)); }
+
+/* a string literal, its length known at compile time */
+#define buf_lit(buf, text) buf_put((buf), (text), sizeof(text) - 1)
 
 static int buf_u64(Buf *buf, uint64_t v) {
     char tmp[24];
@@ -114,6 +121,11 @@ static struct {
 } repr_cache[REPR_SLOTS];
 
 static int buf_double(Buf *buf, double v) {
+    if (fabs(v) < 9007199254740992.0 && v == (double)(int64_t)v && (v != 0.0 || !signbit(v))) {
+        /* an integer below 2**53: its digits are the shortest repr, plus ".0" */
+        CHECK(buf_i64(buf, (int64_t)v));
+        return buf_lit(buf, ".0");
+    }
     uint64_t bits;
     memcpy(&bits, &v, sizeof bits);
     size_t slot = (size_t)((bits * 0x9E3779B97F4A7C15ULL) >> 51) & (REPR_SLOTS - 1);
@@ -155,7 +167,11 @@ typedef struct {
     const uint8_t *p, *end;
 } Rd;
 
-static int rd_varint(Rd *rd, uint64_t *out) {
+static inline __attribute__((always_inline)) int rd_varint(Rd *rd, uint64_t *out) {
+    if (rd->p < rd->end && !(*rd->p & 0x80)) { /* one byte: most tags and lengths */
+        *out = *rd->p++;
+        return OK;
+    }
     uint64_t v = 0;
     for (int i = 0; i < 10; i++) {
         if (rd->p >= rd->end) return DECLINE;
@@ -741,9 +757,9 @@ static int exponential_fields(Conv *c, const DataPoint *dp, int duration, int sh
         if (zeros) {
             CHECK(buf_str(text, first ? "" : ","));
             if (zeros == 1) {
-                CHECK(buf_str(text, "0"));
+                CHECK(buf_lit(text, "0"));
             } else if (zeros == 2) {
-                CHECK(buf_str(text, "0,0"));
+                CHECK(buf_lit(text, "0,0"));
             } else {
                 CHECK(buf_put(text, "*", 1));
                 CHECK(buf_u64(text, zeros));
@@ -758,9 +774,9 @@ static int exponential_fields(Conv *c, const DataPoint *dp, int duration, int sh
     if (zeros) {
         CHECK(buf_str(text, first ? "" : ","));
         if (zeros == 1) {
-            CHECK(buf_str(text, "0"));
+            CHECK(buf_lit(text, "0"));
         } else if (zeros == 2) {
-            CHECK(buf_str(text, "0,0"));
+            CHECK(buf_lit(text, "0,0"));
         } else {
             CHECK(buf_put(text, "*", 1));
             CHECK(buf_u64(text, zeros));
@@ -772,18 +788,18 @@ static int exponential_fields(Conv *c, const DataPoint *dp, int duration, int sh
     if ((double)offset * step < -1000.0 || (double)(offset + length) * step > 1000.0)
         return DECLINE;
     if (total != dp->count) return DECLINE;
-    CHECK(buf_str(f, "count="));
+    CHECK(buf_lit(f, "count="));
     CHECK(buf_double(f, (double)dp->count));
     if (dp->has_sum) {
-        CHECK(buf_str(f, ",sum="));
+        CHECK(buf_lit(f, ",sum="));
         CHECK(buf_double(f, dp->sum));
     }
     if (has_min) {
-        CHECK(buf_str(f, ",min="));
+        CHECK(buf_lit(f, ",min="));
         CHECK(buf_double(f, minimum));
     }
     if (has_max) {
-        CHECK(buf_str(f, ",max="));
+        CHECK(buf_lit(f, ",max="));
         CHECK(buf_double(f, maximum));
     }
     if (total > 0) {
@@ -820,7 +836,7 @@ static int exponential_fields(Conv *c, const DataPoint *dp, int duration, int sh
     CHECK(buf_put(f, text->b, text->n));
     CHECK(buf_put(f, "\"", 1));
     if (dp->start && !shared_start) {
-        CHECK(buf_str(f, ",start_time_unix_nano="));
+        CHECK(buf_lit(f, ",start_time_unix_nano="));
         CHECK(buf_u64(f, dp->start));
         CHECK(buf_put(f, "i", 1));
     }
@@ -839,7 +855,7 @@ static int number_fields(Conv *c, const DataPoint *dp, int duration, const char 
     CHECK(buf_str(f, field));
     CHECK(buf_double(f, dp->value));
     if (dp->start) {
-        CHECK(buf_str(f, ",start_time_unix_nano="));
+        CHECK(buf_lit(f, ",start_time_unix_nano="));
         CHECK(buf_u64(f, dp->start));
         CHECK(buf_put(f, "i", 1));
     }
