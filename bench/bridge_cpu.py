@@ -14,9 +14,16 @@ fills every cache and the cardinality guard) on the same bodies:
 * ``convert``: ``convert_to_points`` (resource checks, fields, buckets text, tags);
 * ``guard``: ``CardinalityGuard.filter`` (all series known: the steady state);
 * ``encode``: ``Point.encode`` (line protocol);
-* ``intake``: the whole path per request: ``decode_body`` then ``Intake.ingest`` of a
-  ``Bridge`` with a memory spool (convert, duplicate-rank and cardinality guards, encode,
-  spool append; the forwarder not started, so nothing is sent).
+* ``fast convert``: gunzip + the C fast path's conversion (``_fast.convert``: protobuf wire
+  format straight to line protocol, series hashes for the guard); versions without it: ``-``;
+* ``intake, python``: the whole Python path per request: ``decode_body`` then
+  ``Intake.ingest`` of a ``Bridge(fast_path=False)`` with a memory spool (convert,
+  duplicate-rank and cardinality guards, encode, spool append; the forwarder not started, so
+  nothing is sent);
+* ``intake``: the whole path per request as the receivers run it with the defaults a user
+  gets: gunzip, then ``Intake.ingest_body`` (the C fast path, the same guards and spool), and
+  the Python path for a request the fast path declines. Versions without a fast path: the
+  same as ``intake, python``.
 
 Then writes the lines once into a REAL influxd 1.x: the first window (which creates every
 series) apart, then the later windows, lets it snapshot and fully compact the shard, and
@@ -45,7 +52,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-STAGES = ("decode", "convert", "guard", "encode", "intake")
+STAGES = ("decode", "convert", "guard", "encode", "fast convert", "intake, python", "intake")
 WEEK_S = 7 * 86_400
 SOURCES = ("core/src", "exporters/src", "otel_bridge/src")
 
@@ -83,8 +90,8 @@ def child(bodies_path: str, lines_path: str) -> None:
     """Time each stage on the bodies with the stepwatch found on sys.path; print JSON."""
     from stepwatch.otel_bridge import Bridge
     from stepwatch.otel_bridge._cardinality import CardinalityGuard
-    from stepwatch.otel_bridge._convert import convert_to_points
-    from stepwatch.otel_bridge._decode import decode_body
+    from stepwatch.otel_bridge._convert import TAG_ALLOWLIST, convert_to_points
+    from stepwatch.otel_bridge._decode import decode_body, gunzip
 
     bodies: list[bytes] = pickle.loads(Path(bodies_path).read_bytes())
 
@@ -98,27 +105,62 @@ def child(bodies_path: str, lines_path: str) -> None:
     batches = [convert_to_points(request) for request in requests]
     points = sum(len(batch.points) for batch in batches)
     guard = CardinalityGuard(max_new_series_per_s=None)
-    bridge = Bridge(
-        _Unsent(), grpc_port=None, http_port=0, spool_max_bytes=1 << 40,
-        max_queue_lines=1 << 40, max_new_series_per_s=None,
-    )  # fmt: skip
-    intake = bridge.intake
 
-    def ingest() -> None:
+    def bridge(**options: Any) -> Any:
+        return Bridge(
+            _Unsent(), grpc_port=None, http_port=0, spool_max_bytes=1 << 40,
+            max_queue_lines=1 << 40, max_new_series_per_s=None, **options,
+        )  # fmt: skip
+
+    intake = bridge().intake  # the defaults
+    fast = getattr(intake, "fast_path", False)
+    python = bridge(fast_path=False).intake if fast else intake
+    declined = [0]
+
+    def check(outcome: Any) -> None:
+        if not outcome.accepted or outcome.rejected_points:
+            raise RuntimeError(f"not stored: {outcome}")
+
+    def ingest_python() -> None:
         for body in bodies:
-            outcome = intake.ingest(decode(body))
-            if not outcome.accepted or outcome.rejected_points:
-                raise RuntimeError(f"not stored: {outcome}")
+            check(python.ingest(decode(body)))
 
-    stages = {
+    def ingest() -> None:  # as the receivers do
+        from stepwatch.otel_bridge._decode import parse_protobuf
+
+        for body in bodies:
+            raw = gunzip(body, max_bytes=1 << 24)
+            outcome = intake.ingest_body(raw)
+            if outcome is None:
+                declined[0] += 1
+                outcome = intake.ingest(parse_protobuf(raw))
+            check(outcome)
+
+    def fast_convert() -> None:
+        from stepwatch.otel_bridge import _fast
+
+        for body in bodies:
+            converted = _fast.convert(
+                gunzip(body, max_bytes=1 << 24), tag_allowlist=TAG_ALLOWLIST,
+                max_duration_s=86_400.0, time_bounds_unix_nano=None, resource_check=None,
+            )  # fmt: skip
+            if converted is None:
+                raise RuntimeError("the fast path declined an exporter window")
+
+    stages: dict[str, Any] = {
         "decode": lambda: [decode(body) for body in bodies],
         "convert": lambda: [convert_to_points(request) for request in requests],
         "guard": lambda: [guard.filter(batch.points) for batch in batches],
         "encode": lambda: [[point.encode() for point in batch.points] for batch in batches],
-        "intake": ingest,
+        "fast convert": fast_convert if fast else None,
+        "intake, python": ingest_python,
+        "intake": ingest if fast else ingest_python,
     }
-    result: dict[str, float] = {}
+    result: dict[str, float | None] = {}
     for name, run in stages.items():
+        if run is None:
+            result[name] = None
+            continue
         run()  # warm-up: caches, known series, the interpreter's specialisation
         started = time.process_time()
         run()
@@ -126,7 +168,7 @@ def child(bodies_path: str, lines_path: str) -> None:
     if lines_path:
         lines = [point.encode() for batch in batches for point in batch.points]
         Path(lines_path).write_text("\n".join(lines) + "\n")
-    print(json.dumps({"points": points, "us_per_point": result}))
+    print(json.dumps({"points": points, "us_per_point": result, "declined": declined[0]}))
 
 
 def source_tree(rev: str, directory: Path) -> Path:
@@ -190,8 +232,11 @@ def influxd_cpu(lines_path: Path, first: int) -> dict[str, float | bool]:
     }
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):6.2f} ({min(values):.2f}-{max(values):.2f})"
+def spread(values: list[float | None]) -> str:
+    known = [value for value in values if value is not None]
+    if not known:
+        return "-"
+    return f"{statistics.median(known):6.2f} ({min(known):.2f}-{max(known):.2f})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,13 +261,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline_rev:
             (work / "before").mkdir()
             versions = {"before": source_tree(args.baseline_rev, work / "before"), **versions}
-        figures: dict[str, dict[str, list[float]]] = {v: {s: [] for s in STAGES} for v in versions}
+        figures: dict[str, dict[str, list[float | None]]] = {
+            v: {s: [] for s in STAGES} for v in versions
+        }
+        declined = 0
         points = 0
         for round_index in range(args.rounds):
             for version, tree in versions.items():
                 last = round_index == args.rounds - 1 and version == "after"
                 result = run_child(tree, work / "bodies.pickle", work / "lines" if last else None)
                 points = result["points"]
+                declined += result.get("declined", 0) if version == "after" else 0
                 for stage in STAGES:
                     figures[version][stage].append(result["us_per_point"][stage])
         influxd = influxd_cpu(work / "lines", points // args.windows)
@@ -243,12 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         f"  influxd, later windows: write + compaction   {influxd['total']:6.2f} us/point"
         f"{'' if influxd['settled'] else ' (compaction not finished)'}"
     )
+    steady = float(influxd["total"])
     for version in versions:
-        intake = statistics.median(figures[version]["intake"])
-        print(
-            f"  {version}: bridge intake / influxd (later windows, write + compaction) = "
-            f"{intake / float(influxd['total']):.2f}x"
-        )
+        for stage in ("intake", "intake, python") if version == "after" else ("intake",):
+            values = [value for value in figures[version][stage] if value is not None]
+            print(
+                f"  {version}, {stage}: bridge CPU / influxd's (later windows, write + "
+                f"compaction) = {statistics.median(values) / steady:.2f}x"
+            )
+    print(f"  requests the fast path declined (after, all rounds): {declined}")
     return 0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stepwatch.core._errors import ConfigError
+from stepwatch.otel_bridge import _fast
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
 from stepwatch.otel_bridge._convert import MAX_DURATION_S, TAG_ALLOWLIST
 from stepwatch.otel_bridge._cumulative import CumulativeState
@@ -115,6 +116,10 @@ class Bridge:
             string field, so every measurement has a fixed set of columns) or ``per_bound``
             (one field per bucket bound, the columns of a Collector's influxdb exporter);
             docs/storage.md, "Histogram layouts".
+        fast_path: convert requests with the C fast path where it applies (the default;
+            byte-identical output, about a tenth of the CPU per point; docs/deployment.md,
+            "Bridge vs influxd CPU"); False: always the Python path. Without the compiled
+            extension the Python path runs and the bridge says so once when it starts.
     """
 
     def __init__(
@@ -162,6 +167,7 @@ class Bridge:
         clock_unix_nano: Callable[[], int] = time.time_ns,
         max_cumulative_series: int = 100_000,
         histogram_layout: str = LAYOUT_COMPACT,
+        fast_path: bool = True,
     ) -> None:
         for name, port in (("grpc_port", grpc_port), ("http_port", http_port)):
             if port is not None and not 0 <= port <= 65535:
@@ -229,6 +235,7 @@ class Bridge:
             if duplicate_rank_takeover_s is None
             else RankIdentityGuard(takeover_after_s=duplicate_rank_takeover_s)
         )
+        self._fast_path_requested = fast_path
         self.intake = Intake(
             self.forwarder,
             metrics=self.metrics,
@@ -237,6 +244,7 @@ class Bridge:
             tag_allowlist=tag_allowlist,
             max_duration_s=max_duration_s,
             histogram_layout=histogram_layout,
+            fast_path=fast_path,
             skew=ClockSkew(max_past_s=max_past_skew_s, max_future_s=max_future_skew_s),
             auth_token=auth_token,
             clock_unix_nano=clock_unix_nano,
@@ -291,6 +299,8 @@ class Bridge:
 
     def start(self) -> Bridge:
         """Bind the ports and start serving; returns self."""
+        if self.intake.fast_path is False and self._fast_path_requested:
+            _fast.log_unavailable()
         self.forwarder.start()
         try:
             if self._requested_http_port is not None:

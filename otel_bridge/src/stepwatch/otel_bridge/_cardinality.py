@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from stepwatch.core import _schema
@@ -125,23 +125,70 @@ class CardinalityGuard:
                     kept.append(point)
                     continue
                 job = point.tags.get(_schema.JOB_ID, "")
-                group = (job, point.measurement)
                 rank = point.tags.get(_schema.RANK, "")
-                if (
-                    (self.max_series_total is not None and len(series) >= self.max_series_total)
-                    or self._per_measurement[group] >= self.max_series
-                    or self._per_rank[(job, point.measurement, rank)] >= self.max_series_per_rank
-                ):
+                if not self._admit_new(key, now, job, point.measurement, rank):
                     refused += 1
                     continue
-                series[key] = _Seen(now, job, point.measurement, rank)
-                self._per_measurement[group] += 1
-                self._per_rank[(job, point.measurement, rank)] += 1
-                self._tokens -= 1
                 kept.append(point)
             # A large request may overdraw the bucket (it is admitted whole), by one burst.
             self._tokens = max(self._tokens, -self.new_series_burst)
         return Guarded(kept, refused, False)
+
+    def filter_hashed(
+        self, hashes: bytes, index: bytes, descs: Sequence[tuple[str, str, str]]
+    ) -> tuple[list[int], bool]:
+        """:meth:`filter` for the fast path's lines: ``hashes`` holds each line's series key
+        hash (int64 each; the keys :meth:`filter` computes), ``index`` (int32 each) the
+        line's ``(job, measurement, rank)`` in ``descs``. Returns the indexes of the lines
+        refused, and whether to throttle. Known series are looked up and refreshed in C; only
+        new series cost Python work."""
+        from stepwatch.otel_bridge import _fastpath
+
+        now = self.clock()
+        refused: list[int] = []
+        with self._lock:
+            self._expire(now)
+            series = self._series
+            new = _fastpath.unknown(series, hashes)
+            if self.max_new_series_per_s is not None and new:
+                self._tokens = min(
+                    self.new_series_burst,
+                    self._tokens + (now - self._refilled_s) * self.max_new_series_per_s,
+                )
+                self._refilled_s = now
+                if self._tokens <= 0:
+                    return [], True
+            _fastpath.touch(series, hashes, now)  # the known ones
+            if new:
+                keys, which = memoryview(hashes).cast("q"), memoryview(index).cast("i")
+                for position in new:
+                    key = keys[position]
+                    entry = series.get(key)
+                    if entry is not None:  # new earlier in this request
+                        entry.last_seen_s = now
+                        series.move_to_end(key)
+                        continue
+                    job, measurement, rank = descs[which[position]]
+                    if not self._admit_new(key, now, job, measurement, rank):
+                        refused.append(position)
+            self._tokens = max(self._tokens, -self.new_series_burst)
+        return refused, False
+
+    def _admit_new(self, key: int, now: float, job: str, measurement: str, rank: str) -> bool:
+        """Remember a new series unless a limit is reached (the lock is held)."""
+        series = self._series
+        group = (job, measurement)
+        if (
+            (self.max_series_total is not None and len(series) >= self.max_series_total)
+            or self._per_measurement[group] >= self.max_series
+            or self._per_rank[(job, measurement, rank)] >= self.max_series_per_rank
+        ):
+            return False
+        series[key] = _Seen(now, job, measurement, rank)
+        self._per_measurement[group] += 1
+        self._per_rank[(job, measurement, rank)] += 1
+        self._tokens -= 1
+        return True
 
     def _expire(self, now: float) -> None:
         horizon = now - self.series_ttl_s

@@ -84,21 +84,15 @@ def _hex_ids_to_base64(node: Any) -> None:
             _hex_ids_to_base64(item)
 
 
-def decode_body(
+def decompressed_body(
     body: bytes, *, content_type: str | None, content_encoding: str | None, max_bytes: int
-) -> ExportMetricsServiceRequest:
-    """Decode one OTLP/HTTP metrics request body.
+) -> bytes:
+    """The first half of :func:`decode_body`: the content type checked, the body decompressed.
 
     Raises:
         RequestError: 415 unsupported content type or encoding, 413 too large after
-            decompression, 400 malformed.
+            decompression, 400 malformed compression.
     """
-    from google.protobuf import json_format
-    from google.protobuf.message import DecodeError
-    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-        ExportMetricsServiceRequest,
-    )
-
     kind = media_type(content_type)
     if kind not in (PROTOBUF, JSON):
         raise RequestError(415, f"unsupported content type {content_type!r}")
@@ -109,13 +103,48 @@ def decode_body(
         body = inflate(body, max_bytes=max_bytes)
     elif encoding not in ("identity", ""):
         raise RequestError(415, f"unsupported content encoding {content_encoding!r}")
+    return body
+
+
+def parse_protobuf(body: bytes) -> ExportMetricsServiceRequest:
+    """A binary protobuf ``ExportMetricsServiceRequest``.
+
+    Raises:
+        RequestError: 400 malformed.
+    """
+    from google.protobuf.message import DecodeError
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+
     request = ExportMetricsServiceRequest()
-    if kind == PROTOBUF:
-        try:
-            request.ParseFromString(body)
-        except (DecodeError, RuntimeError, ValueError) as exc:
-            raise RequestError(400, f"invalid protobuf: {exc}") from exc
-        return request
+    try:
+        request.ParseFromString(body)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise RequestError(400, f"invalid protobuf: {exc}") from exc
+    return request
+
+
+def decode_body(
+    body: bytes, *, content_type: str | None, content_encoding: str | None, max_bytes: int
+) -> ExportMetricsServiceRequest:
+    """Decode one OTLP/HTTP metrics request body.
+
+    Raises:
+        RequestError: 415 unsupported content type or encoding, 413 too large after
+            decompression, 400 malformed.
+    """
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+
+    body = decompressed_body(
+        body, content_type=content_type, content_encoding=content_encoding, max_bytes=max_bytes
+    )
+    if media_type(content_type) == PROTOBUF:
+        return parse_protobuf(body)
+    request = ExportMetricsServiceRequest()
     try:
         document = json.loads(body)
         _hex_ids_to_base64(document)

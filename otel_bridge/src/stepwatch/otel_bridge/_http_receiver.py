@@ -19,12 +19,21 @@ import email.message
 import logging
 import os
 import ssl
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.otel_bridge._decode import JSON, PROTOBUF, RequestError, decode_body, media_type
+from stepwatch.otel_bridge._decode import (
+    JSON,
+    PROTOBUF,
+    RequestError,
+    decode_body,
+    decompressed_body,
+    media_type,
+    parse_protobuf,
+)
 from stepwatch.otel_bridge._http_server import AsyncHttpServer, HttpRequest, HttpResponse
-from stepwatch.otel_bridge._intake import ReceiverContext
+from stepwatch.otel_bridge._intake import Outcome, ReceiverContext
 
 _log = logging.getLogger("stepwatch.otel_bridge")
 
@@ -175,27 +184,58 @@ class HttpReceiver:
         return self._export(request)
 
     def _export(self, request: HttpRequest) -> HttpResponse:
-        json_body = media_type(request.headers.get("Content-Type")) == JSON
+        content_type = request.headers.get("Content-Type")
+        json_body = media_type(content_type) == JSON
+        intake = self.context.intake
+        # binary protobuf: the body goes to the fast path unparsed, parsed only if it declines
+        fast = intake.fast_path and media_type(content_type) == PROTOBUF
+        outcome: Outcome | None = None
         try:
-            message = decode_body(
-                request.body,
-                content_type=request.headers.get("Content-Type"),
-                content_encoding=request.headers.get("Content-Encoding"),
-                max_bytes=self.context.max_request_bytes,
-            )
+            if fast:
+                body = decompressed_body(
+                    request.body,
+                    content_type=content_type,
+                    content_encoding=request.headers.get("Content-Encoding"),
+                    max_bytes=self.context.max_request_bytes,
+                )
+                outcome = _ingest_or_fail(intake.ingest_body, body)
+                message = parse_protobuf(body) if outcome is None else None
+            else:
+                message = decode_body(
+                    request.body,
+                    content_type=content_type,
+                    content_encoding=request.headers.get("Content-Encoding"),
+                    max_bytes=self.context.max_request_bytes,
+                )
+            if message is not None:
+                outcome = _ingest_or_fail(intake.ingest, message)
         except RequestError as exc:
             return self._fail(exc.status, exc.message, json_body=json_body)
-        try:
-            outcome = self.context.intake.ingest(message)
-        except Exception:  # a bug must not take the receiver down: answer and keep serving
-            _log.exception("bridge failed to ingest an OTLP/HTTP request")
+        except _IngestFailed:
             return self._fail(500, "internal error", json_body=json_body)
+        if outcome is None:  # pragma: no cover - ingest() always answers
+            raise RuntimeError("no outcome")
         if not outcome.accepted:
             status = 503 if outcome.unavailable else 429
             return self._fail(status, outcome.message, json_body=json_body)
         body, content_type = _encoded(outcome.response(), json_body=json_body)
         self._count(200)
         return HttpResponse(200, {"Content-Type": content_type}, body)
+
+
+_T = TypeVar("_T")
+
+
+class _IngestFailed(Exception):
+    """Ingesting a request raised: logged, answered 500."""
+
+
+def _ingest_or_fail(call: Callable[[_T], Outcome | None], argument: _T) -> Outcome | None:
+    try:
+        return call(argument)
+    except Exception as exc:  # a bug must not take the receiver down: answer and keep serving
+        _log.exception("bridge failed to ingest an OTLP/HTTP request")
+        raise _IngestFailed from exc
 
 
 def _encoded(message: Any, *, json_body: bool) -> tuple[bytes, str]:

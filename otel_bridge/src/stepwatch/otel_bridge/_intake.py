@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from stepwatch.core import _schema
 from stepwatch.core._errors import ConfigError
+from stepwatch.otel_bridge import _fast
 from stepwatch.otel_bridge._cardinality import CardinalityGuard
 from stepwatch.otel_bridge._convert import convert_to_points
-from stepwatch.otel_bridge._cumulative import CumulativeState
+from stepwatch.otel_bridge._cumulative import CumulativeState, Pending
 from stepwatch.otel_bridge._fields import LAYOUT_COMPACT, LAYOUTS
 from stepwatch.otel_bridge._forwarder import Admission, Forwarder
 from stepwatch.otel_bridge._identity import RankIdentityGuard, Verdict
@@ -101,6 +103,8 @@ class Intake:
         cumulative: the per-series state turning CUMULATIVE points into deltas; advanced only
             when a request is accepted. None: a fresh one.
         histogram_layout: ``compact`` or ``per_bound`` (docs/storage.md, "Histogram layouts").
+        fast_path: convert request bodies with the C fast path when it is available
+            (:meth:`ingest_body`); False: always the Python path.
 
     Each is documented, with its default, on :class:`~stepwatch.otel_bridge.Bridge`.
     """
@@ -119,6 +123,7 @@ class Intake:
         clock_unix_nano: Callable[[], int],
         cumulative: CumulativeState | None = None,
         histogram_layout: str = LAYOUT_COMPACT,
+        fast_path: bool = True,
     ) -> None:
         if histogram_layout not in LAYOUTS:
             raise ConfigError(f"histogram_layout: {histogram_layout!r} is not one of {LAYOUTS}")
@@ -141,6 +146,7 @@ class Intake:
         self.clock_unix_nano = clock_unix_nano
         self.cumulative = cumulative if cumulative is not None else CumulativeState()
         self.histogram_layout = histogram_layout
+        self.fast_path = fast_path and _fast.AVAILABLE
         self._logged_conflicts: set[tuple[str, str]] = set()
         self._auth = None if auth_token is None else f"Bearer {auth_token.strip()}".encode()
 
@@ -179,18 +185,65 @@ class Intake:
             if guarded.refused:
                 rejected[REASON_CARDINALITY] += guarded.refused
         lines = [point.encode() for point in points]
+        return self._admit(lines, rejected, batch.dropped_attributes, batch.pending)
+
+    def ingest_body(self, body: bytes) -> Outcome | None:
+        """:meth:`ingest` of a serialized request (protobuf, decompressed) on the fast path:
+        the C converter (``_fast``), the same guards, spool and metrics, the same outcome.
+
+        Returns None when the fast path does not handle the request (it is off, the layout is
+        not compact, the forwarder refuses requests now, or the converter declines this one):
+        the caller parses the body and calls :meth:`ingest`, exactly as without a fast path.
+        """
+        if not self.fast_path or self.histogram_layout != LAYOUT_COMPACT:
+            return None
+        if self.forwarder.refusal() is not None:
+            return None  # refused by ingest() after the body is parsed, as it always was
+        now_unix_nano = self.clock_unix_nano()
+        batch = _fast.convert(
+            body,
+            tag_allowlist=self.tag_allowlist,
+            max_duration_s=self.max_duration_s,
+            time_bounds_unix_nano=self.skew.bounds_unix_nano(now_unix_nano),
+            resource_check=None if self.identity is None else self._identity_check(now_unix_nano),
+        )
+        if batch is None:
+            return None
+        lines = batch.lines
+        rejected: Counter[str] = Counter(batch.rejected)
+        if self.guard is not None and lines:
+            refused, throttled = self.guard.filter_hashed(
+                batch.hashes, batch.descs_index, batch.descs
+            )
+            self.metrics.series.set(len(self.guard))
+            if throttled:
+                return self._refused(_SERIES_RATE)
+            if refused:
+                skip = set(refused)
+                lines = [line for index, line in enumerate(lines) if index not in skip]
+                rejected[REASON_CARDINALITY] += len(refused)
+        return self._admit(lines, rejected, batch.dropped_attributes, [])
+
+    def _admit(
+        self,
+        lines: list[str],
+        rejected: Counter[str],
+        dropped_attributes: int,
+        pending: list[Pending],
+    ) -> Outcome:
+        """Spool a converted request's lines (all or none), then count it."""
         admission = self.forwarder.offer(lines)
         if not admission.accepted:
             return self._refused(admission)  # the cumulative state stays: the retry diffs alike
-        if batch.pending:
-            self.cumulative.commit(batch.pending)
+        if pending:
+            self.cumulative.commit(pending)
             self.metrics.cumulative_series.set(len(self.cumulative))
         total_rejected = sum(rejected.values())
         self.metrics.received.inc(len(lines) + total_rejected)
         for reason, count in rejected.items():
             self.metrics.rejected.labels(reason=reason).inc(count)
-        if batch.dropped_attributes:
-            self.metrics.attributes_dropped.inc(batch.dropped_attributes)
+        if dropped_attributes:
+            self.metrics.attributes_dropped.inc(dropped_attributes)
         message = ""
         if total_rejected:
             message = "rejected data points: " + ", ".join(

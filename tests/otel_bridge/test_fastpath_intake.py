@@ -1,0 +1,191 @@
+"""The bridge with its C fast path against the bridge without: same spool, outcomes, metrics.
+
+Two bridges (memory spool, forwarder not started) ingest the same bodies, one through
+``Intake.ingest_body`` (the fast path, as both receivers do) and one through the Python path
+(``fast_path=False``); the spooled lines, every outcome and the metrics must agree, with the
+cardinality guard refusing and throttling and the duplicate-rank guard rejecting.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from stepwatch.core._influx import wait_until
+from stepwatch.otel_bridge import Bridge, _fast
+from stepwatch.otel_bridge._convert import convert_request
+from stepwatch.otel_bridge._decode import parse_protobuf
+from stepwatch.otel_bridge._intake import Outcome
+from tests.otel_bridge.otlp_requests import post
+
+NOW_NS = time.time_ns()
+
+
+class _Unsent:
+    def write_lines(self, lines: Any) -> None:  # pragma: no cover - never started
+        raise RuntimeError("not sending")
+
+    def close(self) -> None:
+        pass
+
+
+class _Recorder:
+    """A writer that keeps what it is given (started bridges)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write_lines(self, lines: Any) -> None:
+        self.lines.extend(lines)
+
+    def close(self) -> None:
+        pass
+
+
+def _bridge(fast: bool, clock: list[float], **options: Any) -> Bridge:
+    bridge = Bridge(
+        _Unsent(),  # type: ignore[arg-type]
+        grpc_port=None,
+        http_port=0,
+        registry=CollectorRegistry(),
+        fast_path=fast,
+        clock_unix_nano=lambda: NOW_NS,
+        **options,
+    )
+    if bridge.guard is not None:
+        bridge.guard.clock = lambda: clock[0]
+    return bridge
+
+
+def _ingest(bridge: Bridge, body: bytes) -> tuple[Outcome, bool]:
+    outcome = bridge.intake.ingest_body(body)
+    if outcome is not None:
+        return outcome, True
+    return bridge.intake.ingest(parse_protobuf(body)), False
+
+
+def _spooled(bridge: Bridge) -> list[str]:
+    return [line for _, lines in bridge.forwarder.spool.peek_many(1 << 30) for line in lines]
+
+
+def _metrics(bridge: Bridge) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for family in bridge.metrics.registry.collect():  # type: ignore[attr-defined]
+        for sample in family.samples:
+            if sample.name.endswith("_created") or "duration" in sample.name:
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}"] = sample.value
+    return values
+
+
+def _python_lines(body: bytes) -> list[str]:
+    return convert_request(parse_protobuf(body)).lines
+
+
+def _bodies(seed: int, ranks: int, windows: int, kernels: int) -> list[bytes]:
+    from bench.storage_bytes import window
+
+    rng = random.Random(seed)
+    bodies = []
+    for index in range(windows):
+        for rank in range(ranks):
+            start = NOW_NS - (windows - index + 2) * 10**10
+            request, _ = window(
+                rng, rank=rank, ranks=ranks, kernels=kernels, start_ns=start, end_ns=start + 10**10
+            )
+            bodies.append(bytes(request.SerializeToString()))
+    return bodies
+
+
+@pytest.mark.parametrize(
+    ("options", "expect"),
+    [
+        ({}, "reason=duplicate_rank"),
+        ({"max_series_per_rank": 4}, "reason=cardinality_limit"),  # refuses kernel series
+        ({"max_new_series_per_s": 2.0}, "reason=series_rate"),  # 429
+        ({"max_series_total": 50}, "reason=cardinality_limit"),
+    ],
+)
+def test_fast_and_python_bridges_agree(options: dict[str, Any], expect: str) -> None:
+    assert _fast.AVAILABLE
+    clock = [time.monotonic()]
+    fast, python = _bridge(True, clock, **options), _bridge(False, clock, **options)
+    bodies = _bodies(3, ranks=4, windows=3, kernels=6)
+    # a second producer claiming rank 1 from another host: duplicate_rank
+    intruder = parse_protobuf(bodies[1])
+    for item in intruder.resource_metrics[0].resource.attributes:
+        if item.key == "host.name":
+            item.value.string_value = "intruder"
+    handled = 0
+    for index, body in enumerate([*bodies, intruder.SerializeToString(), *bodies[:4]]):
+        clock[0] += 0.5
+        fast_outcome, on_fast_path = _ingest(fast, body)
+        python_outcome, python_fast = _ingest(python, body)
+        assert not python_fast
+        handled += on_fast_path
+        assert fast_outcome == python_outcome, index
+        assert _spooled(fast) == _spooled(python)
+        assert len(fast.guard or ()) == len(python.guard or ())
+    assert handled == len(bodies) + 5  # every request took the fast path
+    metrics = _metrics(fast)
+    assert metrics == _metrics(python)
+    assert any(expect in key and value > 0 for key, value in metrics.items()), metrics
+
+
+def test_forced_python_path_never_calls_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stepwatch.otel_bridge import _fastpath
+
+    def refuse(*args: Any) -> None:
+        raise AssertionError("the fast path ran")
+
+    monkeypatch.setattr(_fastpath, "convert", refuse)
+    writer = _Recorder()
+    bridge = Bridge(writer, grpc_port=None, http_port=0, fast_path=False)  # type: ignore[arg-type]
+    assert bridge.intake.fast_path is False
+    body = _bodies(1, ranks=1, windows=1, kernels=2)[0]
+    assert bridge.intake.ingest_body(body) is None
+    with bridge:  # over HTTP: the Python path answers
+        status = post(bridge.http_url, body, {"Content-Type": "application/x-protobuf"})[0]
+        assert wait_until(lambda: writer.lines == _python_lines(body), timeout_s=10)
+    assert status == 200
+
+
+def test_missing_extension_logs_once_and_uses_python(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_fast, "_fastpath", None)
+    monkeypatch.setattr(_fast, "AVAILABLE", False)
+    monkeypatch.setattr(_fast, "IMPORT_ERROR", "No module named '_fastpath'")
+    writer = _Recorder()
+    bridge = Bridge(writer, grpc_port=None, http_port=0)  # type: ignore[arg-type]
+    assert bridge.intake.fast_path is False
+    body = _bodies(1, ranks=1, windows=1, kernels=2)[0]
+    with caplog.at_level(logging.WARNING, logger="stepwatch.otel_bridge"), bridge:
+        status = post(bridge.http_url, body, {"Content-Type": "application/x-protobuf"})[0]
+        assert wait_until(lambda: writer.lines == _python_lines(body), timeout_s=10)
+    assert status == 200
+    messages = [r.getMessage() for r in caplog.records if "fast path unavailable" in r.getMessage()]
+    assert len(messages) == 1
+
+
+def test_http_fast_path_answers_as_before() -> None:
+    """Malformed bodies still get 400 (parsed after the fast path declines), gzip works."""
+    import gzip
+
+    body = _bodies(2, ranks=1, windows=1, kernels=2)[0]
+    writer = _Recorder()
+    with Bridge(writer, grpc_port=None, http_port=0) as bridge:  # type: ignore[arg-type]
+        headers = {"Content-Type": "application/x-protobuf"}
+        assert post(bridge.http_url, b"\xff\xff\xff", headers)[0] == 400
+        status = post(
+            bridge.http_url, gzip.compress(body), {**headers, "Content-Encoding": "gzip"}
+        )[0]
+        assert status == 200
+        assert wait_until(lambda: writer.lines == _python_lines(body), timeout_s=10)
+        assert bridge.intake.fast_path
