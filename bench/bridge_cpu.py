@@ -6,7 +6,8 @@ Builds ``ranks x windows`` OTLP requests with the exporters' WindowBuilder (as
 bench/storage_bytes.py does: one request per rank-window, 3 steps, 5 phases, ``--kernels``
 kernel classes; 28 points per window with 20 classes), serialized and gzip-compressed as the
 exporter sends them by default. Each bridge version runs in its own child process (the code of
-``--baseline-rev`` is taken with ``git archive``; the working tree's is "after"), the children
+``--baseline-rev`` is taken with ``git archive``, its C fast path built in place when it has
+one; the working tree's is "after"), the children
 interleaved ``--rounds`` times, each timing (``time.process_time``, after a warm-up pass that
 fills every cache and the cardinality guard) on the same bodies:
 
@@ -25,12 +26,12 @@ fills every cache and the cardinality guard) on the same bodies:
   the Python path for a request the fast path declines. Versions without a fast path: the
   same as ``intake, python``.
 
-Then writes the lines once into a REAL influxd 1.x: the first window (which creates every
-series) apart, then the later windows, lets it snapshot and fully compact the shard, and
-reports influxd's CPU per point (``/proc``) for each, and the ratio of each bridge version's
-intake CPU to influxd's steady state (later windows, write + compaction): a job's series are
-created once and then written every window for hours. Machine noise: every figure is the median of
-the rounds, with min-max.
+After each round, writes the lines into a fresh REAL influxd 1.x: the first window (which
+creates every series) apart, then the later windows, lets it snapshot and fully compact the
+shard, and reports influxd's CPU per point (``/proc``) for each, and the ratio of each bridge
+version's intake CPU to influxd's steady state (later windows, write + compaction) of the same
+round: a job's series are created once and then written every window for hours. Machine
+noise: every figure is the median of the rounds, with min-max.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ sys.path.insert(0, str(REPO))
 STAGES = ("decode", "convert", "guard", "encode", "fast convert", "intake, python", "intake")
 WEEK_S = 7 * 86_400
 SOURCES = ("core/src", "exporters/src", "otel_bridge/src")
+# a baseline's C fast path is built from these (versions before it have none)
+EXTENSION_SOURCES = ("otel_bridge/csrc", "otel_bridge/setup.py", "otel_bridge/pyproject.toml")
 
 
 def build_bodies(ranks: int, windows: int, kernels: int, seed: int) -> list[bytes]:
@@ -175,10 +178,21 @@ def source_tree(rev: str, directory: Path) -> Path:
     """The packages as of ``rev`` (``git archive``), or the working tree for ``""``."""
     if not rev:
         return REPO
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-tree", "--name-only", rev, "otel_bridge/"],
+        check=True, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    extension = [path for path in EXTENSION_SOURCES if path in listed]
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", rev, *SOURCES], check=True, capture_output=True
-    ).stdout
+        ["git", "-C", str(REPO), "archive", rev, *SOURCES, *extension],
+        check=True, capture_output=True,
+    ).stdout  # fmt: skip
     subprocess.run(["tar", "-x", "-C", str(directory)], input=archive, check=True)
+    if "otel_bridge/setup.py" in extension:  # that version's C fast path, built as setup.sh does
+        subprocess.run(
+            [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+            cwd=directory / "otel_bridge", check=True, capture_output=True,
+        )  # fmt: skip
     return directory
 
 
@@ -266,15 +280,18 @@ def main(argv: list[str] | None = None) -> int:
         }
         declined = 0
         points = 0
+        influxd_rounds: list[dict[str, float | bool]] = []
         for round_index in range(args.rounds):
             for version, tree in versions.items():
-                last = round_index == args.rounds - 1 and version == "after"
-                result = run_child(tree, work / "bodies.pickle", work / "lines" if last else None)
+                first = round_index == 0 and version == "after"
+                result = run_child(tree, work / "bodies.pickle", work / "lines" if first else None)
                 points = result["points"]
                 declined += result.get("declined", 0) if version == "after" else 0
                 for stage in STAGES:
                     figures[version][stage].append(result["us_per_point"][stage])
-        influxd = influxd_cpu(work / "lines", points // args.windows)
+            # influxd's own CPU varies from run to run (~12-18 us per point here): measured
+            # in every round, between the bridge's, and the ratios taken per round
+            influxd_rounds.append(influxd_cpu(work / "lines", points // args.windows))
 
     size = sum(len(body) for body in bodies) / len(bodies)
     print(
@@ -286,19 +303,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'stage (us/point)':28}{header}")
     for stage in STAGES:
         print(f"  {stage:26}" + "".join(f"{spread(figures[v][stage]):>22}" for v in versions))
-    print(f"  influxd, first window (creates the series)   {influxd['create']:6.2f} us/point")
-    print(f"  influxd, later windows: write                {influxd['write']:6.2f} us/point")
+
+    def influxd(key: str) -> list[float]:
+        return [float(figures[key]) for figures in influxd_rounds]
+
+    unsettled = sum(not figures["settled"] for figures in influxd_rounds)
+    print(f"  influxd, first window (creates the series)  {spread(list(influxd('create')))}")
+    print(f"  influxd, later windows: write               {spread(list(influxd('write')))}")
     print(
-        f"  influxd, later windows: write + compaction   {influxd['total']:6.2f} us/point"
-        f"{'' if influxd['settled'] else ' (compaction not finished)'}"
+        f"  influxd, later windows: write + compaction  {spread(list(influxd('total')))}"
+        f"{f' (compaction not finished in {unsettled} rounds)' if unsettled else ''}"
     )
-    steady = float(influxd["total"])
+    steady = influxd("total")
     for version in versions:
         for stage in ("intake", "intake, python") if version == "after" else ("intake",):
-            values = [value for value in figures[version][stage] if value is not None]
+            ratios = [
+                value / total
+                for value, total in zip(figures[version][stage], steady, strict=True)
+                if value is not None
+            ]
             print(
                 f"  {version}, {stage}: bridge CPU / influxd's (later windows, write + "
-                f"compaction) = {statistics.median(values) / steady:.2f}x"
+                f"compaction), per round = {statistics.median(ratios):.2f}x "
+                f"({min(ratios):.2f}-{max(ratios):.2f})"
             )
     print(f"  requests the fast path declined (after, all rounds): {declined}")
     return 0

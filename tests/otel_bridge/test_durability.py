@@ -146,9 +146,12 @@ def test_stuck_writer_fails_healthz_and_the_receivers_refuse() -> None:
     with Bridge(writer, flush_interval_s=0.01, stall_timeout_s=0.5) as bridge:
         assert post(bridge.http_url, body(0), PROTOBUF)[0] == 200
         assert wait_until(lambda: healthz(bridge) == 503, timeout_s=10)
+        healthy = "stepwatch_bridge_healthy"  # read at the scrape: no request needed
+        assert bridge.metrics.registry.get_sample_value(healthy) == 0
         assert post(bridge.http_url, body(1), PROTOBUF)[0] == 503
         writer.gate.set()
         assert wait_until(lambda: healthz(bridge) == 200, timeout_s=10)
+        assert bridge.metrics.registry.get_sample_value(healthy) == 1
         assert post(bridge.http_url, body(1), PROTOBUF)[0] == 200
         assert bridge.forwarder.wait_idle(10)
         assert len(writer.lines) == 2 * POINTS_PER_WINDOW

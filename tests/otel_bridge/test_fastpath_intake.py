@@ -189,3 +189,61 @@ def test_http_fast_path_answers_as_before() -> None:
         assert status == 200
         assert wait_until(lambda: writer.lines == _python_lines(body), timeout_s=10)
         assert bridge.intake.fast_path
+
+
+def test_state_gauges_are_read_at_the_scrape() -> None:
+    """Queue depth, spool bytes, series and health are computed when the metrics are
+    collected (not set per request): they follow the spool and the guard between requests."""
+    writer = _Recorder()
+    bridge = Bridge(
+        writer,  # type: ignore[arg-type]
+        grpc_port=None,
+        http_port=0,
+        registry=CollectorRegistry(),
+        clock_unix_nano=lambda: NOW_NS,
+    )
+    registry = bridge.metrics.registry
+
+    def sample(name: str) -> float | None:
+        return registry.get_sample_value(name)  # type: ignore[no-any-return]
+
+    for body in _bodies(4, ranks=2, windows=2, kernels=3):
+        outcome, _ = _ingest(bridge, body)
+        assert outcome.accepted
+    spooled = len(_spooled(bridge))
+    assert spooled > 0
+    assert sample("stepwatch_bridge_queue_depth") == spooled
+    assert sample("stepwatch_bridge_spool_bytes") == bridge.forwarder.spool.size_bytes > 0
+    assert sample("stepwatch_bridge_series") == len(bridge.guard or ()) > 0
+    assert sample("stepwatch_bridge_healthy") == 1
+    with bridge:  # the writer drains the spool: no request in between, the gauges follow
+        assert wait_until(lambda: len(writer.lines) == spooled, timeout_s=10)
+        assert wait_until(lambda: sample("stepwatch_bridge_queue_depth") == 0, timeout_s=10)
+        assert sample("stepwatch_bridge_spool_bytes") == 0
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_silent_series_are_forgotten_after_the_ttl(fast: bool) -> None:
+    """A series is forgotten after series_ttl_s without a point (up to 1/64 of it sooner:
+    its time is refreshed at that granularity, on both paths); a series that keeps coming
+    is never forgotten, however long the job runs."""
+    clock = [1000.0]
+    bridge = _bridge(fast, clock, series_ttl_s=640.0, max_new_series_per_s=None)  # 10 s grain
+    guard = bridge.guard
+    assert guard is not None
+    quiet, busy = _bodies(5, ranks=2, windows=1, kernels=2)  # rank 0 stops, rank 1 goes on
+    assert _ingest(bridge, busy)[0].accepted
+    busy_lines = len(_spooled(bridge))
+    assert _ingest(bridge, quiet)[1] is fast
+    both = len(guard)
+    assert both == len(_spooled(bridge)) and both > busy_lines
+    for _ in range(70):  # 700 s: rank 1 every 10 s, rank 0 silent
+        clock[0] += 10.0
+        assert _ingest(bridge, busy)[0].accepted
+    assert len(guard) == busy_lines  # rank 0's series forgotten, rank 1's all kept
+    clock[0] += 640.0 - 10.0 - 10.0  # rank 1 silent for just under the ttl minus 1/64
+    _ingest(bridge, quiet)
+    assert len(guard) == both  # rank 1 still known; rank 0's series are new again
+    clock[0] += 640.0 + 0.5
+    _ingest(bridge, quiet)
+    assert len(guard) == both - busy_lines  # rank 1 silent for longer than the ttl: gone

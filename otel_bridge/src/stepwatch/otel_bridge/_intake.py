@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -139,6 +138,8 @@ class Intake:
         self.forwarder = forwarder
         self.metrics = metrics
         self.guard = guard
+        if guard is not None:  # read at a scrape, not set per request
+            metrics.series.set_function(lambda: len(guard))
         self.identity = identity
         self.tag_allowlist = frozenset(tag_allowlist)
         self.max_duration_s = max_duration_s
@@ -178,7 +179,6 @@ class Intake:
         rejected = batch.rejected
         if self.guard is not None and points:
             guarded = self.guard.filter(points)
-            self.metrics.series.set(len(self.guard))
             if guarded.throttled:
                 return self._refused(_SERIES_RATE)
             points = guarded.points
@@ -210,24 +210,23 @@ class Intake:
         if batch is None:
             return None
         lines = batch.lines
-        rejected: Counter[str] = Counter(batch.rejected)
+        rejected = dict(batch.rejected)
         if self.guard is not None and lines:
             refused, throttled = self.guard.filter_hashed(
                 batch.hashes, batch.descs_index, batch.descs
             )
-            self.metrics.series.set(len(self.guard))
             if throttled:
                 return self._refused(_SERIES_RATE)
             if refused:
                 skip = set(refused)
                 lines = [line for index, line in enumerate(lines) if index not in skip]
-                rejected[REASON_CARDINALITY] += len(refused)
+                rejected[REASON_CARDINALITY] = rejected.get(REASON_CARDINALITY, 0) + len(refused)
         return self._admit(lines, rejected, batch.dropped_attributes, [])
 
     def _admit(
         self,
         lines: list[str],
-        rejected: Counter[str],
+        rejected: Mapping[str, int],
         dropped_attributes: int,
         pending: list[Pending],
     ) -> Outcome:
