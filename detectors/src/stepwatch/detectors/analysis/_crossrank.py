@@ -149,7 +149,7 @@ def flag_metrics(basis: Basis) -> Metrics:
     if stall_names:
         flags[:, :, tested:] = stall_flags
         effect[:, :, tested:] = stall_effect
-        zmax[:, :, tested:] = np.where(stall_flags, np.nan_to_num(stall_effect), 0.0)
+        np.copyto(zmax[:, :, tested:], np.nan_to_num(stall_effect), where=stall_flags)
     # Gate for every scale: the last few windows must still show the effect, so a long
     # trailing mean cannot keep a finding open after the condition cleared.
     # (A frame of one or two windows has no 3-window scale: the gate is what it has.)
@@ -161,7 +161,11 @@ def flag_metrics(basis: Basis) -> Metrics:
     ]
 
     def test_block(start: int, stop: int) -> None:
-        block = np.stack(values[start:stop], axis=2)
+        # Straight into the test dtype: the same values as stacking, then converting, with
+        # no (W, R, M) float64 intermediate (an exact widening first changes nothing).
+        block = np.empty((frame.n_windows, frame.n_ranks, stop - start), dtype=basis.dtype)
+        for column, series_values in enumerate(values[start:stop]):
+            block[:, :, column] = series_values
         logs = safe_log(block, dtype=basis.dtype)  # silent ranks are NaN already
         del block
         # Each rank against its own group: the groups' structural offsets taken out.
@@ -175,18 +179,28 @@ def flag_metrics(basis: Basis) -> Metrics:
             min_scale=config.min_scale,
             min_ranks=config.min_ranks,
             reference=basis.reference,
+            exact_p_values=False,  # only reject, z and log_effect are used here
         )
         recent = tests[gate_scale].log_effect
+        flags_block = flags[:, :, start:stop]
+        zmax_block = zmax[:, :, start:stop]
         for scale, test in tests.items():
             if scale not in config.scales:
                 continue
+            # A flag needs a BH rejection, which few cells have: the effect conditions are
+            # evaluated on those cells alone instead of on every (window, rank, metric).
+            cells = np.nonzero(test.reject)
+            cell_limit = limit[cells[0], 0, cells[2]]
+            cell_effect = test.log_effect[cells]
+            cell_recent = recent[cells]
             # The last windows must still show at least half of the long-run excess.
-            current = recent >= np.maximum(limit, 0.5 * test.log_effect)
-            hit = test.reject & (test.log_effect >= limit) & current
-            hit = persistent(hit, windows=config.persistence_windows)
-            flags[:, :, start:stop] |= hit
-            target = zmax[:, :, start:stop]
-            np.fmax(target, test.z, out=target, where=hit)
+            current = cell_recent >= np.maximum(cell_limit, 0.5 * cell_effect)
+            kept = (cell_effect >= cell_limit) & current
+            hit = np.zeros(test.reject.shape, dtype=bool)
+            hit[tuple(index[kept] for index in cells)] = True
+            _mark(
+                flags_block, zmax_block, persistent(hit, windows=config.persistence_windows), test.z
+            )
             if scale == 1:
                 effect[:, :, start:stop] = test.log_effect
         single = tests[1]
@@ -196,9 +210,7 @@ def flag_metrics(basis: Basis) -> Metrics:
             q=config.fdr_q,
             min_log_effect=np.maximum(limit, math.log(config.sustained_min_ratio)),
         )
-        flags[:, :, start:stop] |= hit
-        target = zmax[:, :, start:stop]
-        np.fmax(target, single.z, out=target, where=hit)
+        _mark(flags_block, zmax_block, hit, single.z)
 
     # Disjoint metric blocks on worker threads: numpy releases the GIL in the heavy
     # kernels (partition, cumsum, ufuncs), so a big job uses every core it is given.
@@ -213,6 +225,17 @@ def flag_metrics(basis: Basis) -> Metrics:
                 future.result()
     names = (*(item.name for item in series), *stall_names)
     return Metrics(names=names, flags=flags, effect=effect, z=zmax)
+
+
+def _mark(flags: BoolArray, zmax: FloatArray, hit: BoolArray, z: FloatArray) -> None:
+    """Set ``flags`` and raise ``zmax`` to ``z`` (NaN ignored) at the cells ``hit``.
+
+    Flags are sparse: touching only the hit cells of the strided ``(W, R, M)`` slices
+    costs a fraction of a masked pass over every cell.
+    """
+    cells = np.nonzero(hit)
+    flags[cells] = True
+    zmax[cells] = np.fmax(zmax[cells], z[cells])
 
 
 def _stalls(basis: Basis) -> tuple[list[str], BoolArray, FloatArray]:
