@@ -182,3 +182,56 @@ def test_the_run_level_holds_with_misses(misses: int) -> None:
     starts = flags[1:] & ~flags[:-1]
     rate = starts.sum() / starts.shape[0]
     assert 0.2 * q < rate < 1.5 * q, rate
+
+
+def _noisy_block(seed: int, dtype: type) -> np.ndarray:
+    """``(W, R, M)`` log-times with outliers, silent ranks, a silent window and ties."""
+    rng = np.random.default_rng(seed)
+    logs = rng.normal(0.0, 0.02, size=(30, 48, 3)).astype(dtype)
+    logs[10:, 5, 0] += 0.3  # a straggler
+    logs[4, 7:12, 1] += rng.uniform(0.05, 0.2, size=5).astype(dtype)  # a one-window burst
+    logs[:, 9, 2] = np.nan  # a silent rank
+    logs[20, :, :] = np.nan  # a window nobody reports in
+    logs[15, 20:24, 2] = logs[15, 19, 2] + 0.25  # tied outliers
+    return logs
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_candidate_p_values_give_the_same_test(seed: int, dtype: type) -> None:
+    from stepwatch.detectors.stats._stats import multiscale_outliers
+
+    logs = _noisy_block(seed, dtype)
+    for reference in (None, np.arange(0, 48, 2)):
+        kwargs = dict(metric="m", scales=(1, 3), fdr_q=1e-3, reference=reference)
+        exact = multiscale_outliers(logs, **kwargs)  # type: ignore[arg-type]
+        fast = multiscale_outliers(logs, exact_p_values=False, **kwargs)  # type: ignore[arg-type]
+        for scale, test in exact.items():
+            other = fast[scale]
+            assert test.reject.any()
+            for name in ("z", "reject", "log_effect", "dof"):
+                assert np.array_equal(getattr(test, name), getattr(other, name), equal_nan=True)
+            # Exact wherever BH could reject, 1.0 at the other tested cells.
+            assert np.array_equal(np.isnan(test.p_value), np.isnan(other.p_value))
+            differs = np.isfinite(test.p_value) & (test.p_value != other.p_value)
+            assert differs.any()
+            assert (other.p_value[differs] == 1.0).all()
+            assert (test.p_value[differs] > 1e-3).all()
+            # The rejections on the candidates alone are BH's on every p-value.
+            families = np.moveaxis(test.p_value, 1, -1).reshape(-1, logs.shape[1])
+            expected = benjamini_hochberg(families, q=1e-3).reshape(30, 3, 48)
+            assert np.array_equal(test.reject, np.moveaxis(expected, -1, 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.booleans(), min_size=1, max_size=12),
+    st.integers(min_value=1, max_value=5),
+)
+def test_persistent_is_a_run_length(column: list[bool], windows: int) -> None:
+    run, expected = 0, []
+    for flag in column:
+        run = run + 1 if flag else 0
+        expected.append(run >= windows)
+    flags = np.array(column)[:, None]
+    assert persistent(flags, windows=windows)[:, 0].tolist() == expected

@@ -250,13 +250,16 @@ def multiscale_outliers(
     min_ranks: int = 4,
     pool_windows: int = 30,
     reference: npt.NDArray[np.intp] | None = None,
+    exact_p_values: bool = True,
 ) -> dict[int, OutlierTest]:
     """:func:`cross_rank_outliers` at several scales, sharing the per-window centring.
 
     float32 input stays float32 (half the memory traffic for very large jobs).
+    ``exact_p_values=False`` skips the normal CDF on every cell: ``p_value`` is then
+    exact wherever the normal tail is ``<= fdr_q`` (every cell BH can reject) and 1.0 at
+    the other tested cells (NaN where untested, as always); ``z``, ``reject``,
+    ``log_effect`` and ``dof`` are the same either way.
     """
-    from scipy.special import ndtr, stdtr
-
     values = np.asarray(log_values)
     if not np.issubdtype(values.dtype, np.floating):
         values = values.astype(np.float64)
@@ -295,26 +298,7 @@ def multiscale_outliers(
         # count once per ``scale_windows``) keeps small jobs from crying wolf.
         independent = np.maximum(pooled_count / scale_windows, 1.0)
         dof = np.maximum(MAD_EFFICIENCY * (reporting - 1) * independent, 1.0)
-        # The t tail is never lighter than the normal one: only ranks whose normal p-value
-        # is already <= q can be rejected, so the (slow) t CDF is evaluated for those alone.
-        with np.errstate(invalid="ignore"):
-            p_value = ndtr(-z)
-            candidates = np.flatnonzero((p_value <= fdr_q) & np.broadcast_to(enough, z.shape))
-        if candidates.size:
-            dof_full = np.broadcast_to(dof, z.shape).ravel()
-            flat = p_value.ravel()
-            flat[candidates] = stdtr(dof_full[candidates], -z.ravel()[candidates])
-            p_value = flat.reshape(z.shape)
-        p_value = np.where(enough & np.isfinite(z), p_value, np.nan)
-        # One BH family per window (and per metric when a third axis stacks metrics).
-        families = np.moveaxis(p_value, 1, -1)
-        reject = np.moveaxis(
-            benjamini_hochberg(families.reshape(-1, families.shape[-1]), q=fdr_q).reshape(
-                families.shape
-            ),
-            -1,
-            1,
-        )
+        p_value, reject = _tail_test(z, dof, enough, fdr_q, exact_p_values=exact_p_values)
         results[scale_windows] = OutlierTest(
             metric=metric,
             scale_windows=scale_windows,
@@ -325,6 +309,99 @@ def multiscale_outliers(
             dof=dof,
         )
     return results
+
+
+def _tail_test(
+    z: FloatArray,
+    dof: FloatArray,
+    enough: BoolArray,
+    fdr_q: float,
+    *,
+    exact_p_values: bool,
+) -> tuple[FloatArray, BoolArray]:
+    """One-sided p-values of ``z`` and their BH rejections, one family per window and metric.
+
+    Args:
+        z: ``(W, R, ...)`` robust z-scores (NaN: no test).
+        dof: ``(W, 1, ...)`` Student-t degrees of freedom.
+        enough: ``(W, 1, ...)`` the window has enough ranks to test.
+        fdr_q: BH false discovery rate.
+        exact_p_values: compute the p-value of every cell, not only of the candidates.
+
+    Returns:
+        ``p_value`` (NaN where untested; see :func:`multiscale_outliers` for the cells it
+        holds 1.0 at when not exact) and ``reject``, both shaped like ``z``.
+
+    Notes:
+        The t tail is never lighter than the normal one, so only cells whose normal
+        p-value is already ``<= fdr_q`` can be rejected: the (slow) t CDF is evaluated for
+        those alone, and BH sorts only those (:func:`benjamini_hochberg` gives the same
+        rejections on the whole array). Without exact p-values the normal CDF itself is
+        evaluated only above a z well below its ``fdr_q`` quantile (half a unit: far more
+        than any rounding of a monotone CDF), which is a cheap comparison per cell.
+    """
+    from scipy.special import ndtr, ndtri, stdtr
+
+    if not 0 < fdr_q < 1:
+        raise ConfigError(f"q: must be in (0, 1), got {fdr_q}")
+    tested = np.isfinite(z)
+    tested &= enough
+    if exact_p_values:
+        with np.errstate(invalid="ignore"):
+            p_value = ndtr(-z)
+        candidates = np.flatnonzero(tested & (p_value <= fdr_q))
+        candidate_p = p_value.ravel()[candidates]
+        p_value = np.where(tested, p_value, np.nan)
+    else:
+        p_type = np.result_type(z.dtype, np.float32).type
+        p_value = np.where(tested, p_type(1.0), p_type(np.nan))
+        near = float(-ndtri(fdr_q)) - 0.5
+        with np.errstate(invalid="ignore"):
+            nearby = np.flatnonzero(tested & (z >= near))
+        nearby_p = ndtr(-z.ravel()[nearby])
+        keep = nearby_p <= fdr_q
+        candidates, candidate_p = nearby[keep], nearby_p[keep]
+    # Flat index -> (window, rank, trailing metric index); a family is a window and metric.
+    n_ranks = z.shape[1]
+    trailing = z[0, 0].size if z.shape[0] and n_ranks else 1
+    family = (candidates // (n_ranks * trailing)) * trailing + candidates % trailing
+    if candidates.size:
+        candidate_p[...] = stdtr(dof.ravel()[family], -z.ravel()[candidates])
+    flat_p = p_value.reshape(-1)  # p_value is a fresh contiguous array: a view
+    flat_p[candidates] = candidate_p
+    reject = np.zeros(z.shape, dtype=bool)
+    small = candidate_p <= fdr_q
+    if small.any():
+        counts = tested.sum(axis=1).ravel()  # m of each family
+        reject.reshape(-1)[
+            _bh_sorted(candidates[small], family[small], candidate_p[small], counts, fdr_q)
+        ] = True
+    return p_value, reject
+
+
+def _bh_sorted(
+    cells: npt.NDArray[np.intp],
+    family: npt.NDArray[np.intp],
+    p_values: FloatArray,
+    counts: npt.NDArray[np.intp],
+    q: float,
+) -> npt.NDArray[np.intp]:
+    """The rejected ``cells`` of :func:`benjamini_hochberg`, given only its p-values ``<= q``.
+
+    ``cells`` ascend within each family (rank order), ``counts`` is each family's ``m``.
+    """
+    # By family, then p-value, ties by rank: the stable argsort of each row.
+    order = np.lexsort((cells, p_values, family))
+    family, p_sorted = family[order], p_values[order]
+    starts = np.flatnonzero(np.r_[True, family[1:] != family[:-1]])
+    sizes = np.diff(np.r_[starts, family.size])
+    position = np.arange(family.size) - np.repeat(starts, sizes) + 1
+    thresholds = q * position / counts[family]
+    # Step-up: everything up to the last p-value under its threshold is rejected.
+    last = np.zeros(counts.size, dtype=np.intp)
+    np.maximum.at(last, family, np.where(p_sorted <= thresholds, position, 0))
+    rejected: npt.NDArray[np.intp] = cells[order][position <= last[family]]
+    return rejected
 
 
 def sustained_outliers(
@@ -387,14 +464,21 @@ def sustained_outliers(
         np.isinf(dof), _ndtri_upper(alpha), stdtrit(np.minimum(dof, 1e9), 1 - alpha)
     )
     with np.errstate(invalid="ignore"):
-        passed = tested & (test.z >= critical) & (test.log_effect >= min_log_effect)
+        passed = np.greater_equal(test.z, critical)
+        passed &= tested
+        passed &= test.log_effect >= min_log_effect
     if misses == 0:
         return persistent(passed, windows=windows)
-    # Passes among the last ``span`` windows, from a running sum over the window axis.
-    running = np.cumsum(passed, axis=0, dtype=np.int64)
-    shifted = np.zeros_like(running)
-    shifted[span:] = running[:-span]
-    return passed & (running - shifted >= windows)
+    # Passes among the last ``span`` windows, counted at the passing cells only (few):
+    # the same count as a running sum over the window axis, without a full integer array.
+    cells = np.unravel_index(np.flatnonzero(passed), passed.shape)  # np.nonzero, faster
+    count = np.zeros(cells[0].size, dtype=np.int64)
+    for lag in range(span):
+        earlier = cells[0] >= lag
+        count[earlier] += passed[(cells[0][earlier] - lag, *(i[earlier] for i in cells[1:]))]
+    result = np.zeros_like(passed)
+    result[tuple(index[count >= windows] for index in cells)] = True
+    return result
 
 
 def _ndtri_upper(alpha: FloatArray | float) -> FloatArray:
@@ -417,9 +501,10 @@ def _trailing_mean(
     span_counts[:head] = counts[:head]
     np.subtract(sums[head:], sums[: sums.shape[0] - head], out=span_sums[head:])
     np.subtract(counts[head:], counts[: counts.shape[0] - head], out=span_counts[head:])
+    # A span without data is NaN already: its cumulative sums only added exact zeros, so
+    # its sum is exactly 0 and 0 / 0 is NaN.
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = np.divide(span_sums, span_counts, out=span_sums)
-    mean[span_counts == 0] = np.nan
     return mean.astype(values.dtype, copy=False)
 
 
@@ -438,11 +523,12 @@ def persistent(flags: BoolArray, *, windows: int) -> BoolArray:
     """``True`` at ``w`` when ``flags`` held at ``w`` and the ``windows - 1`` windows before."""
     if windows <= 1:
         return flags.copy()
-    run = np.zeros(flags.shape[1:], dtype=np.int64)
-    result = np.zeros(flags.shape, dtype=bool)
-    for index in range(flags.shape[0]):
-        run = np.where(flags[index], run + 1, 0)
-        result[index] = run >= windows
+    # A run of ``windows`` ending at ``w``: ``flags`` at ``w`` and at each of the
+    # ``windows - 1`` windows before (none before the first window).
+    result = flags.copy()
+    result[: windows - 1] = False
+    for lag in range(1, min(windows, flags.shape[0])):
+        result[lag:] &= flags[:-lag]
     return result
 
 
