@@ -89,8 +89,9 @@ class _Unsent:
         pass
 
 
-def child(bodies_path: str, lines_path: str) -> None:
-    """Time each stage on the bodies with the stepwatch found on sys.path; print JSON."""
+def child(bodies_path: str, lines_path: str, stages_text: str) -> None:
+    """Time each stage (of ``stages_text``, comma-separated) on the bodies with the stepwatch
+    found on sys.path; print JSON."""
     from stepwatch.otel_bridge import Bridge
     from stepwatch.otel_bridge._cardinality import CardinalityGuard
     from stepwatch.otel_bridge._convert import TAG_ALLOWLIST, convert_to_points
@@ -104,9 +105,10 @@ def child(bodies_path: str, lines_path: str) -> None:
             max_bytes=1 << 24,
         )  # fmt: skip
 
-    requests = [decode(body) for body in bodies]
+    wanted = set(stages_text.split(","))
+    python_stages = wanted & {"decode", "convert", "guard", "encode"}
+    requests = [decode(body) for body in bodies] if python_stages or lines_path else []
     batches = [convert_to_points(request) for request in requests]
-    points = sum(len(batch.points) for batch in batches)
     guard = CardinalityGuard(max_new_series_per_s=None)
 
     def bridge(**options: Any) -> Any:
@@ -117,6 +119,18 @@ def child(bodies_path: str, lines_path: str) -> None:
 
     intake = bridge().intake  # the defaults
     fast = getattr(intake, "fast_path", False)
+    if batches:
+        points = sum(len(batch.points) for batch in batches)
+    else:  # only the fast path's stages: count its lines
+        from stepwatch.otel_bridge import _fast
+
+        points = sum(
+            len(_fast.convert(
+                gunzip(body, max_bytes=1 << 24), tag_allowlist=TAG_ALLOWLIST,
+                max_duration_s=86_400.0, time_bounds_unix_nano=None, resource_check=None,
+            ).lines)  # type: ignore[union-attr]
+            for body in bodies
+        )  # fmt: skip
     python = bridge(fast_path=False).intake if fast else intake
     declined = [0]
 
@@ -161,7 +175,7 @@ def child(bodies_path: str, lines_path: str) -> None:
     }
     result: dict[str, float | None] = {}
     for name, run in stages.items():
-        if run is None:
+        if run is None or name not in wanted:
             result[name] = None
             continue
         run()  # warm-up: caches, known series, the interpreter's specialisation
@@ -196,11 +210,11 @@ def source_tree(rev: str, directory: Path) -> Path:
     return directory
 
 
-def run_child(tree: Path, bodies: Path, lines: Path | None) -> dict[str, Any]:
+def run_child(tree: Path, bodies: Path, lines: Path | None, stages: str) -> dict[str, Any]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*(str(tree / s) for s in SOURCES), str(REPO)])
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(bodies), str(lines or "")],
+        [sys.executable, __file__, "--child", str(bodies), str(lines or ""), stages],
         env=env, check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
     return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -261,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved runs per version")
     parser.add_argument("--baseline-rev", default="", help="git rev measured as 'before'")
     parser.add_argument("--seed", type=int, default=15)
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--stages",
+        default=",".join(STAGES),
+        help="comma-separated stages to time (default all; 'fast convert,intake' for big runs)",
+    )
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child(*args.child)
@@ -284,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         for round_index in range(args.rounds):
             for version, tree in versions.items():
                 first = round_index == 0 and version == "after"
-                result = run_child(tree, work / "bodies.pickle", work / "lines" if first else None)
+                lines = work / "lines" if first else None
+                result = run_child(tree, work / "bodies.pickle", lines, args.stages)
                 points = result["points"]
                 declined += result.get("declined", 0) if version == "after" else 0
                 for stage in STAGES:
@@ -322,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                 for value, total in zip(figures[version][stage], steady, strict=True)
                 if value is not None
             ]
+            if not ratios:
+                continue
             print(
                 f"  {version}, {stage}: bridge CPU / influxd's (later windows, write + "
                 f"compaction), per round = {statistics.median(ratios):.2f}x "

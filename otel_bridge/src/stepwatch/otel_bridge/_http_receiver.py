@@ -15,7 +15,6 @@ request takes a slot only once its body is read, so slow clients cannot starve f
 
 from __future__ import annotations
 
-import email.message
 import logging
 import os
 import ssl
@@ -32,7 +31,12 @@ from stepwatch.otel_bridge._decode import (
     media_type,
     parse_protobuf,
 )
-from stepwatch.otel_bridge._http_server import AsyncHttpServer, HttpRequest, HttpResponse
+from stepwatch.otel_bridge._http_server import (
+    AsyncHttpServer,
+    Headers,
+    HttpRequest,
+    HttpResponse,
+)
 from stepwatch.otel_bridge._intake import Outcome, ReceiverContext
 
 _log = logging.getLogger("stepwatch.otel_bridge")
@@ -146,7 +150,7 @@ class HttpReceiver:
             headers["WWW-Authenticate"] = 'Bearer realm="stepwatch"'
         return HttpResponse(status, headers, body, close)
 
-    def _early(self, method: str, path: str, headers: email.message.Message) -> HttpResponse | int:
+    def _early(self, method: str, path: str, headers: Headers) -> HttpResponse | int:
         """Refuse what can be refused before the body is read; else the body's length."""
         path = path.split("?", 1)[0]
         json_body = media_type(headers.get("Content-Type")) == JSON
@@ -156,7 +160,7 @@ class HttpReceiver:
             return self._fail(404, f"no such endpoint {path[:100]!r}", json_body=json_body)
         if not self.context.intake.authorized(headers.get("Authorization")):
             return self._fail(401, "missing or wrong bearer token", json_body=json_body)
-        if headers.get("Transfer-Encoding", "").lower() == "chunked":
+        if (headers.get("Transfer-Encoding") or "").lower() == "chunked":
             return self._fail(411, "chunked bodies are not accepted", json_body=json_body)
         try:
             length = int(headers.get("Content-Length", ""))

@@ -20,27 +20,78 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.message
-import http.client
-import io
 import logging
+import re
 import socket
 import ssl
 import threading
 from collections.abc import Callable
 from concurrent import futures
 from http import HTTPStatus
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 from stepwatch.core._errors import ServerStartError
 
 _log = logging.getLogger("stepwatch.otel_bridge")
 
 
+MAX_HEADERS = 100  # as http.client
+
+
+class Headers:
+    """A request's header fields: ``get`` by case-insensitive name; the first of repeated
+    fields (a repeated ``Content-Length`` that differs is refused when parsed)."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, fields: dict[str, str]) -> None:
+        self._fields = fields
+
+    @overload
+    def get(self, name: str) -> str | None: ...
+    @overload
+    def get(self, name: str, default: str) -> str: ...
+    def get(self, name: str, default: str | None = None) -> str | None:
+        return self._fields.get(name.lower(), default)
+
+
+# RFC 9110 5.1: a field name is a token
+_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+
+
+def parse_headers(block: bytes) -> Headers:
+    """The header fields of a request head (after its request line), RFC 9112 section 5.
+
+    Raises:
+        _Refused: 400 for a malformed field, obsolete line folding or conflicting
+            Content-Length fields; 431 for more than ``MAX_HEADERS`` fields.
+    """
+    fields: dict[str, str] = {}
+    for count, raw in enumerate(block.split(b"\n"), 1):
+        line = raw[:-1] if raw.endswith(b"\r") else raw
+        if not line:
+            break  # the blank line that ends the head
+        if line[:1] in (b" ", b"\t"):
+            raise _Refused(400, "bad headers: obsolete line folding")
+        if count > MAX_HEADERS:
+            raise _Refused(431, "too many headers")
+        name, colon, value = line.decode("latin-1").partition(":")
+        if not colon or not _FIELD_NAME.match(name):
+            raise _Refused(400, "bad headers")
+        key = name.lower()
+        value = value.strip(" \t")
+        known = fields.get(key)
+        if known is None:
+            fields[key] = value
+        elif key == "content-length" and known != value:
+            raise _Refused(400, "bad headers: conflicting Content-Length")
+    return Headers(fields)
+
+
 class HttpRequest(NamedTuple):
     method: str
     path: str
-    headers: email.message.Message  # case-insensitive ``get``
+    headers: Headers  # case-insensitive ``get``
     body: bytes
 
 
@@ -52,7 +103,7 @@ class HttpResponse(NamedTuple):
 
 
 Handler = Callable[[HttpRequest], HttpResponse]
-EarlyCheck = Callable[[str, str, email.message.Message], "HttpResponse | int"]
+EarlyCheck = Callable[[str, str, Headers], "HttpResponse | int"]
 """Before the body is read: a response to refuse with, or the body's length to read."""
 Busy = Callable[[HttpRequest], HttpResponse]
 
@@ -206,8 +257,9 @@ class AsyncHttpServer:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bool:
         """Read, handle and answer one request; False: close the connection."""
-        try:
-            first = await asyncio.wait_for(reader.read(1), self.idle_timeout_s)
+        try:  # asyncio.timeout, not wait_for: no task per request
+            async with asyncio.timeout(self.idle_timeout_s):
+                first = await reader.read(1)
         except TimeoutError:
             return False
         if not first:
@@ -258,7 +310,7 @@ class AsyncHttpServer:
 
     async def _read_head(
         self, first: bytes, reader: asyncio.StreamReader
-    ) -> tuple[str, str, str, email.message.Message]:
+    ) -> tuple[str, str, str, Headers]:
         try:
             head = first + await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError as exc:
@@ -270,10 +322,7 @@ class AsyncHttpServer:
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
             raise _Refused(400, "malformed request line")
         method, path, version = parts
-        try:
-            headers = http.client.parse_headers(io.BytesIO(rest))
-        except (http.client.HTTPException, ValueError) as exc:
-            raise _Refused(431 if "header" in str(exc).lower() else 400, "bad headers") from exc
+        headers = parse_headers(rest)  # http.client's (an email parser) took ~30 us a request
         if method not in ("GET", "HEAD", "POST"):
             raise _Refused(501, f"unsupported method {method[:20]}")
         return method, path, version, headers
@@ -290,14 +339,15 @@ class AsyncHttpServer:
         data = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1")
         writer.write(data if method == "HEAD" else data + response.body)
         with contextlib.suppress(ConnectionError, TimeoutError):
-            await asyncio.wait_for(writer.drain(), self.request_timeout_s)
+            async with asyncio.timeout(self.request_timeout_s):
+                await writer.drain()
 
 
 _KNOWN = {status.value for status in HTTPStatus}
 
 
-def _keep_alive(version: str, headers: email.message.Message) -> bool:
-    connection = headers.get("Connection", "").lower()
+def _keep_alive(version: str, headers: Headers) -> bool:
+    connection = (headers.get("Connection") or "").lower()
     if version == "HTTP/1.0":
         return "keep-alive" in connection
     return "close" not in connection
