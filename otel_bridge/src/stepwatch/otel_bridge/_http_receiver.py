@@ -117,6 +117,9 @@ class HttpReceiver:
             idle_timeout_s=self.idle_timeout_s,
             ssl_context=tls_context,
             reuse_port=self.context.reuse_port,
+            # a memory spool never waits: handled on the loop; a disk spool's fsync'd group
+            # commit is waited for in a worker, never on the loop
+            inline=lambda: not self.context.intake.forwarder.spool.durable,
         )
         bound = server.start(host, port)
         self._server = server

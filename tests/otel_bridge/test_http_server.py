@@ -1,14 +1,17 @@
-"""The bridge's HTTP header parsing (RFC 9112 section 5): what it accepts, what it refuses."""
+"""The bridge's HTTP server: header parsing (RFC 9112 section 5), and where requests run."""
 
 from __future__ import annotations
 
 import socket
+import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from stepwatch.otel_bridge import Bridge
+from stepwatch.otel_bridge import Bridge, DiskSpool
 from stepwatch.otel_bridge._http_server import MAX_HEADERS, _Refused, parse_headers
-from tests.otel_bridge.otlp_requests import RecordingWriter
+from tests.otel_bridge.otlp_requests import RecordingWriter, post, window_request
 
 
 def test_fields_are_read_by_case_insensitive_name() -> None:
@@ -71,3 +74,34 @@ def test_a_bad_head_gets_its_status_and_the_bridge_keeps_serving() -> None:
         assert _exchange(port, many).startswith(b"HTTP/1.1 431 ")
         healthy = _exchange(port, b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
         assert healthy.startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_exports_run_on_the_loop_unless_the_spool_waits_for_a_disk(
+    durable: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A memory spool never blocks: its requests are handled on the event loop (no hand-off
+    to a worker and back); a disk spool's fsync'd commit is waited for in a worker."""
+    from stepwatch.otel_bridge._intake import Intake
+
+    threads: list[str] = []
+    ingest_body = Intake.ingest_body
+
+    def recording(self: Intake, body: bytes) -> Any:
+        threads.append(threading.current_thread().name)
+        return ingest_body(self, body)
+
+    monkeypatch.setattr(Intake, "ingest_body", recording)
+    writer = RecordingWriter()
+    options: dict[str, Any] = {}
+    if durable:
+        options["spool"] = DiskSpool(tmp_path, max_bytes=1 << 24, overflow="drop_oldest")
+    with Bridge(writer, grpc_port=None, http_port=0, **options) as bridge:  # type: ignore[arg-type]
+        for window in range(3):
+            body = window_request(job="j", rank=0, world_size=1, window=window)
+            headers = {"Content-Type": "application/x-protobuf"}
+            assert post(bridge.http_url, body.SerializeToString(), headers)[0] == 200
+        assert bridge.forwarder.wait_idle(10)
+    assert len(writer.lines) > 0 and len(threads) == 3
+    expected = "stepwatch-bridge-http_" if durable else "stepwatch-bridge-http-loop"
+    assert all(name.startswith(expected) for name in threads), threads
