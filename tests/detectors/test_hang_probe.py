@@ -88,8 +88,10 @@ class Job:
                     time.sleep(0.002)
                     if self.hold(rank, step) == "data":
                         self.go.wait()
-                with monitor.phase(self.hold(rank, step) or "forward"):
-                    if self.hold(rank, step) in ("eval", "checkpoint"):
+                # read once: a hold set between two reads would block the rank in "forward"
+                held = self.hold(rank, step)
+                with monitor.phase(held or "forward"):
+                    if held in ("eval", "checkpoint"):
                         self.go.wait()
                     time.sleep(0.008)
                 with monitor.phase("communication"):
