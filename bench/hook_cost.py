@@ -10,6 +10,8 @@ Arms (``plain`` is the reference; the others are reported as the difference to i
 
 - ``all``: what ``monitor.instrument(model, optimizer)`` installs by default, with the monitor
   recording the steps (its buffer is drained between blocks, outside the timing);
+- ``all_unsampled``: the same when no step is sampled for phase timing (``phase_sampling``:
+  what an unsampled step costs);
 - ``all@REV`` (``--baseline-rev REV``): the same with ``_auto.py`` as of git ``REV``
   (the state before an optimisation), so that before and after are measured in one run;
 - ``all-X``: ``all`` without component ``X`` (the cost of ``X`` in context is ``all - all-X``);
@@ -103,9 +105,9 @@ def _node_prehook_post(module: Any, args: Any, output: Any) -> None:
 
 
 def _hook_dict_post(module: Any, args: Any, output: Any) -> None:
-    from stepwatch.exporters._auto import _HookDict
+    from stepwatch.exporters._forward import HookDict
 
-    hooks = _HookDict()
+    hooks = HookDict()
     hooks[-1] = _noop_grad
     output._backward_hooks = hooks
     output.grad_fn._register_hook_dict(output)
@@ -194,7 +196,7 @@ class Bench:
 
     def arms(self) -> list[str]:
         components = [c for c in COMPONENTS if c != "last_grad" or self.kind == "ddp"]
-        names = ["plain", "all"]
+        names = ["plain", "all", "all_unsampled"]
         if self.baseline is not None:
             names.append("all@base")
         names += [f"all-{c}" for c in components]
@@ -211,12 +213,18 @@ class Bench:
         from torch.nn.modules.module import register_module_forward_pre_hook
 
         from stepwatch.exporters import _auto
+        from stepwatch.exporters._sampling import PhaseSampler
 
         model, optimizer, monitor = self.model, self.optimizer, self.monitor
         handles: list[Any] = []
         instrumentation: Any = None
         recorder = monitor._recorder
+        sampler = recorder.sampler
         if arm == "all":
+            instrumentation = _install(_auto, recorder, model, optimizer)
+        elif arm == "all_unsampled":
+            # What a step whose phases are not timed costs (_sampling): no step is sampled.
+            recorder.sampler = PhaseSampler(1 << 62)
             instrumentation = _install(_auto, recorder, model, optimizer)
         elif arm == "all@base":
             if self.baseline is None:
@@ -251,6 +259,8 @@ class Bench:
         try:
             yield
         finally:
+            recorder.sampler = sampler
+            recorder.sampled = True
             if instrumentation is not None:
                 instrumentation.remove()
             for handle in handles:
@@ -305,9 +315,9 @@ class _ForwardWrap:
 def _install_components(state: Any, model: Any, optimizer: Any, wanted: set[str]) -> list[Any]:
     handles = []
     if "fwd" in wanted:
-        from stepwatch.exporters import _auto
+        from stepwatch.exporters._forward import time_forward
 
-        handles.append(_auto.time_forward(state, model))
+        handles.append(time_forward(state, model))
     if "opt_pre" in wanted:
         handles.append(optimizer.register_step_pre_hook(state.optimizer_pre))
     if "opt_post" in wanted:

@@ -250,6 +250,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
             endpoint=options["endpoint"],
             export_interval_s=1.0,
             kernel_source=source,
+            phase_sampling=options["phase_sampling"],
         )
         export_thread = monitor._thread
         export_clock = (
@@ -446,6 +447,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
                 "gc": gc_totals,
                 "stats": monitor.stats.__dict__,
                 "duty_cycle": source.duty_cycle._asdict() if source is not None else None,
+                "phase_stride": monitor.phase_sample_stride,
             }
             Path(options["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
             return
@@ -465,6 +467,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
             "on_steps_s": sum(measured["samples"]["on"]),
             "export_cpu_s": export_total_s,
             "gc": gc_totals,
+            "phase_stride": monitor.phase_sample_stride,
         }
         Path(options["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -717,6 +720,11 @@ def main() -> int:
         "process, with a counting writer",
     )
     parser.add_argument("--comm-pairs", type=int, default=30, help="0 skips the comm-hook job")
+    parser.add_argument(
+        "--phase-sampling",
+        default="1",
+        help="StepMonitor(phase_sampling=...): 1 (the default: every step), auto, or a stride",
+    )
     args = parser.parse_args()
     if args.mode in ("collective", "plain-python-hook"):
         args.design = "replicas"
@@ -748,6 +756,11 @@ def main() -> int:
                 "seed": args.seed,
                 "mode": args.mode,
                 "design": args.design,
+                "phase_sampling": (
+                    args.phase_sampling
+                    if args.phase_sampling == "auto"
+                    else int(args.phase_sampling)
+                ),
                 "endpoint": receiver.url,
                 "out_dir": out_dir,
             }
@@ -810,6 +823,8 @@ def main() -> int:
     exported = sum(r["stats"]["steps_exported"] for r in results)
     recorded = sum(r["stats"]["steps_recorded"] for r in results)
     print(f"exported {exported}/{recorded} instrumented steps; sink: {receiver.describe()}")
+    strides = sorted({r["phase_stride"] for r in results})
+    print(f"phase sampling: {args.phase_sampling}; stride at the end {strides} (1: every step)")
     print(f"end: {_load()}")
     return 0
 

@@ -69,8 +69,14 @@ def _gone(seen: HangDemo) -> bool:
     return False
 
 
-def test_a_rank_blocked_in_its_data_phase_is_named_within_30_s(stack: LocalStack) -> None:
-    seen = run_hang_demo(_client(stack), _config(stack, "hang"), progress=lambda _: None)
+@pytest.mark.parametrize("phase_sampling", [1, 1_000_000])
+def test_a_rank_blocked_in_its_data_phase_is_named_within_30_s(
+    stack: LocalStack, phase_sampling: int
+) -> None:
+    # 1_000_000: auto mode times (almost) no step's phases: the waiting ranks are found in
+    # communication from their stacks and the last gradient's mark (``_AutoState._stack_phase``).
+    config = _config(stack, "hang", phase_sampling=phase_sampling)
+    seen = run_hang_demo(_client(stack), config, progress=lambda _: None)
     assert _gone(seen), "a process of the hung job is still alive"
     finding = seen.finding
     assert finding is not None, "no hang found"

@@ -96,6 +96,7 @@ class DemoJobConfig:
     budget, every few hundred to thousands of steps).
     ``onset_file``: where the faulty rank writes the wall time (Unix ns) at which a ``hang``
     or ``freeze`` begins (to time how fast it is found).
+    ``phase_sampling``: ``StepMonitor``'s (1: auto mode times every step's phases).
     """
 
     job_id: str
@@ -113,6 +114,7 @@ class DemoJobConfig:
     collect_kernels: bool = False
     kernel_period_steps: int = DEMO_KERNEL_PERIOD_STEPS
     onset_file: str | None = None
+    phase_sampling: int | str = 1
 
     def __post_init__(self) -> None:
         if self.fault not in FAULT_KINDS:
@@ -263,6 +265,7 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
             protocol=config.protocol,
             export_interval_s=config.export_interval_s,
             kernel_source=_kernel_source(config),
+            phase_sampling=config.phase_sampling,
         )
         # One line instruments forward, backward, optimizer and communication. The link
         # fault is a delay inside one rank's comm hook (passed in: DDP accepts a single one),

@@ -31,6 +31,15 @@ One line, no change to the training loop::
 - step boundary: the end of ``optimizer.step()``, unless the loop uses ``monitor.step()``
   itself, in which case the hooks only add phases to those steps.
 
+Sampling (``StepMonitor(phase_sampling=...)``, ``_sampling``; default: every step): the
+recorder says at each step's start whether its phases are timed (``recorder.sampled``). A step
+that is not runs the forward wrapper's early return (it marks that a forward began), the
+optimizer hooks' check and, in auto steps, the step boundary; its output gets no backward hook
+and the last parameter's dict holds only the C-level mark (``gradient_marks.append``), the
+timing hook being added by a sampled step's forward and taken out at its backward's end. A
+rank stuck in such a step is placed from the training thread's stack (``_stack_phase``).
+Collectives timed by a comm hook are timed every step (DDP calls the hook anyway).
+
 Numerics are untouched: hooks return ``None`` (no gradient or output is replaced) and the
 comm hook returns the inner hook's own tensor.
 
@@ -57,13 +66,21 @@ are served from L3 instead of L2. Hence the least code per step:
 
 from __future__ import annotations
 
-import itertools
+import collections
 import logging
-from typing import Any, Final
+import threading
+from typing import Any
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters._forward import time_forward
+from stepwatch.exporters._forward import (
+    HOOK_KEYS,
+    HookDict,
+    direct_tensor_hooks_work,
+    first_grad_tensor,
+    time_forward,
+)
 from stepwatch.exporters._recorder import StepRecorder
+from stepwatch.exporters._stack import phase_codes, stack_phase
 
 logger = logging.getLogger("stepwatch.exporters")
 
@@ -91,7 +108,12 @@ class Instrumentation:
     def remove(self) -> None:
         """Remove the module and optimizer hooks; the DDP comm hook becomes a pass-through."""
         state = self._state
+        if state.enabled:
+            state.recorder.watchers -= 1
         state.enabled = False
+        parameter_hooks = state.last_parameter_hooks
+        if parameter_hooks is not None:
+            parameter_hooks.pop(state.hook_key, None)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -124,7 +146,7 @@ class _AutoState:
         self.backward_start_ns = 0
         # The pending backward-start hook: the output's hook dict, or a handle (public API).
         self.backward_hooks: dict[int, Any] | None = None
-        self.hook_key = -next(_HOOK_KEYS)
+        self.hook_key = -next(HOOK_KEYS)
         self.backward_handle: Any = None
         self.optimizer_start_ns: int | None = None
         self.data_start_ns: int | None = None
@@ -136,10 +158,21 @@ class _AutoState:
         self.comm_ends_ns: list[int] = []
         self.clock_ns = recorder.clock_ns
         self.last_gradient_ns: int | None = None  # exposed-wait timing (no comm hook)
+        # Exposed-wait timing: the last parameter's post-accumulate-grad hook dict. Every step
+        # it holds ``gradient_marks.append`` (a C call, no Python frame: the export thread reads
+        # whether the last gradient came since the last forward began); a sampled step adds
+        # ``last_gradient`` (the time) from its forward to the end of its backward.
+        self.last_parameter_hooks: dict[Any, Any] | None = None
+        self.gradient_marks: collections.deque[Any] = collections.deque([None], maxlen=1)
+        self._on_last_gradient = self.last_gradient
+        # Where a stack of the training thread is, for a rank stuck in a step whose phases
+        # are not timed (``_sampling``): code object -> phase (set by install_hooks).
+        self.phase_codes: dict[Any, str] = {}
+        self.thread_id = threading.get_ident()
         self._tensor_type = torch.Tensor
         self._grad_enabled = torch.is_grad_enabled
         self._on_backward_start = self.backward_start
-        self._direct_tensor_hooks = _direct_tensor_hooks_work(torch)
+        self._direct_tensor_hooks = direct_tensor_hooks_work(torch)
         self._has_torch_function = torch.overrides.has_torch_function_unary
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _AutoState:
@@ -163,6 +196,9 @@ class _AutoState:
         if not self.enabled:
             return None
         try:
+            recorder = self.recorder
+            if not recorder.sampled and recorder.step_depth > 0:
+                return self._stack_phase()
             open_phases: list[tuple[str, int]] = []
             if self.forward_depth > 0:
                 open_phases.append(("forward", self.forward_start_ns))
@@ -185,26 +221,54 @@ class _AutoState:
         except Exception:
             return None
 
-    def forward_pre(self, module: Any, args: Any) -> None:
+    def _stack_phase(self) -> tuple[str, int] | None:
+        """The phase of a step whose phases are not timed, from the training thread's stack.
+
+        The innermost frame running a known function names it (the model's forward, autograd's
+        backward, the optimizer's step); inside backward, a last gradient already come (the
+        C-level mark its hook leaves) means the rank waits for its collectives:
+        ``communication``. Between the optimizer and the next forward of an auto step:
+        ``data``. The phase's start is not known: the step's start is given (a lower bound of
+        how long it has lasted is what the export thread needs).
+        """
+        recorder = self.recorder
+        since = recorder.step_start_ns
+        phase = stack_phase(self.phase_codes, self.thread_id)
+        if phase is not None:
+            if phase == "backward" and self.gradient_marks[-1] is not None:
+                return ("communication", since)
+            return (phase, since)
+        if self.data_start_ns is not None and not recorder.explicit_steps:
+            return ("data", self.data_start_ns)
+        return None
+
+    def forward_pre(self, module: Any, args: Any) -> bool:
+        """Open the forward phase; False when this step's phases are not timed (sampling)."""
         if not self.enabled:
-            return
+            return False
         try:
             now = self.clock_ns()
             if self.in_backward or self.last_gradient_ns is not None:
                 self._end_backward(now)  # gradient accumulation: the previous micro-batch ended
             recorder = self.recorder
+            if not recorder.explicit_steps and recorder.step_depth == 0:
+                recorder.begin_step(explicit=False, now_ns=now)
+            if not recorder.sampled:
+                self.gradient_marks.append(None)
+                return False
             if not recorder.explicit_steps:
-                if recorder.step_depth == 0:
-                    recorder.begin_step(explicit=False, now_ns=now)
                 data_start = self.data_start_ns
                 if data_start is not None:
-                    recorder.add_phase_ns("data", now - data_start)
+                    recorder.add_sampled_phase_ns("data", now - data_start)
                     self.data_start_ns = None
             self.forward_depth += 1
             if self.forward_depth == 1:
                 self.forward_start_ns = now
+                self.thread_id = threading.get_ident()
+            return True
         except Exception:
             self.recorder.misuse("auto", "auto-mode forward pre-hook failed", exc_info=True)
+            return False
 
     def forward_post(self, module: Any, args: Any, output: Any) -> None:
         if not self.enabled:
@@ -216,13 +280,17 @@ class _AutoState:
                     self.forward_depth = depth - 1
                 return
             self.forward_depth = 0
-            self.recorder.add_phase_ns("forward", self.clock_ns() - self.forward_start_ns)
+            self.recorder.add_sampled_phase_ns("forward", self.clock_ns() - self.forward_start_ns)
             if not self._grad_enabled():
                 return
+            self.gradient_marks.append(None)
+            parameter_hooks = self.last_parameter_hooks
+            if parameter_hooks is not None:  # this step's exposed wait is timed
+                parameter_hooks[self.hook_key] = self._on_last_gradient
             tensor = (
                 output
                 if type(output) is self._tensor_type
-                else _first_grad_tensor(output, self._tensor_type)
+                else first_grad_tensor(output, self._tensor_type)
             )
             if tensor is None or not tensor.requires_grad:
                 return
@@ -235,7 +303,7 @@ class _AutoState:
                 # a leaf output from the previous step) already is.
                 hooks = tensor._backward_hooks
                 if hooks is None:
-                    hooks = _HookDict()
+                    hooks = HookDict()
                     tensor._backward_hooks = hooks
                     node = tensor.grad_fn
                     if node is not None:
@@ -268,20 +336,23 @@ class _AutoState:
         recorder = self.recorder
         if self.in_backward:
             self.in_backward = False
-            recorder.add_phase_ns("backward", now_ns - self.backward_start_ns)
+            recorder.add_sampled_phase_ns("backward", now_ns - self.backward_start_ns)
         last_gradient = self.last_gradient_ns
         if last_gradient is not None:
             self.last_gradient_ns = None
             if now_ns > last_gradient:
-                recorder.add_phase_ns("communication", now_ns - last_gradient)
+                recorder.add_sampled_phase_ns("communication", now_ns - last_gradient)
+        parameter_hooks = self.last_parameter_hooks
+        if parameter_hooks is not None:
+            parameter_hooks.pop(self.hook_key, None)
 
     def last_gradient(self, parameter: Any) -> None:
         # A post-accumulate-grad hook on the parameter whose gradient comes last.
-        if self.enabled:
+        if self.enabled and self.recorder.sampled:
             self.last_gradient_ns = self.clock_ns()
 
     def optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.enabled:
+        if not self.enabled or not self.recorder.sampled:
             return
         try:
             now = self.optimizer_start_ns = self.clock_ns()
@@ -293,12 +364,14 @@ class _AutoState:
     def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.enabled:
             return
+        recorder = self.recorder
+        if not (recorder.sampled or self.comm_starts_ns) and recorder.explicit_steps:
+            return  # a step whose phases are not timed: nothing to add, no boundary to mark
         try:
             now = self.clock_ns()
-            recorder = self.recorder
             start = self.optimizer_start_ns
             if start is not None:
-                recorder.add_phase_ns("optimizer", now - start)
+                recorder.add_sampled_phase_ns("optimizer", now - start)
                 self.optimizer_start_ns = None
             starts = self.comm_starts_ns
             if starts:
@@ -422,51 +495,6 @@ def _union_ns(starts_ns: list[int], ends_ns: list[int]) -> int:
     return total
 
 
-# Keys of stepwatch's hooks in an output's tensor-hook dict, one per instrumentation (several
-# may hook one output); torch keys its hooks by RemovableHandle ids, which count up from 0.
-_HOOK_KEYS: Final = itertools.count(1)
-
-
-class _HookDict(dict[int, Any]):
-    """A tensor's hook dict: a dict that ``torch.utils.hooks.RemovableHandle`` can weakref."""
-
-    __slots__ = ("__weakref__",)
-
-
-def _direct_tensor_hooks_work(torch: Any) -> bool:
-    """Whether a tensor hook registered the way ``_AutoState.forward_post`` does runs (probe).
-
-    The two calls are torch internals (what ``Tensor.register_hook`` itself does); should a
-    torch version change them, the public ``register_hook`` is used instead.
-    """
-    fired: list[Any] = []
-    try:
-        with torch.enable_grad():
-            leaf = torch.ones(1, requires_grad=True)
-            output = leaf * 2.0
-            output._backward_hooks = _HookDict({-1: fired.append})
-            output.grad_fn._register_hook_dict(output)
-            output.sum().backward()
-    except Exception:
-        return False
-    return len(fired) == 1
-
-
-def _first_grad_tensor(output: Any, tensor_type: Any) -> Any:
-    """The first tensor requiring grad in a (nested) forward output, or None."""
-    stack = [output]
-    while stack:
-        item = stack.pop(0)
-        if isinstance(item, tensor_type):
-            if item.requires_grad:
-                return item
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return None
-
-
 def install_hooks(
     recorder: StepRecorder,
     model: Any,
@@ -500,6 +528,8 @@ def install_hooks(
         optimizer.register_step_pre_hook(state.optimizer_pre),
         optimizer.register_step_post_hook(state.optimizer_post),
     ]
+    state.phase_codes = phase_codes(torch, model, optimizer)
+    recorder.watchers += 1
     communication_timed = False
     from torch.nn.parallel import DistributedDataParallel
 
@@ -534,6 +564,11 @@ def install_hooks(
             last = next((p for p in model.parameters() if p.requires_grad), None)
             if last is not None:
                 register: Any = last.register_post_accumulate_grad_hook
-                handles.append(register(state.last_gradient))
+                handles.append(register(state.gradient_marks.append))
+                parameter_hooks = getattr(last, "_post_accumulate_grad_hooks", None)
+                if isinstance(parameter_hooks, dict):
+                    state.last_parameter_hooks = parameter_hooks  # a sampled step adds its hook
+                else:  # torch internals changed: the timing hook stays, timing sampled steps
+                    handles.append(register(state.last_gradient))
                 communication_timed = True
     return Instrumentation(state, handles, communication_timed=communication_timed)

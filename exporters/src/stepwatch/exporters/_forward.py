@@ -7,15 +7,19 @@ before and ``state.forward_post(model, args, output)`` after (also when it raise
 and the hook loops per call: ~10-11 k instructions per step under callgrind with empty hooks,
 whose cache misses cost more on a large model, as its kernels evict that code from L2 between
 calls; docs/exporters.md). The swap adds one Python frame. Module hooks remain the fallback.
+
+Also the output's backward-start hook mechanics ``_auto`` uses: the probe of torch's tensor-hook
+internals, the hook dict and keys, and the output tensor a forward's gradient reaches first.
 """
 
 from __future__ import annotations
 
 import copyreg
 import functools
+import itertools
 import logging
 import types
-from typing import Any
+from typing import Any, Final
 
 logger = logging.getLogger("stepwatch.exporters")
 
@@ -54,7 +58,12 @@ def time_forward(state: Any, model: Any) -> Any:
         swap = None
     if swap is not None:
         return swap
-    pre = model.register_forward_pre_hook(state.forward_pre)
+    forward_pre = state.forward_pre
+
+    def pre_hook(module: Any, args: Any) -> None:
+        forward_pre(module, args)  # its result says whether it timed; a pre-hook returns None
+
+    pre = model.register_forward_pre_hook(pre_hook)
     # always_call: a forward that raises still closes the phase (else it stays open forever).
     post = model.register_forward_hook(state.forward_post, always_call=True)
     return _Handles(pre, post)
@@ -83,12 +92,17 @@ def _swap_class(state: Any, model: Any) -> _ClassSwap | None:
         return None
     target = model
     forward_pre, forward_post = state.forward_pre, state.forward_post
+    recorder, mark = state.recorder, state.gradient_marks.append
 
     @functools.wraps(forward)
     def timed_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self is not target or not state.enabled:
             return forward(self, *args, **kwargs)
-        forward_pre(self, args)
+        if recorder.step_depth and not recorder.sampled and not state.in_backward:
+            mark(None)  # a step whose phases are not timed (_sampling): a forward began
+            return forward(self, *args, **kwargs)
+        if not forward_pre(self, args):
+            return forward(self, *args, **kwargs)
         output = None
         try:
             output = forward(self, *args, **kwargs)
@@ -120,3 +134,48 @@ def _swap_class(state: Any, model: Any) -> _ClassSwap | None:
     timed = metaclass(original.__name__, (original,), namespace)
     object.__setattr__(model, "__class__", timed)
     return _ClassSwap(model, original, timed)
+
+
+# Keys of stepwatch's hooks in an output's tensor-hook dict, one per instrumentation (several
+# may hook one output); torch keys its hooks by RemovableHandle ids, which count up from 0.
+HOOK_KEYS: Final = itertools.count(1)
+
+
+class HookDict(dict[int, Any]):
+    """A tensor's hook dict: a dict that ``torch.utils.hooks.RemovableHandle`` can weakref."""
+
+    __slots__ = ("__weakref__",)
+
+
+def direct_tensor_hooks_work(torch: Any) -> bool:
+    """Whether a tensor hook registered the way ``_AutoState.forward_post`` does runs (probe).
+
+    The two calls are torch internals (what ``Tensor.register_hook`` itself does); should a
+    torch version change them, the public ``register_hook`` is used instead.
+    """
+    fired: list[Any] = []
+    try:
+        with torch.enable_grad():
+            leaf = torch.ones(1, requires_grad=True)
+            output = leaf * 2.0
+            output._backward_hooks = HookDict({-1: fired.append})
+            output.grad_fn._register_hook_dict(output)
+            output.sum().backward()
+    except Exception:
+        return False
+    return len(fired) == 1
+
+
+def first_grad_tensor(output: Any, tensor_type: Any) -> Any:
+    """The first tensor requiring grad in a (nested) forward output, or None."""
+    stack = [output]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, tensor_type):
+            if item.requires_grad:
+                return item
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+    return None

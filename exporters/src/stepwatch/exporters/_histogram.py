@@ -18,7 +18,7 @@ import dataclasses
 import itertools
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 from stepwatch.core._errors import ConfigError
@@ -332,6 +332,34 @@ class ExponentialHistogram:
         finally:
             self._count, self._sum, self._min, self._max = count, total, smallest, largest
             self._zero_count = zero_count
+        return refused
+
+    def record_weighted(self, values: Sequence[float], weights: Sequence[int]) -> int:
+        """Add each value as if recorded ``weight`` times (a sampled step standing for others).
+
+        The same state as :meth:`record` called ``weight`` times per value. Returns how many
+        values were refused (negative, NaN or infinite; their weights are not counted).
+        """
+        refused = 0
+        for value, weight in zip(values, weights, strict=True):
+            if weight <= 0:
+                continue
+            if not (value >= 0.0 and value != _INF):
+                refused += 1
+                continue
+            self._count += weight
+            self._sum += value * weight
+            if value < self._min:
+                self._min = value
+            if value > self._max:
+                self._max = value
+            if value < _MIN_NORMAL:
+                self._zero_count += weight
+                continue
+            index = map_to_index(value, self._scale)
+            if not self._low <= index <= self._high:
+                index = self._widen(index)
+            self._counts[index] = self._counts.get(index, 0) + weight
         return refused
 
     def _downscale(self, change: int) -> None:

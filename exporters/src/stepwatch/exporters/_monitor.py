@@ -47,6 +47,7 @@ from stepwatch.exporters._recorder import (
     SystemClock,
     window_values,
 )
+from stepwatch.exporters._sampling import PhaseSampler
 from stepwatch.exporters._sdk_env import (
     NoHooks,
     NullPhases,
@@ -54,6 +55,7 @@ from stepwatch.exporters._sdk_env import (
     rank_resource,
     sdk_disabled,
 )
+from stepwatch.exporters._stack import where
 from stepwatch.exporters._window import KernelSource, KernelWindow, Progress, WindowBuilder
 
 if TYPE_CHECKING:
@@ -134,6 +136,9 @@ class StepMonitor:
         max_size: Most buckets per histogram.
         histogram_buckets: ``exponential`` (default) or ``explicit`` (bounds a Collector's
             influxdb exporter keeps; docs/storage.md); else ``STEPWATCH_HISTOGRAM_BUCKETS``.
+        phase_sampling: Steps whose phases auto mode times: ``1`` (default) every step,
+            ``"auto"`` steps >= 100 ms apart, ``k`` about 1 in ``k``; each stands for the steps
+            around it (``stepwatch.exporters._sampling``, docs/exporters.md).
         start: Start the export thread now (``False``: call :meth:`export_now` yourself).
 
     Raises:
@@ -170,6 +175,7 @@ class StepMonitor:
         max_scale: int = 5,
         max_size: int = 160,
         histogram_buckets: str | None = None,
+        phase_sampling: int | str = 1,
         start: bool = True,
     ) -> None:
         environ = os.environ
@@ -221,12 +227,15 @@ class StepMonitor:
 
         # Training-thread state: the recorder (handed to auto-mode hooks too). step() and
         # phase() return its contexts with no call in between.
+        self._sampler = PhaseSampler(phase_sampling)  # and the steps waiting for a sampled one:
+        self._unsampled_carry = 0
         self._recorder = StepRecorder(
             clock=self._clock,
             device_timer=self._device_timer,
             kernel_source=kernel_source,
             buffer_steps=buffer_steps,
             log=self._log,
+            sampler=self._sampler,
         )
         self._buffer = self._recorder.buffer
         self._step_context = self._recorder.step_context
@@ -352,21 +361,6 @@ class StepMonitor:
             self.export_now()
         self._final_flush()
 
-    def _where(self, now_ns: int) -> Progress:
-        """Where the rank is now, from what the training thread already recorded."""
-        recorder = self._recorder
-        phase = recorder.open_phase()
-        for instrumentation in self._instrumentations:
-            auto = instrumentation.open_phase()
-            if auto is not None and (phase is None or auto[1] >= phase[1]):
-                phase = auto
-        return Progress(
-            step_index=recorder.step_index,
-            step_elapsed_s=max(now_ns - self._last_progress_ns, 0) * 1e-9,
-            phase=None if phase is None else phase[0],
-            phase_elapsed_s=None if phase is None else max(now_ns - phase[1], 0) * 1e-9,
-        )
-
     def _final_flush(self) -> None:
         """Last export at close: first give the device until the close deadline to finish."""
         timer = self._device_timer
@@ -431,9 +425,17 @@ class StepMonitor:
                 self._log.warning("kernel-drain", "kernel source drain() raised", exc_info=True)
         builder = self._builder
         if records:
-            durations, phases = window_values(records, timer, _YIELD_EVERY_STEPS)
+            durations, phases, weighted, self._unsampled_carry = window_values(
+                records, timer, _YIELD_EVERY_STEPS, self._unsampled_carry
+            )
             last_index = max(record[0] for record in records)
-            builder.add_steps(last_step_index=last_index, durations_s=durations, phases_s=phases)
+            builder.add_steps(
+                last_step_index=last_index,
+                durations_s=durations,
+                phases_s=phases,
+                weighted_phases_s=weighted,
+            )
+            self._sampler.observe(durations)
         if kernels is not None:
             builder.add_kernels(kernels)
         if records:
@@ -445,7 +447,8 @@ class StepMonitor:
         else:
             # No step finished: say where the rank is (a rank stuck in a step still reports).
             now_ns = self._clock.monotonic_ns()
-            builder.set_progress(self._where(now_ns))
+            progress = where(self._recorder, self._instrumentations, now_ns, self._last_progress_ns)
+            builder.set_progress(progress)
             start_unix_nano = self._last_window_end_ns
             end_unix_nano = self._wall_ns(now_ns)
         end_unix_nano = builder.stamp(end_unix_nano, after=self._last_window_end_ns)
@@ -521,6 +524,11 @@ class StepMonitor:
             overflowed=self._builder.overflow_observations,
             rejected=self._builder.rejected_observations,
         )
+
+    @property
+    def phase_sample_stride(self) -> int:
+        """Auto mode times phases on about 1 step in this many (``phase_sampling``)."""
+        return 1 if self._disabled else self._sampler.stride
 
     @property
     def export_interval_s(self) -> float:

@@ -20,6 +20,7 @@ from typing import Any, Final, Protocol
 
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters._device import DeviceTimer
+from stepwatch.exporters._sampling import PhaseSampler, share_out
 from stepwatch.exporters._window import KernelSource
 
 MAX_PHASE_NAME_LENGTH: Final = 64
@@ -27,24 +28,41 @@ MAX_PHASE_NAMES: Final = 256
 
 # Device marks of one step: (step start, step end, phase name -> [(start, end), ...]).
 DeviceMarks = tuple[Any, Any, dict[str, list[tuple[Any, Any]]]]
-# One finished step: (index, start monotonic ns, end monotonic ns, phase name -> ns, device).
-StepRecord = tuple[int, int, int, dict[str, int], DeviceMarks | None]
+# One finished step: (index, start monotonic ns, end monotonic ns, phase name -> ns, device,
+# auto-mode phases). The last is None for a step no auto mode watched, UNSAMPLED for one whose
+# phases it did not time (``_sampling``), else its phase name -> ns (possibly empty).
+StepRecord = tuple[int, int, int, dict[str, int], DeviceMarks | None, dict[str, int] | None]
+UNSAMPLED: Final[dict[str, int]] = {}  # by identity; never written
+
+# Auto-mode phases of a batch of steps: name -> (seconds, weight) of each sampled step.
+WeightedPhases = dict[str, tuple[list[float], list[int]]]
 
 
 def window_values(
-    records: list[StepRecord], timer: DeviceTimer | None, yield_every: int
-) -> tuple[list[float], dict[str, list[float]]]:
+    records: list[StepRecord], timer: DeviceTimer | None, yield_every: int, carry: int = 0
+) -> tuple[list[float], dict[str, list[float]], WeightedPhases, int]:
     """Step durations and per-phase times (seconds) of ``records``, for ``add_steps``.
 
     Device time where a step carries device marks. Sleeps ``0`` every ``yield_every`` steps:
     the export thread releases the GIL now and then, so the training thread (and DDP's
     comm-hook callbacks) never wait a whole switch interval (5 ms) for it.
+
+    Auto-mode phases come back apart, with the weight of each sampled step: the batch's
+    watched steps (plus ``carry``, those of earlier batches without a sampled step) shared out
+    among its sampled ones (``_sampling.share_out``). Returns (durations, phases, weighted
+    auto phases, the new carry).
     """
     durations: list[float] = []
     phases: dict[str, list[float]] = {}
-    for position, (_, start_ns, end_ns, step_phases, device) in enumerate(records):
+    sampled: list[dict[str, int]] = []
+    watched = carry
+    for position, (_, start_ns, end_ns, step_phases, device, auto) in enumerate(records):
         if position % yield_every == yield_every - 1:
             time.sleep(0)
+        if auto is not None:
+            watched += 1
+            if auto is not UNSAMPLED:
+                sampled.append(auto)
         if device is not None and timer is not None:
             durations.append(timer.elapsed_s(device[0], device[1]))
             device_phases = {
@@ -63,7 +81,17 @@ def window_values(
                 if values is None:
                     values = phases[name] = []
                 values.append(ns * 1e-9)
-    return durations, phases
+    if not sampled:
+        return durations, phases, {}, watched
+    weighted: WeightedPhases = {}
+    for auto, weight in zip(sampled, share_out(watched, len(sampled)), strict=True):
+        for name, ns in auto.items():
+            entry = weighted.get(name)
+            if entry is None:
+                entry = weighted[name] = ([], [])
+            entry[0].append(ns * 1e-9)
+            entry[1].append(weight)
+    return durations, phases, weighted, 0
 
 
 def _append(phases: dict[str, list[float]], name: str, seconds: float) -> None:
@@ -175,9 +203,12 @@ class StepRecorder:
     cheap and never raises:
 
     - :meth:`begin_step` / :meth:`end_step` (``explicit=False`` for auto mode, with the time
-      already read from :attr:`clock_ns`), :meth:`add_phase_ns`, :meth:`misuse`;
-    - :attr:`explicit_steps` (the loop marks steps itself with ``monitor.step()``) and
-      :attr:`step_depth` (a step is open when positive): read, never written, by hooks.
+      already read from :attr:`clock_ns`), :meth:`add_phase_ns` (every step),
+      :meth:`add_sampled_phase_ns` (auto mode's phases of a sampled step), :meth:`misuse`;
+    - :attr:`explicit_steps` (the loop marks steps itself with ``monitor.step()``),
+      :attr:`step_depth` (a step is open when positive) and :attr:`sampled` (auto mode times
+      this step's phases): read, never written, by hooks; :attr:`watchers` (auto-mode
+      instrumentations installed) is counted up and down by them.
 
     Args:
         clock: The monitor's clock.
@@ -185,6 +216,7 @@ class StepRecorder:
         kernel_source: Told the index of every finished step, or None.
         buffer_steps: Most finished steps waiting for export; more are dropped and counted.
         log: The monitor's rate-limited log.
+        sampler: Which steps auto mode times phase by phase (default: every step).
 
     Attributes:
         clock: The monitor's clock.
@@ -204,6 +236,7 @@ class StepRecorder:
         kernel_source: KernelSource | None,
         buffer_steps: int,
         log: RateLimitedLog,
+        sampler: PhaseSampler | None = None,
     ) -> None:
         self.clock = clock
         self.clock_ns = fast_monotonic_ns(clock)
@@ -215,6 +248,10 @@ class StepRecorder:
         self.step_context = _StepContext(self)
         self.phase_contexts: dict[str, _PhaseContext] = {}
         self._phases_ns: dict[str, int] = {}
+        self._sampled_ns: dict[str, int] = {}
+        self.sampler = sampler if sampler is not None else PhaseSampler(1)
+        self.sampled = True
+        self.watchers = 0
         self._device_phases: dict[str, list[tuple[Any, Any]]] = {}
         self._step_start_mark: Any = None
         self.step_depth = 0
@@ -254,6 +291,11 @@ class StepRecorder:
         phases = self._phases_ns
         phases[name] = phases.get(name, 0) + elapsed_ns
 
+    def add_sampled_phase_ns(self, name: str, elapsed_ns: int) -> None:
+        """Add ``elapsed_ns`` to auto-mode phase ``name`` of the current (sampled) step."""
+        phases = self._sampled_ns
+        phases[name] = phases.get(name, 0) + elapsed_ns
+
     def begin_step(self, *, explicit: bool, now_ns: int | None = None) -> None:
         """Open a step (``now_ns``: its start, already read from the monitor's clock)."""
         try:
@@ -271,6 +313,8 @@ class StepRecorder:
                 self.misuse("nested-step", "step() entered inside a step; inner step ignored")
                 return
             self._step_start_ns = self.clock.monotonic_ns() if now_ns is None else now_ns
+            if self.watchers:
+                self.sampled = self.sampler.sampled(self._step_index)
             if self.device_timer is not None:
                 self._step_start_mark = self.device_timer.mark()
         except Exception:
@@ -296,12 +340,19 @@ class StepRecorder:
                 start_mark, self._step_start_mark = self._step_start_mark, None
                 if start_mark is not None:
                     device = (start_mark, self.device_timer.mark(), device_phases)
+            auto: dict[str, int] | None = None
+            if self.watchers:
+                if self.sampled:
+                    auto = self._sampled_ns
+                    self._sampled_ns = {}
+                else:
+                    auto = UNSAMPLED
             index = self._step_index
             self._step_index = index + 1
             self.steps_recorded += 1
             buffer = self.buffer
             if len(buffer) < self._buffer_steps:
-                buffer.append((index, self._step_start_ns, end_ns, phases, device))
+                buffer.append((index, self._step_start_ns, end_ns, phases, device, auto))
             else:
                 self.buffer_dropped += 1
                 self._log.warning(
@@ -312,6 +363,11 @@ class StepRecorder:
                 source.on_step_end(index)
         except Exception:
             self.misuse("step-end", "recording a step failed; step ignored", exc_info=True)
+
+    @property
+    def step_start_ns(self) -> int:
+        """Start (monotonic ns) of the step in progress, or of the last one (any thread)."""
+        return self._step_start_ns
 
     @property
     def step_index(self) -> int:

@@ -362,15 +362,7 @@ class WindowBuilder:
         if self._last_step is None or step_index > self._last_step:
             self._last_step = step_index
         for phase, seconds in phases_s.items():
-            histogram = self._phases.get(phase)
-            if histogram is None:
-                if len(self._phases) >= self._max_phase_series and phase != OTHER:
-                    self._overflow_observations += 1
-                    phase = OTHER
-                    histogram = self._phases.get(phase)
-                if histogram is None:
-                    histogram = self._phases[phase] = self._new_histogram()
-            self._record(histogram, seconds)
+            self._record(self._phase_histogram(phase, 1), seconds)
 
     def add_steps(
         self,
@@ -378,6 +370,7 @@ class WindowBuilder:
         last_step_index: int,
         durations_s: Sequence[float],
         phases_s: Mapping[str, Sequence[float]],
+        weighted_phases_s: Mapping[str, tuple[Sequence[float], Sequence[int]]] | None = None,
     ) -> None:
         """Add many finished steps at once: what :meth:`add_step` on each does, in one pass
         per histogram (:meth:`ExponentialHistogram.record_many`; the export thread's cost).
@@ -386,20 +379,30 @@ class WindowBuilder:
             last_step_index: The largest step index among them.
             durations_s: Wall time of each step.
             phases_s: Phase name → that phase's time in each step it occurred in.
+            weighted_phases_s: Phase name → (time, weight) of each sampled step it occurred
+                in: auto mode's phases, timed on a sample of steps (``_sampling``).
         """
         self.rejected_observations += self._steps.record_many(durations_s)
         if self._last_step is None or last_step_index > self._last_step:
             self._last_step = last_step_index
         for phase, values in phases_s.items():
-            histogram = self._phases.get(phase)
-            if histogram is None:
-                if len(self._phases) >= self._max_phase_series and phase != OTHER:
-                    self._overflow_observations += len(values)
-                    phase = OTHER
-                    histogram = self._phases.get(phase)
-                if histogram is None:
-                    histogram = self._phases[phase] = self._new_histogram()
+            histogram = self._phase_histogram(phase, len(values))
             self.rejected_observations += histogram.record_many(values)
+        for phase, (values, weights) in (weighted_phases_s or {}).items():
+            histogram = self._phase_histogram(phase, sum(weights))
+            self.rejected_observations += histogram.record_weighted(values, weights)
+
+    def _phase_histogram(self, phase: str, observations: int) -> ExponentialHistogram:
+        """The histogram of ``phase``, made on first use (past the cap: ``other``'s)."""
+        histogram = self._phases.get(phase)
+        if histogram is None:
+            if len(self._phases) >= self._max_phase_series and phase != OTHER:
+                self._overflow_observations += observations
+                phase = OTHER
+                histogram = self._phases.get(phase)
+            if histogram is None:
+                histogram = self._phases[phase] = self._new_histogram()
+        return histogram
 
     def add_kernels(self, window: KernelWindow) -> None:
         """Add the kernel executions and device-idle gaps of a drained :class:`KernelWindow`."""
