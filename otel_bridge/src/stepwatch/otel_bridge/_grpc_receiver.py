@@ -51,6 +51,8 @@ class GrpcReceiver:
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self._tls = tls
         self._server: Any = None
+        self._ok: Any = None  # requests{protocol="grpc", code="OK"}, looked up once
+        self._grpc: Any = None  # the grpc module, imported at start
 
     def start(self, address: str) -> int:
         """Listen on ``address`` (``host:port``, IPv6 hosts in brackets); the bound port.
@@ -60,6 +62,8 @@ class GrpcReceiver:
         """
         import grpc
 
+        self._grpc = grpc
+        self._ok = self.context.metrics.requests.labels(protocol="grpc", code="OK")
         handler = grpc.method_handlers_generic_handler(
             GRPC_SERVICE,
             {
@@ -100,13 +104,7 @@ class GrpcReceiver:
             self._server = None
 
     def _export(self, body: bytes, context: Any) -> bytes:
-        import grpc
-        from google.protobuf.message import DecodeError
-        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-            ExportMetricsServiceRequest,
-        )
-
-        intake, metrics = self.context.intake, self.context.metrics
+        grpc, intake, metrics = self._grpc, self.context.intake, self.context.metrics
 
         def fail(code: Any, message: str) -> None:
             metrics.requests.labels(protocol="grpc", code=code.name).inc()
@@ -122,6 +120,11 @@ class GrpcReceiver:
             _log.exception("bridge failed to ingest an OTLP/gRPC request")
             fail(grpc.StatusCode.INTERNAL, "internal error")
         if outcome is None:
+            from google.protobuf.message import DecodeError
+            from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+                ExportMetricsServiceRequest,
+            )
+
             request = ExportMetricsServiceRequest()
             try:
                 request.ParseFromString(body)
@@ -144,8 +147,8 @@ class GrpcReceiver:
                 (("grpc-status-details-bin", self._retry_status(code, outcome.message)),)
             )
             fail(code, outcome.message)
-        metrics.requests.labels(protocol="grpc", code="OK").inc()
-        return bytes(outcome.response().SerializeToString())
+        self._ok.inc()
+        return outcome.response_bytes()
 
     def _retry_status(self, code: Any, message: str) -> bytes:
         """A google.rpc.Status with RetryInfo: makes RESOURCE_EXHAUSTED retryable (OTLP)."""

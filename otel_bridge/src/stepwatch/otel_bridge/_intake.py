@@ -46,6 +46,12 @@ class Outcome(NamedTuple):
     message: str
     unavailable: bool = False  # refused because the bridge cannot store now (503/UNAVAILABLE)
 
+    def response_bytes(self) -> bytes:
+        """:meth:`response` serialized; a full success is the empty message, ``b""``."""
+        if not self.rejected_points:
+            return b""
+        return bytes(self.response().SerializeToString())
+
     def response(self) -> ExportMetricsServiceResponse:
         """The OTLP answer to an accepted request (``partial_success`` when points were refused)."""
         from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
