@@ -340,6 +340,10 @@ class ExponentialHistogram:
         The same state as :meth:`record` called ``weight`` times per value. Returns how many
         values were refused (negative, NaN or infinite; their weights are not counted).
         """
+        if len(values) != len(weights):
+            raise ValueError("values and weights differ in length")
+        if all(weight == 1 for weight in weights):  # every step timed: the fast path
+            return self.record_many(values)
         refused = 0
         for value, weight in zip(values, weights, strict=True):
             if weight <= 0:
