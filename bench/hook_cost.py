@@ -11,7 +11,7 @@ Arms (``plain`` is the reference; the others are reported as the difference to i
 - ``all``: what ``monitor.instrument(model, optimizer)`` installs by default, with the monitor
   recording the steps (its buffer is drained between blocks, outside the timing);
 - ``all_unsampled``: the same when no step is sampled for phase timing (``phase_sampling``:
-  what an unsampled step costs);
+  what an unsampled step costs); ``all_unsampled@base`` with ``--baseline-rev``'s ``_auto.py``;
 - ``all@REV`` (``--baseline-rev REV``): the same with ``_auto.py`` as of git ``REV``
   (the state before an optimisation), so that before and after are measured in one run;
 - ``all-X``: ``all`` without component ``X`` (the cost of ``X`` in context is ``all - all-X``);
@@ -198,7 +198,7 @@ class Bench:
         components = [c for c in COMPONENTS if c != "last_grad" or self.kind == "ddp"]
         names = ["plain", "all", "all_unsampled"]
         if self.baseline is not None:
-            names.append("all@base")
+            names += ["all@base", "all_unsampled@base"]
         names += [f"all-{c}" for c in components]
         names += components
         names += ["fwd_hooks"]
@@ -222,10 +222,13 @@ class Bench:
         sampler = recorder.sampler
         if arm == "all":
             instrumentation = _install(_auto, recorder, model, optimizer)
-        elif arm == "all_unsampled":
+        elif arm in ("all_unsampled", "all_unsampled@base"):
             # What a step whose phases are not timed costs (_sampling): no step is sampled.
             recorder.sampler = PhaseSampler(1 << 62)
-            instrumentation = _install(_auto, recorder, model, optimizer)
+            auto = self.baseline if arm.endswith("@base") else _auto
+            if auto is None:
+                raise RuntimeError("no baseline")
+            instrumentation = _install(auto, recorder, model, optimizer)
         elif arm == "all@base":
             if self.baseline is None:
                 raise RuntimeError("no baseline")
