@@ -10,6 +10,7 @@ pl = pytest.importorskip("pytorch_lightning", reason="the lightning extra is not
 torch = pytest.importorskip("torch")
 
 from stepwatch.exporters import InMemoryExporter  # noqa: E402
+from stepwatch.exporters._sampling import step_hash  # noqa: E402
 from stepwatch.exporters.integrations.lightning import StepwatchCallback  # noqa: E402
 from tests.exporters.integrations.conftest import phase_counts  # noqa: E402
 
@@ -76,3 +77,26 @@ def test_a_bad_setting_never_stops_training(tmp_path: Path) -> None:
     trainer(tmp_path, callback).fit(model, loader())
     assert not torch.equal(before, model.layer.weight)  # it trained
     assert callback.monitor is None
+
+
+def test_phase_sampling_reaches_the_monitor(tmp_path: Path) -> None:
+    exporter = InMemoryExporter()
+    callback = StepwatchCallback(
+        job_id="pl-run", exporter=exporter, export_interval_s=0.05, phase_sampling=4
+    )
+    strides: list[int] = []
+
+    class Probe(pl.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, *args: object) -> None:
+            monitor = callback.monitor
+            strides.append(monitor.phase_sample_stride if monitor is not None else -1)
+
+    run = trainer(tmp_path, callback)
+    run.callbacks.append(Probe())
+    run.fit(TinyModule(), loader())
+    assert strides == [4] * STEPS
+    steps, phases, _ = phase_counts(exporter)
+    assert steps == STEPS
+    # Sampled steps stand for the others: at most every step, at least the sampled ones.
+    sampled = sum(1 for i in range(STEPS) if step_hash(i) % 4 == 0)
+    assert sampled <= phases.get("forward", 0) <= STEPS

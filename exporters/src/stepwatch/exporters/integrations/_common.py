@@ -23,6 +23,7 @@ class MonitorOptions:
     export_interval_s: float | None = None
     exporter: Exporter | None = None
     kernel_source: KernelSource | None = None
+    phase_sampling: int | str = 1
 
 
 class CallbackMonitor:
@@ -64,6 +65,7 @@ class CallbackMonitor:
                 export_interval_s=options.export_interval_s,
                 exporter=options.exporter,
                 kernel_source=options.kernel_source,
+                phase_sampling=options.phase_sampling,
             )
         except Exception:
             logger.exception("stepwatch: could not start the monitor; training goes on without")

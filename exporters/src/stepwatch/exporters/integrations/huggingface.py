@@ -38,6 +38,8 @@ class StepwatchTrainerCallback(TrainerCallback):  # type: ignore[misc]
         export_interval_s: Seconds between exports (else ``OTEL_METRIC_EXPORT_INTERVAL``).
         exporter: Any :class:`~stepwatch.exporters.Exporter` instead of OTLP (tests).
         kernel_source: Kernel events per window (e.g. ``TorchProfilerSource()``).
+        phase_sampling: Which steps auto mode times phase by phase (``StepMonitor``'s: 1,
+            every step, by default; ``"auto"`` steps at least 100 ms apart).
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class StepwatchTrainerCallback(TrainerCallback):  # type: ignore[misc]
         export_interval_s: float | None = None,
         exporter: Exporter | None = None,
         kernel_source: KernelSource | None = None,
+        phase_sampling: int | str = 1,
     ) -> None:
         self._run = CallbackMonitor(
             MonitorOptions(
@@ -58,6 +61,7 @@ class StepwatchTrainerCallback(TrainerCallback):  # type: ignore[misc]
                 export_interval_s=export_interval_s,
                 exporter=exporter,
                 kernel_source=kernel_source,
+                phase_sampling=phase_sampling,
             )
         )
 
