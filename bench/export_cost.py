@@ -18,7 +18,14 @@ lean: its direct protobuf writer, byte-identical), ``compress`` (SDK: ``GzipFile
 lean: zlib level 6) and ``post``, then the whole ``export`` call (encode + compress + POST).
 Also prints the bytes on the wire per compression level.
 
-Usage: ``.venv/bin/python bench/export_cost.py [--windows 300] [--compression gzip]``
+Then the histogram recording itself (``ExponentialHistogram.record_many``/``record_weighted``,
+most of ``add_steps``' and ``add_kernels``' CPU), C loops (``_fasthist``) vs the Python loops,
+side by side in the same run on the same values: 55 step durations (~20 ms), 6 phases (one
+weighted, as auto mode's sampled phases), 20 kernel classes x 200 durations (1 us - 1 ms);
+and the pass over a window's finished steps (``window_values``), C (``_fastrecord``) vs Python.
+
+Usage: ``.venv/bin/python bench/export_cost.py [--windows 300] [--compression gzip]
+[--recording-only]``
 """
 
 from __future__ import annotations
@@ -103,6 +110,103 @@ def _compare(
     )
 
 
+def _recording_values(rng: random.Random) -> tuple[list[list[float]], Any, list[list[float]]]:
+    """A realistic window for the recording comparison: steps and phases, one weighted phase
+    (values, weights), kernel classes."""
+    steps = [0.020 * rng.uniform(0.9, 1.1) for _ in range(55)]
+    phases = [[rng.uniform(0.0005, 0.008) for _ in range(55)] for _ in range(5)]
+    sampled = [rng.uniform(0.0005, 0.008) for _ in range(14)]
+    weighted = (sampled, [rng.choice((3, 4, 5)) for _ in sampled])
+    kernels = [[10 ** rng.uniform(-6.0, -3.0) for _ in range(200)] for _ in range(20)]
+    return [steps, *phases], weighted, kernels
+
+
+def _recording_paths(rng: random.Random, repeat: int) -> None:
+    """C vs Python recording loops on the same window, alternating blocks; prints both."""
+    from stepwatch.exporters import _histogram
+    from stepwatch.exporters._histogram import ExponentialHistogram
+
+    many, (values, weights), kernels = _recording_values(rng)
+
+    def steps_phases() -> None:  # add_steps: 7 histograms (fresh per window, as the builder's)
+        for durations in many:
+            ExponentialHistogram().record_many(durations)
+        ExponentialHistogram().record_weighted(values, weights)
+
+    def kernel_classes() -> None:  # add_kernels: 20 histograms
+        for durations in kernels:
+            ExponentialHistogram().record_many(durations)
+
+    fast = _histogram._fasthist
+    if fast is None:
+        print("histogram recording: the C extension (_fasthist) is not built; nothing to compare")
+        return
+
+    def python_path(call: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            _histogram._fasthist = None
+            try:
+                call()
+            finally:
+                _histogram._fasthist = fast
+
+        return run
+
+    print()
+    print("histogram recording per window, C loops vs Python loops (thread CPU, us; medians of")
+    print("5 alternating blocks)")
+    header = f"{'part':14} {'calls':>5} {'values':>6} {'C us':>8} {'Python us':>9} {'ratio':>6}"
+    print(header)
+    print("-" * len(header))
+    parts = (
+        ("steps+phases", steps_phases, len(many) + 1, sum(map(len, many)) + len(values)),
+        ("kernels", kernel_classes, len(kernels), sum(map(len, kernels))),
+    )
+    for name, call, calls, count in parts:
+        python_cpu, _, c_cpu, _ = _compare(python_path(call), call, repeat)
+        print(
+            f"{name:14} {calls:5} {count:6} {c_cpu:8.1f} {python_cpu:9.1f} "
+            f"{python_cpu / c_cpu:5.1f}x"
+        )
+    print("(per call: divide by calls; identical results: tests/exporters/test_histogram_fast.py)")
+    _step_pass(rng, repeat)
+
+
+def _step_pass(rng: random.Random, repeat: int) -> None:
+    """``window_values`` over 55 finished steps (explicit steps with two phases, auto mode at
+    stride 8): the C pass (``_fastrecord.host_values``) vs the Python loop, side by side."""
+    from stepwatch.exporters import _recorder
+
+    fast = _recorder.FAST_RECORDER
+    if fast is None:
+        print("step pass: the C extension (_fastrecord) is not built; nothing to compare")
+        return
+    records: list[Any] = []
+    now = 10**12
+    for index in range(55):
+        step = int(0.020e9 * rng.uniform(0.9, 1.1))
+        phases = {"data": step // 10, "compute": step // 2}
+        auto = {"forward": step // 3, "backward": step // 2} if index % 8 == 0 else None
+        records.append((index, now, now + step, phases, None, auto or _recorder.UNSAMPLED))
+        now += step
+
+    def c_pass() -> None:
+        _recorder.window_values(records, None, 16, 0)
+
+    def python_pass() -> None:
+        _recorder.FAST_RECORDER = None
+        try:
+            _recorder.window_values(records, None, 16, 0)
+        finally:
+            _recorder.FAST_RECORDER = fast
+
+    python_cpu, _, c_cpu, _ = _compare(python_pass, c_pass, repeat)
+    print(
+        f"{'step pass':14} {1:5} {len(records):6} {c_cpu:8.1f} {python_cpu:9.1f} "
+        f"{python_cpu / c_cpu:5.1f}x   (window_values: 55 steps, 2 phases, auto at stride 8)"
+    )
+
+
 def _sdk_gzip(body: bytes) -> bytes:
     """What the SDK HTTP exporter does for gzip (GzipFile, level 9)."""
     buffer = io.BytesIO()
@@ -115,7 +219,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--windows", type=int, default=300, help="repetitions per figure")
     parser.add_argument("--compression", default="gzip", choices=("none", "gzip", "deflate"))
+    parser.add_argument(
+        "--recording-only", action="store_true", help="only the C vs Python recording figures"
+    )
     args = parser.parse_args()
+    if args.recording_only:
+        _recording_paths(random.Random(20261122), args.windows)
+        return
 
     from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
     from opentelemetry.exporter.otlp.proto.http import Compression
@@ -239,6 +349,7 @@ def main() -> None:
     print("bytes on the wire per window (gzip-N-us: zlib CPU time for that level)")
     for label, by_level in sizes:
         print(f"{label:8} " + ", ".join(f"{key}={value}" for key, value in by_level.items()))
+    _recording_paths(random.Random(20261122), repeat)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,7 @@ class Bench:
             start=False,
         )
         self.baseline = baseline
+        self.explicit = False
         generator = torch.Generator().manual_seed(1)
         shape = (batch, 128) if hidden else (16, 64)
         self.inputs = [torch.randn(*shape, generator=generator) for _ in range(8)]
@@ -210,7 +211,12 @@ class Bench:
 
     @contextlib.contextmanager
     def installed(self, arm: str) -> Iterator[None]:
+        """``arm``'s hooks; a ``+step`` suffix also marks each step with ``monitor.step()``
+        and its input with ``monitor.phase("data")``, as bench/overhead.py's loop does."""
         from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self.explicit = arm.endswith("+step")
+        arm = arm.removesuffix("+step")
 
         from stepwatch.exporters import _auto
         from stepwatch.exporters._sampling import PhaseSampler
@@ -272,20 +278,30 @@ class Bench:
             recorder.step_depth = 0
             recorder._auto_step_open = False
             recorder.explicit_steps = False
+            self.explicit = False
             monitor.export_now()
 
     def run_block(self, steps: int) -> tuple[float, float]:
         """(CPU µs per step, median wall µs per step) of ``steps`` steps."""
-        model, optimizer, inputs = self.model, self.optimizer, self.inputs
+        model, optimizer, inputs, monitor = self.model, self.optimizer, self.inputs, self.monitor
         clock = time.perf_counter_ns
         walls = []
         cpu_start = time.process_time_ns()
         for index in range(steps):
             start = clock()
-            loss = model(inputs[index % len(inputs)]).pow(2).mean()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            if self.explicit:
+                with monitor.step():
+                    with monitor.phase("data"):
+                        batch = inputs[index % len(inputs)]
+                    loss = model(batch).pow(2).mean()
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+            else:
+                loss = model(inputs[index % len(inputs)]).pow(2).mean()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
             walls.append(clock() - start)
         cpu_ns = time.process_time_ns() - cpu_start
         return cpu_ns / steps / 1e3, statistics.median(walls) / 1e3

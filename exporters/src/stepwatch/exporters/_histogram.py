@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
@@ -38,6 +39,24 @@ _log = math.log
 _floor = math.floor
 FLOAT_BITS = 53
 """Significant bits of a float64: rounding to this many changes nothing."""
+
+_SEQUENCES = (list, tuple)  # what the C loops (exporters/csrc/fasthist.c) take
+
+try:
+    from stepwatch.exporters import _fasthist
+except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _fasthist = None  # type: ignore[assignment]
+if os.environ.get("STEPWATCH_EXPORTERS_NO_C", "") not in ("", "0"):  # the C paths turned off
+    _fasthist = None  # type: ignore[assignment]
+if _fasthist is not None and (
+    _fasthist.SCALE_FACTORS != _SCALE_FACTORS
+    or (_fasthist.MIN_NORMAL, _fasthist.BOUNDARY_MARGIN, _fasthist.UPPER_MARGIN)
+    != (_MIN_NORMAL, _BOUNDARY_MARGIN, _UPPER_MARGIN)
+):  # pragma: no cover - a C library whose log() differs from the one math uses
+    _fasthist = None  # type: ignore[assignment]
+AVAILABLE: bool = _fasthist is not None
+"""``record_many`` and ``record_weighted`` run their loops in C (tests set ``_fasthist`` to
+None for the Python loops, which give the same results)."""
 
 _ROUNDERS: dict[str, Callable[[float], int]] = {
     "nearest": round,
@@ -286,6 +305,11 @@ class ExponentialHistogram:
             How many values were refused (not recorded).
         """
         refused = 0
+        if _fasthist is not None and (type(values) is list or type(values) is tuple):
+            refused, done = _fasthist.record_many(self, values)
+            if done == len(values):
+                return refused
+            values = values[done:]  # from a value the C leaves (not a float) on
         count = self._count
         total = self._sum
         smallest = self._min
@@ -342,9 +366,14 @@ class ExponentialHistogram:
         """
         if len(values) != len(weights):
             raise ValueError("values and weights differ in length")
-        if all(weight == 1 for weight in weights):  # every step timed: the fast path
-            return self.record_many(values)
         refused = 0
+        if _fasthist is not None and type(values) in _SEQUENCES and type(weights) in _SEQUENCES:
+            refused, done = _fasthist.record_weighted(self, values, weights)
+            if done == len(values):
+                return refused
+            values, weights = values[done:], weights[done:]  # from a value the C leaves on
+        if all(weight == 1 for weight in weights):  # every step timed: the fast path
+            return refused + self.record_many(values)
         for value, weight in zip(values, weights, strict=True):
             if weight <= 0:
                 continue

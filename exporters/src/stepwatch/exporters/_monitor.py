@@ -1,13 +1,12 @@
 """StepMonitor: step and phase timing on the training thread, OTLP export on a background thread.
 
-The hot path (``step()``, ``phase()``) only reads a monotonic clock and appends one finished-step
-record to a bounded deque: no lock held, no SDK call, no allocation beyond the record. A daemon
-export thread wakes every ``export_interval_s``, takes every whole step finished since the last
-export, aggregates them with :class:`~stepwatch.exporters.WindowBuilder` and hands the window to
-the OTLP exporter. A window that holds no finished step still goes out, carrying where the
-rank is (its step, the phase it is in and for how long), so a rank stuck inside a step is seen.
-Nothing raises into the training loop: misuse and export failures are logged (rate-limited) and
-counted in :attr:`StepMonitor.stats`, where every step and window adds up (``_account``).
+The hot path (``step()``, ``phase()``; in C where built, ``_recorder``) reads a monotonic clock
+and appends one finished-step record to a bounded deque: no lock, no SDK call. A daemon export
+thread wakes every ``export_interval_s``, aggregates the steps finished since the last export
+(:class:`~stepwatch.exporters.WindowBuilder`) and hands the window to the OTLP exporter. A
+window without a finished step still goes out with where the rank is (step, phase, for how
+long), so a rank stuck inside a step is seen. Nothing raises into the training loop: misuse and
+export failures are logged (rate-limited) and counted in :attr:`StepMonitor.stats`.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from stepwatch.exporters._recorder import (
     StepRecord,
     StepRecorder,
     SystemClock,
+    new_recorder,
     window_values,
 )
 from stepwatch.exporters._sampling import PhaseSampler
@@ -225,11 +225,10 @@ class StepMonitor:
         self._wall_anchor_ns = self._clock.time_ns()
         self._log = RateLimitedLog(logger, _LOG_INTERVAL_S)
 
-        # Training-thread state: the recorder (handed to auto-mode hooks too). step() and
-        # phase() return its contexts with no call in between.
+        # Training-thread state: the recorder (handed to auto-mode hooks too), its contexts.
         self._sampler = PhaseSampler(phase_sampling)  # and the steps waiting for a sampled one:
         self._unsampled_carry = 0
-        self._recorder = StepRecorder(
+        self._recorder = new_recorder(
             clock=self._clock,
             device_timer=self._device_timer,
             kernel_source=kernel_source,
@@ -240,6 +239,7 @@ class StepMonitor:
         self._buffer = self._recorder.buffer
         self._step_context = self._recorder.step_context
         self._phase_contexts = self._recorder.phase_contexts
+        vars(self).update(self._recorder.monitor_calls())  # step(), phase() in C where built
 
         # Export-thread state.
         self._export_lock = threading.Lock()
@@ -291,7 +291,7 @@ class StepMonitor:
         A name that is not a non-empty string of at most 64 characters is ignored and counted
         in ``stats.misuse``; more than 256 distinct names fold into ``other``.
         """
-        context = self._phase_contexts.get(name)
+        context = self._phase_contexts.get(name) if type(name) is str else None
         if context is not None:
             return context
         return self._recorder.new_phase_context(name)

@@ -8,12 +8,18 @@ below; the export thread only drains :attr:`StepRecorder.buffer` and reads the c
 The hot path reads a monotonic clock and appends one finished-step record to a deque: no lock,
 no SDK call, no allocation beyond the record. Nothing raises: misuse is logged (rate-limited)
 and counted.
+
+Where the C extension ``_fastrecord`` is built (``exporters/csrc/fastrecord.c``), monitors use
+:data:`FAST_RECORDER`: the same class on a C base that keeps the hot state in a struct and runs
+the step boundary and the ``step()``/``phase()`` contexts without a Python frame; anything
+unusual it hands to this module's Python methods. ``STEPWATCH_EXPORTERS_NO_C=1`` turns it off.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from typing import Any, Final, Protocol
@@ -52,6 +58,28 @@ def window_values(
     among its sampled ones (``_sampling.share_out``). Returns (durations, phases, weighted
     auto phases, the new carry).
     """
+    fast = _fast_host_values(records, carry)
+    if fast is not None:  # steps without device marks, in C (_fastrecord): the same floats
+        durations, phases, sampled, watched = fast
+    else:
+        durations, phases, sampled, watched = _values(records, timer, yield_every, carry)
+    if not sampled:
+        return durations, phases, {}, watched
+    weighted: WeightedPhases = {}
+    for auto, weight in zip(sampled, share_out(watched, len(sampled)), strict=True):
+        for name, ns in auto.items():
+            entry = weighted.get(name)
+            if entry is None:
+                entry = weighted[name] = ([], [])
+            entry[0].append(ns * 1e-9)
+            entry[1].append(weight)
+    return durations, phases, weighted, 0
+
+
+def _values(
+    records: list[StepRecord], timer: DeviceTimer | None, yield_every: int, carry: int
+) -> tuple[list[float], dict[str, list[float]], list[dict[str, int]], int]:
+    """:func:`window_values`' pass over the records in Python (any record)."""
     durations: list[float] = []
     phases: dict[str, list[float]] = {}
     sampled: list[dict[str, int]] = []
@@ -81,17 +109,16 @@ def window_values(
                 if values is None:
                     values = phases[name] = []
                 values.append(ns * 1e-9)
-    if not sampled:
-        return durations, phases, {}, watched
-    weighted: WeightedPhases = {}
-    for auto, weight in zip(sampled, share_out(watched, len(sampled)), strict=True):
-        for name, ns in auto.items():
-            entry = weighted.get(name)
-            if entry is None:
-                entry = weighted[name] = ([], [])
-            entry[0].append(ns * 1e-9)
-            entry[1].append(weight)
-    return durations, phases, weighted, 0
+    return durations, phases, sampled, watched
+
+
+def _fast_host_values(
+    records: list[StepRecord], carry: int
+) -> tuple[list[float], dict[str, list[float]], list[dict[str, int]], int] | None:
+    """The C pass (``_fastrecord.host_values``), or None where it does not take the batch."""
+    if FAST_RECORDER is None or type(records) is not list or type(carry) is not int:
+        return None
+    return _fastrecord.host_values(records, carry)
 
 
 def _append(phases: dict[str, list[float]], name: str, seconds: float) -> None:
@@ -228,6 +255,10 @@ class StepRecorder:
         misuse_count: Calls ignored for bad usage.
     """
 
+    # The contexts' classes (the C recorder's are C types with the same interface).
+    _step_context_type: Callable[[Any], Any] = _StepContext
+    _phase_context_type: Callable[[Any, str], Any] = _PhaseContext
+
     def __init__(
         self,
         *,
@@ -239,13 +270,13 @@ class StepRecorder:
         sampler: PhaseSampler | None = None,
     ) -> None:
         self.clock = clock
-        self.clock_ns = fast_monotonic_ns(clock)
+        self.clock_ns: Callable[[], int] = fast_monotonic_ns(clock)
         self.device_timer = device_timer
         self._kernel_source = kernel_source
         self._log = log
         self.buffer: collections.deque[StepRecord] = collections.deque()
         self._buffer_steps = buffer_steps
-        self.step_context = _StepContext(self)
+        self.step_context: _StepContext = self._step_context_type(self)
         self.phase_contexts: dict[str, _PhaseContext] = {}
         self._phases_ns: dict[str, int] = {}
         self._sampled_ns: dict[str, int] = {}
@@ -280,7 +311,7 @@ class StepRecorder:
                 existing = self.phase_contexts.get(name)
                 if existing is not None:
                     return existing
-            context = _PhaseContext(self, name)
+            context: _PhaseContext = self._phase_context_type(self, name)
             self.phase_contexts[name] = context
             return context
         except Exception:
@@ -390,8 +421,53 @@ class StepRecorder:
         except Exception:  # the training thread changed the dict: no phase this time
             return None
 
+    def monitor_calls(self) -> dict[str, Any]:
+        """C callables a monitor may bind as its ``step`` and ``phase`` (same results as its
+        methods, no Python frame); none from the Python recorder."""
+        return {}
+
     def misuse(self, key: str, message: str, *args: object, exc_info: bool = False) -> None:
         """Count a call ignored for bad usage and log it (rate-limited per ``key``)."""
         self.misuse_count += 1
         with contextlib.suppress(Exception):
             self._log.warning(key, message, *args, exc_info=exc_info)
+
+
+FAST_RECORDER: type[StepRecorder] | None = None
+""":class:`StepRecorder` on the C base ``_fastrecord.RecorderCore``, or None where the extension
+is not built (or ``STEPWATCH_EXPORTERS_NO_C=1``)."""
+
+try:
+    from stepwatch.exporters import _fastrecord
+except ImportError:  # pragma: no cover - built by the package's install; Python otherwise
+    _fastrecord = None  # type: ignore[assignment]
+
+if _fastrecord is not None and os.environ.get("STEPWATCH_EXPORTERS_NO_C", "") in ("", "0"):
+    _fastrecord.configure(
+        StepRecorder.begin_step,
+        StepRecorder.end_step,
+        UNSAMPLED,
+        PhaseSampler,
+        time.perf_counter_ns,
+    )
+
+    class _FastStepRecorder(_fastrecord.RecorderCore, StepRecorder):
+        """:class:`StepRecorder` whose step boundary and contexts run in C (``_fastrecord``)."""
+
+        _step_context_type = _fastrecord.StepContext
+        _phase_context_type = _fastrecord.PhaseContext
+
+        def monitor_calls(self) -> dict[str, Any]:
+            # The C step context returns itself when called; PhaseLookup is phase()'s body.
+            return {
+                "step": self.step_context,
+                "phase": _fastrecord.PhaseLookup(self, self.phase_contexts),
+            }
+
+    FAST_RECORDER = _FastStepRecorder
+
+
+def new_recorder(**kwargs: Any) -> StepRecorder:
+    """A :class:`StepRecorder` (:data:`FAST_RECORDER` where there is one) made with ``kwargs``."""
+    cls = FAST_RECORDER if FAST_RECORDER is not None else StepRecorder
+    return cls(**kwargs)

@@ -1,0 +1,626 @@
+/* stepwatch.exporters._fasthist: ExponentialHistogram.record_many / record_weighted in C.
+ *
+ * The export thread records every step, phase and kernel duration of a window into base-2
+ * exponential histograms (_histogram.py). These two functions run the loops of
+ * ExponentialHistogram.record_many and .record_weighted over a list or tuple of floats and
+ * leave the histogram in exactly the state the Python loops leave it in: the same count,
+ * zero count, bucket counts (same dict, same keys in the same insertion order), occupied range
+ * and scale, and bit-for-bit the same sum, min and max. The arithmetic is the Python code's,
+ * in the same order, on the same doubles: sum by sequential double addition (value * weight
+ * rounded first), log() and floor() of the C library (what math.log and math.floor call), the
+ * same boundary margin and, near a bucket boundary, map_to_index's exact decision (frexp,
+ * pow(2, f) and ldexp, as lower_boundary computes it). Built with -ffp-contract=off, so no
+ * fused multiply-add changes a rounding.
+ *
+ * Growing the occupied range without downscaling is done here (what _widen does then); a
+ * value that needs a downscale calls the histogram's own _widen. Counts are accumulated per
+ * bucket in a small array and written to the dict (in first-touch order) before _widen runs
+ * and at the end. The fields are read and written in the instance dict
+ * (PyObject_GenericGetDict: ExponentialHistogram has no slots or properties for them).
+ *
+ * What the C does not take, it leaves to the Python loop: each function returns
+ * (refused, done), and values[done:] (weights[done:]) still have to be recorded by the Python
+ * code. done stops at the first value that is not an exact float, the first weight that is not
+ * an exact int (record_weighted reads all weights first and does nothing unless they all
+ * are), a weight above 2**40, and done is 0 with nothing recorded when the histogram's state
+ * is not the plain one (a min, max or sum that is not a float after an int was recorded, a
+ * max_size above 65536). So the only exception raised is MemoryError, as in the Python loop.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MIN_SCALE (-10)
+#define MAX_SCALE 20
+#define MAX_SIZE_LIMIT 65536 /* a larger max_size: the Python loop */
+#define STACK_SLOTS 511      /* pending counts on the stack up to max_size 256 */
+#define INDEX_LIMIT (1LL << 40) /* |low|, |high| (a float's index is below 2**31 in size) */
+#define MAX_WEIGHT (1LL << 40)  /* exact as a double; larger weights: the Python loop */
+#define MAX_TOTAL_WEIGHT (1LL << 62)
+
+#define UNSUPPORTED 0
+#define SUPPORTED 1
+#define FAILED (-1)
+
+static double scale_factors[MAX_SCALE + 1]; /* _SCALE_FACTORS: ldexp(1 / log(2), scale) */
+static double boundary_margin;              /* _BOUNDARY_MARGIN */
+static double upper_margin;                 /* _UPPER_MARGIN = 1 - _BOUNDARY_MARGIN */
+
+static PyObject *s_count, *s_sum, *s_min, *s_max, *s_zero_count, *s_counts, *s_scale, *s_low,
+    *s_high, *s_max_size, *s_widen, *s_get;
+
+/* ---- map_to_index, as _histogram.py computes it -------------------------------------------- */
+
+/* Python's ``a >> k`` on a negative int: floor division by 2**k. */
+static long long floor_shift(long long a, int k) {
+    if (a >= 0) return a >> k;
+    return -((-a - 1) >> k) - 1;
+}
+
+static long long floor_div(long long a, long long b) { /* b > 0 */
+    long long q = a / b;
+    if (a % b != 0 && a < 0) q -= 1;
+    return q;
+}
+
+/* lower_boundary(index, scale) for scale > 0: ldexp(2.0 ** (fraction / 2**scale), whole). */
+static double lower_boundary(long long index, int scale) {
+    long long per = 1LL << scale;
+    long long whole = floor_div(index, per);
+    long long fraction = index - whole * per;
+    double root = fraction == 0 ? 1.0 : pow(2.0, (double)fraction / (double)per);
+    if (whole > INT_MAX) return HUGE_VAL;
+    if (whole < INT_MIN) return 0.0;
+    return ldexp(root, (int)whole); /* inf past the float range, as the Python returns */
+}
+
+/* map_to_index(value, scale) for a positive normal value. */
+static long long map_to_index(double value, int scale) {
+    int exponent;
+    double mantissa = frexp(value, &exponent);
+    long long ieee_exponent = (long long)exponent - 1;
+    if (scale <= 0) {
+        long long exact = mantissa == 0.5 ? 1 : 0;
+        return floor_shift(ieee_exponent - exact, -scale);
+    }
+    if (mantissa == 0.5) return ieee_exponent * (1LL << scale) - 1;
+    double position = log(value) * scale_factors[scale];
+    double whole = floor(position);
+    long long index = (long long)whole;
+    double fraction = position - whole;
+    if (boundary_margin < fraction && fraction < upper_margin) return index;
+    if (value <= lower_boundary(index, scale))
+        index -= 1;
+    else if (value > lower_boundary(index + 1, scale))
+        index += 1;
+    return index;
+}
+
+/* ---- the histogram's state --------------------------------------------------------------- */
+
+typedef struct {
+    PyObject *self;
+    PyObject *attrs;  /* strong: self.__dict__, where its fields live (no slots, no properties) */
+    PyObject *counts; /* strong: self._counts */
+    int scale;
+    double factor;                  /* _SCALE_FACTORS[scale], 0.0 at scale <= 0 */
+    long long low, high;            /* the occupied range, as the loop has it */
+    long long self_low, self_high;  /* what self._low, self._high hold */
+    long long max_size;
+    PyObject *count0, *zero0;       /* strong: self._count, self._zero_count at the start */
+    long long dcount, dzero;        /* added to them */
+    double total, smallest, largest, min0, max0;
+    /* Counts not yet in the dict: delta[index - base], slots in first-touch order. */
+    long long *delta;
+    Py_ssize_t *touched;
+    Py_ssize_t ntouched, width;
+    long long base;
+    int have_base;
+} State;
+
+/* self.<name> from the instance dict: a new reference, or NULL (FAILED with an exception
+ * set, else not there: UNSUPPORTED; the Python loop then raises the AttributeError). */
+static PyObject *get_attr(PyObject *attrs, PyObject *name) {
+    PyObject *obj = PyDict_GetItemWithError(attrs, name);
+    Py_XINCREF(obj);
+    return obj;
+}
+
+#define MISSING (PyErr_Occurred() ? FAILED : UNSUPPORTED)
+
+static int read_ll(PyObject *attrs, PyObject *name, long long limit, long long *out) {
+    PyObject *obj = get_attr(attrs, name);
+    if (!obj) return MISSING;
+    int status = UNSUPPORTED;
+    if (PyLong_CheckExact(obj)) {
+        int overflow;
+        long long value = PyLong_AsLongLongAndOverflow(obj, &overflow);
+        if (value == -1 && PyErr_Occurred()) {
+            status = FAILED;
+        } else if (!overflow && value >= -limit && value <= limit) {
+            *out = value;
+            status = SUPPORTED;
+        }
+    }
+    Py_DECREF(obj);
+    return status;
+}
+
+/* The fields that change under _widen: counts, scale, low, high (st unchanged but for
+ * counts unless all four are as the C reads them). */
+static int load_range(State *st) {
+    Py_CLEAR(st->counts);
+    PyObject *counts = get_attr(st->attrs, s_counts);
+    if (!counts) return MISSING;
+    if (!PyDict_CheckExact(counts)) {
+        Py_DECREF(counts);
+        return UNSUPPORTED;
+    }
+    st->counts = counts;
+    long long scale, low, high;
+    int status = read_ll(st->attrs, s_scale, MAX_SCALE, &scale);
+    if (status == SUPPORTED && scale < MIN_SCALE) status = UNSUPPORTED;
+    if (status == SUPPORTED) status = read_ll(st->attrs, s_low, INDEX_LIMIT, &low);
+    if (status == SUPPORTED) status = read_ll(st->attrs, s_high, INDEX_LIMIT, &high);
+    if (status != SUPPORTED) return status;
+    st->scale = (int)scale;
+    st->factor = scale > 0 ? scale_factors[scale] : 0.0;
+    st->low = st->self_low = low;
+    st->high = st->self_high = high;
+    return SUPPORTED;
+}
+
+static int read_float(PyObject *attrs, PyObject *name, double *out) {
+    PyObject *obj = get_attr(attrs, name);
+    if (!obj) return MISSING;
+    int status = UNSUPPORTED;
+    if (PyFloat_CheckExact(obj)) {
+        *out = PyFloat_AS_DOUBLE(obj);
+        status = SUPPORTED;
+    }
+    Py_DECREF(obj);
+    return status;
+}
+
+static int read_int(PyObject *attrs, PyObject *name, PyObject **out) {
+    PyObject *obj = get_attr(attrs, name);
+    if (!obj) return MISSING;
+    if (!PyLong_CheckExact(obj)) {
+        Py_DECREF(obj);
+        return UNSUPPORTED;
+    }
+    *out = obj;
+    return SUPPORTED;
+}
+
+/* Everything record_many reads; SUPPORTED when it is the plain state the C handles. */
+static int load(State *st) {
+    int status;
+    if ((status = load_range(st)) != SUPPORTED) return status;
+    if ((status = read_ll(st->attrs, s_max_size, MAX_SIZE_LIMIT, &st->max_size)) != SUPPORTED)
+        return status;
+    if (st->max_size < 2) return UNSUPPORTED;
+    if ((status = read_int(st->attrs, s_count, &st->count0)) != SUPPORTED) return status;
+    if ((status = read_int(st->attrs, s_zero_count, &st->zero0)) != SUPPORTED) return status;
+    if ((status = read_float(st->attrs, s_sum, &st->total)) != SUPPORTED) return status;
+    if ((status = read_float(st->attrs, s_min, &st->min0)) != SUPPORTED) return status;
+    if ((status = read_float(st->attrs, s_max, &st->max0)) != SUPPORTED) return status;
+    st->smallest = st->min0;
+    st->largest = st->max0;
+    st->width = 2 * st->max_size - 1;
+    return SUPPORTED;
+}
+
+/* counts[index] = counts.get(index, 0) + delta, on the dict (an int value in the common case). */
+static int dict_add(PyObject *counts, long long index, long long delta) {
+    PyObject *key = PyLong_FromLongLong(index);
+    if (!key) return -1;
+    PyObject *old = PyDict_GetItemWithError(counts, key); /* borrowed */
+    PyObject *value = NULL;
+    if (!old) {
+        if (!PyErr_Occurred()) value = PyLong_FromLongLong(delta);
+    } else {
+        int overflow = 1;
+        long long current = 0;
+        if (PyLong_CheckExact(old)) current = PyLong_AsLongLongAndOverflow(old, &overflow);
+        if (!overflow && current <= LLONG_MAX - delta) {
+            value = PyLong_FromLongLong(current + delta);
+        } else {
+            PyErr_Clear(); /* AsLongLong's errors: none for an exact int */
+            PyObject *add = PyLong_FromLongLong(delta);
+            if (add) {
+                value = PyNumber_Add(old, add);
+                Py_DECREF(add);
+            }
+        }
+    }
+    int status = value ? PyDict_SetItem(counts, key, value) : -1;
+    Py_XDECREF(value);
+    Py_DECREF(key);
+    return status;
+}
+
+/* The pending counts into the dict, new keys in the order the loop first met them. */
+static int flush(State *st) {
+    int status = 0;
+    for (Py_ssize_t k = 0; k < st->ntouched; k++) {
+        Py_ssize_t slot = st->touched[k];
+        long long delta = st->delta[slot];
+        st->delta[slot] = 0;
+        if (status == 0 && dict_add(st->counts, st->base + slot, delta) < 0) status = -1;
+    }
+    st->ntouched = 0;
+    st->have_base = 0;
+    return status;
+}
+
+/* counts[index] += weight (pending). Every index between two flushes lies in one occupied
+ * range, less than max_size wide, so 2 * max_size - 1 slots around the first one hold them. */
+static int add(State *st, long long index, long long weight) {
+    long long slot;
+    if (!st->have_base) {
+        st->base = index - (st->max_size - 1);
+        st->have_base = 1;
+    }
+    slot = index - st->base;
+    if (slot < 0 || slot >= st->width) { /* not reached: the range bound above */
+        if (flush(st) < 0) return -1;
+        st->base = index - (st->max_size - 1);
+        st->have_base = 1;
+        slot = st->max_size - 1;
+    }
+    if (st->delta[slot] == 0) st->touched[st->ntouched++] = (Py_ssize_t)slot;
+    st->delta[slot] += weight;
+    return 0;
+}
+
+static int set_ll(PyObject *attrs, PyObject *name, long long value) {
+    PyObject *obj = PyLong_FromLongLong(value);
+    if (!obj) return -1;
+    int status = PyDict_SetItem(attrs, name, obj);
+    Py_DECREF(obj);
+    return status;
+}
+
+static int set_double(PyObject *attrs, PyObject *name, double value) {
+    PyObject *obj = PyFloat_FromDouble(value);
+    if (!obj) return -1;
+    int status = PyDict_SetItem(attrs, name, obj);
+    Py_DECREF(obj);
+    return status;
+}
+
+static int set_sum(PyObject *attrs, PyObject *name, PyObject *start, long long delta) {
+    PyObject *add_obj = PyLong_FromLongLong(delta);
+    if (!add_obj) return -1;
+    PyObject *obj = PyNumber_Add(start, add_obj);
+    Py_DECREF(add_obj);
+    if (!obj) return -1;
+    int status = PyDict_SetItem(attrs, name, obj);
+    Py_DECREF(obj);
+    return status;
+}
+
+static int store_range(State *st) {
+    if (st->low != st->self_low) {
+        if (set_ll(st->attrs, s_low, st->low) < 0) return -1;
+        st->self_low = st->low;
+    }
+    if (st->high != st->self_high) {
+        if (set_ll(st->attrs, s_high, st->high) < 0) return -1;
+        st->self_high = st->high;
+    }
+    return 0;
+}
+
+/* The running state back into the histogram: what record_many's ``finally`` does. Keeps an
+ * exception already set (failed): the state is still written, as the Python loop's is. */
+static int store(State *st, int failed) {
+    PyObject *type = NULL, *value = NULL, *traceback = NULL;
+    if (failed) PyErr_Fetch(&type, &value, &traceback);
+    int status = 0;
+    if (st->counts && flush(st) < 0) status = -1;
+    if (status == 0) status = store_range(st);
+    if (status == 0 && st->dcount) status = set_sum(st->attrs, s_count, st->count0, st->dcount);
+    if (status == 0 && st->dcount) status = set_double(st->attrs, s_sum, st->total);
+    if (status == 0 && memcmp(&st->smallest, &st->min0, sizeof(double)) != 0)
+        status = set_double(st->attrs, s_min, st->smallest);
+    if (status == 0 && memcmp(&st->largest, &st->max0, sizeof(double)) != 0)
+        status = set_double(st->attrs, s_max, st->largest);
+    if (status == 0 && st->dzero) status = set_sum(st->attrs, s_zero_count, st->zero0, st->dzero);
+    if (failed) {
+        if (status < 0) PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
+        return -1;
+    }
+    return status;
+}
+
+/* An index outside [low, high]: _widen's work. Returns SUPPORTED (recorded, go on),
+ * UNSUPPORTED (recorded; the state after _widen is not one the C reads: stop after this value)
+ * or FAILED. */
+static int widen_add(State *st, long long index, long long weight) {
+    if (PyDict_GET_SIZE(st->counts) == 0 && st->ntouched == 0) {
+        st->low = st->high = index;
+        return add(st, index, weight) < 0 ? FAILED : SUPPORTED;
+    }
+    long long low = index < st->low ? index : st->low;
+    long long high = index > st->high ? index : st->high;
+    if (high - low + 1 <= st->max_size) { /* _downscale_needed would return 0 */
+        st->low = low;
+        st->high = high;
+        return add(st, index, weight) < 0 ? FAILED : SUPPORTED;
+    }
+    /* A downscale: the histogram's own _widen, on its up-to-date state. */
+    if (flush(st) < 0 || store_range(st) < 0) return FAILED;
+    PyObject *index_obj = PyLong_FromLongLong(index);
+    if (!index_obj) return FAILED;
+    PyObject *widened = PyObject_CallMethodOneArg(st->self, s_widen, index_obj);
+    Py_DECREF(index_obj);
+    if (!widened) return FAILED;
+    int status = load_range(st);
+    long long new_index = 0;
+    if (status == SUPPORTED && PyLong_CheckExact(widened)) {
+        int overflow;
+        new_index = PyLong_AsLongLongAndOverflow(widened, &overflow);
+        if (overflow || new_index < -INDEX_LIMIT || new_index > INDEX_LIMIT) status = UNSUPPORTED;
+    } else if (status == SUPPORTED) {
+        status = UNSUPPORTED;
+    }
+    if (status == SUPPORTED) {
+        Py_DECREF(widened);
+        return add(st, new_index, weight) < 0 ? FAILED : SUPPORTED;
+    }
+    if (status == UNSUPPORTED) { /* self._counts[index] = self._counts.get(index, 0) + weight */
+        PyObject *counts = PyObject_GetAttr(st->self, s_counts); /* as _widen left it */
+        PyObject *old = NULL, *sum = NULL, *weight_obj = PyLong_FromLongLong(weight);
+        PyObject *zero = PyLong_FromLong(0);
+        if (counts && weight_obj && zero)
+            old = PyObject_CallMethodObjArgs(counts, s_get, widened, zero, NULL);
+        if (old) sum = PyNumber_Add(old, weight_obj);
+        if (!sum || PyObject_SetItem(counts, widened, sum) < 0) status = FAILED;
+        Py_XDECREF(counts);
+        Py_XDECREF(old);
+        Py_XDECREF(sum);
+        Py_XDECREF(weight_obj);
+        Py_XDECREF(zero);
+    }
+    Py_DECREF(widened);
+    return status;
+}
+
+/* ---- the loops -------------------------------------------------------------------------- */
+
+static PyObject *result(Py_ssize_t refused, Py_ssize_t done) {
+    PyObject *a = PyLong_FromSsize_t(refused), *b = PyLong_FromSsize_t(done);
+    PyObject *pair = a && b ? PyTuple_Pack(2, a, b) : NULL;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    return pair;
+}
+
+/* Shared by both functions; weights NULL: record_many (weight 1, the inline index). */
+static PyObject *run(PyObject *self, PyObject *values, PyObject *weights) {
+    State st;
+    memset(&st, 0, sizeof st);
+    st.self = self;
+    long long stack_delta[STACK_SLOTS];
+    Py_ssize_t stack_touched[STACK_SLOTS];
+    PyObject *out = NULL;
+    Py_ssize_t refused = 0, i = 0;
+    int status;
+    st.attrs = PyObject_GenericGetDict(self, NULL);
+    if (!st.attrs) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) goto done;
+        PyErr_Clear(); /* no __dict__: not an ExponentialHistogram the C knows */
+        out = result(0, 0);
+        goto done;
+    }
+    status = load(&st);
+    if (status == FAILED) goto done;
+    if (status == UNSUPPORTED) {
+        out = result(0, 0);
+        goto done;
+    }
+    if (st.width <= STACK_SLOTS) {
+        st.delta = stack_delta;
+        st.touched = stack_touched;
+        memset(stack_delta, 0, (size_t)st.width * sizeof(long long));
+    } else {
+        st.delta = PyMem_Calloc((size_t)st.width, sizeof(long long));
+        st.touched = PyMem_Malloc((size_t)st.width * sizeof(Py_ssize_t));
+        if (!st.delta || !st.touched) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    for (;; i++) {
+        Py_ssize_t size = PySequence_Fast_GET_SIZE(values); /* re-read: _widen runs Python */
+        if (weights && PySequence_Fast_GET_SIZE(weights) < size)
+            size = PySequence_Fast_GET_SIZE(weights);
+        if (i >= size) break;
+        long long weight = 1;
+        if (weights) {
+            PyObject *w = PySequence_Fast_GET_ITEM(weights, i);
+            if (!PyLong_CheckExact(w)) break;
+            int overflow;
+            weight = PyLong_AsLongLongAndOverflow(w, &overflow);
+            if (overflow > 0 || weight > MAX_WEIGHT) break;
+            if (overflow < 0 || weight <= 0) continue; /* ``if weight <= 0: continue`` */
+        }
+        PyObject *item = PySequence_Fast_GET_ITEM(values, i);
+        if (!PyFloat_CheckExact(item)) break;
+        double value = PyFloat_AS_DOUBLE(item);
+        if (!(value >= 0.0 && value != HUGE_VAL)) { /* also NaN */
+            refused++;
+            continue;
+        }
+        if (st.dcount > MAX_TOTAL_WEIGHT - weight) break;
+        st.dcount += weight;
+        if (weights)
+            st.total += value * (double)weight;
+        else
+            st.total += value;
+        if (value < st.smallest) st.smallest = value;
+        if (value > st.largest) st.largest = value;
+        if (value < DBL_MIN) {
+            st.dzero += weight;
+            continue;
+        }
+        long long index;
+        if (weights || st.factor == 0.0) {
+            index = map_to_index(value, st.scale);
+        } else { /* record_many's inline index */
+            double position = log(value) * st.factor;
+            double whole = floor(position);
+            double fraction = position - whole;
+            index = (long long)whole;
+            if (!(boundary_margin < fraction && fraction < upper_margin))
+                index = map_to_index(value, st.scale);
+        }
+        if (st.low <= index && index <= st.high) {
+            if (add(&st, index, weight) < 0) goto failed;
+            continue;
+        }
+        status = widen_add(&st, index, weight);
+        if (status == FAILED) goto failed;
+        if (status == UNSUPPORTED) {
+            i++;
+            break;
+        }
+    }
+    if (store(&st, 0) == 0) out = result(refused, i);
+    goto done;
+failed:
+    store(&st, 1);
+done:
+    if (st.delta && st.delta != stack_delta) PyMem_Free(st.delta);
+    if (st.touched && st.touched != stack_touched) PyMem_Free(st.touched);
+    Py_XDECREF(st.attrs);
+    Py_XDECREF(st.counts);
+    Py_XDECREF(st.count0);
+    Py_XDECREF(st.zero0);
+    return out;
+}
+
+static int is_sequence(PyObject *obj) { return PyList_CheckExact(obj) || PyTuple_CheckExact(obj); }
+
+PyDoc_STRVAR(record_many_doc,
+             "record_many(histogram, values, /) -> (refused, done)\n\n"
+             "ExponentialHistogram.record_many's loop over values[:done] (a list or tuple); "
+             "values[done:] are left to the Python loop.");
+
+static PyObject *fast_record_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "record_many takes 2 arguments");
+        return NULL;
+    }
+    if (!is_sequence(args[1])) return result(0, 0);
+    return run(args[0], args[1], NULL);
+}
+
+PyDoc_STRVAR(record_weighted_doc,
+             "record_weighted(histogram, values, weights, /) -> (refused, done)\n\n"
+             "ExponentialHistogram.record_weighted's loop over values[:done], weights[:done] "
+             "(lists or tuples of equal length, every weight an int); the rest is left to the "
+             "Python loop.");
+
+static PyObject *fast_record_weighted(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "record_weighted takes 3 arguments");
+        return NULL;
+    }
+    PyObject *values = args[1], *weights = args[2];
+    if (!is_sequence(values) || !is_sequence(weights) ||
+        PySequence_Fast_GET_SIZE(values) != PySequence_Fast_GET_SIZE(weights))
+        return result(0, 0);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(weights);
+    for (Py_ssize_t k = 0; k < n; k++) /* the Python's all(weight == 1) needs exact ints */
+        if (!PyLong_CheckExact(PySequence_Fast_GET_ITEM(weights, k))) return result(0, 0);
+    return run(args[0], values, weights);
+}
+
+static PyMethodDef methods[] = {
+    {"record_many", (PyCFunction)(void (*)(void))fast_record_many, METH_FASTCALL,
+     record_many_doc},
+    {"record_weighted", (PyCFunction)(void (*)(void))fast_record_weighted, METH_FASTCALL,
+     record_weighted_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    "stepwatch.exporters._fasthist",
+    "ExponentialHistogram.record_many and record_weighted in C: the Python loops' exact "
+    "results.",
+    -1,
+    methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+static int intern(PyObject **slot, const char *name) {
+    *slot = PyUnicode_InternFromString(name);
+    return *slot ? 0 : -1;
+}
+
+static int add_float(PyObject *m, const char *name, double value) {
+    PyObject *obj = PyFloat_FromDouble(value);
+    if (!obj) return -1;
+    int status = PyModule_AddObjectRef(m, name, obj);
+    Py_DECREF(obj);
+    return status;
+}
+
+PyMODINIT_FUNC PyInit__fasthist(void) {
+    /* The Python module's constants, computed at run time as it computes them (math.log is
+     * the C library's log); _histogram.py compares them with its own before using the C. */
+    volatile double two = 2.0, margin = 1e-5;
+    double inverse_ln2 = 1.0 / log(two);
+    for (int scale = 1; scale <= MAX_SCALE; scale++)
+        scale_factors[scale] = ldexp(inverse_ln2, scale);
+    boundary_margin = margin;
+    upper_margin = 1.0 - boundary_margin;
+    if (intern(&s_count, "_count") < 0 || intern(&s_sum, "_sum") < 0 ||
+        intern(&s_min, "_min") < 0 || intern(&s_max, "_max") < 0 ||
+        intern(&s_zero_count, "_zero_count") < 0 || intern(&s_counts, "_counts") < 0 ||
+        intern(&s_scale, "_scale") < 0 || intern(&s_low, "_low") < 0 ||
+        intern(&s_high, "_high") < 0 || intern(&s_max_size, "_max_size") < 0 ||
+        intern(&s_widen, "_widen") < 0 || intern(&s_get, "get") < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    PyObject *factors = PyDict_New();
+    if (!factors) goto error;
+    for (int scale = 1; scale <= MAX_SCALE; scale++) {
+        PyObject *key = PyLong_FromLong(scale);
+        PyObject *value = PyFloat_FromDouble(scale_factors[scale]);
+        int status = key && value ? PyDict_SetItem(factors, key, value) : -1;
+        Py_XDECREF(key);
+        Py_XDECREF(value);
+        if (status < 0) {
+            Py_DECREF(factors);
+            goto error;
+        }
+    }
+    int added = PyModule_AddObjectRef(m, "SCALE_FACTORS", factors);
+    Py_DECREF(factors);
+    if (added < 0) goto error;
+    if (add_float(m, "BOUNDARY_MARGIN", boundary_margin) < 0 ||
+        add_float(m, "UPPER_MARGIN", upper_margin) < 0 ||
+        add_float(m, "MIN_NORMAL", DBL_MIN) < 0 ||
+        PyModule_AddIntConstant(m, "MIN_SCALE", MIN_SCALE) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_SCALE", MAX_SCALE) < 0)
+        goto error;
+    return m;
+error:
+    Py_DECREF(m);
+    return NULL;
+}

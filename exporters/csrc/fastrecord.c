@@ -1,0 +1,1107 @@
+/* stepwatch.exporters._fastrecord: the training thread's step and phase bookkeeping in C.
+ *
+ * The Python StepRecorder (exporters/src/stepwatch/exporters/_recorder.py) opens and closes
+ * steps and adds phase time on the training thread, between the model's kernels. What costs
+ * there is not the work, a few dict and list operations, but how many Python frames a step
+ * enters: each runs with its code and data evicted from the CPU caches by the model. This
+ * module gives the recorder the same operations without a Python frame:
+ *
+ * - RecorderCore: a base class holding the recorder's hot state in a C struct (the attributes
+ *   keep their Python names, as member descriptors), with begin_step() and end_step() in C;
+ * - StepContext and PhaseContext: the contexts monitor.step() and monitor.phase() return.
+ *
+ * The C code takes the common case only: no device timer, a step not already open (or, at its
+ * end, the outermost one), a buffer with room, a clock that answers with an int. Anything else
+ * (misuse, a device timer, a full buffer, a clock that raises, a sampler that is not a plain
+ * PhaseSampler) is handed, before any state changes, to the Python methods, which log and
+ * count it. So both paths leave the same records and counters; tests run the recorder's suite
+ * on each (tests/exporters/test_fastrecord.py). configure() hands the module what it needs
+ * from Python once at import.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <structmember.h>
+#include <time.h>
+
+/* Set by configure(): the Python slow paths and what the records refer to. */
+static PyObject *py_begin_step;  /* the pure-Python StepRecorder.begin_step */
+static PyObject *py_end_step;    /* the pure-Python StepRecorder.end_step */
+static PyObject *unsampled;      /* _recorder.UNSAMPLED (compared by identity) */
+static PyTypeObject *sampler_type; /* _sampling.PhaseSampler (exact type) */
+static PyObject *perf_counter_ns;  /* time.perf_counter_ns: read with clock_gettime directly */
+
+static PyObject *str_stride, *str_on_step_end, *str_misuse, *str_append, *str_explicit;
+static PyObject *str_now_ns, *str_mark, *str_exc_info, *str_step_end_key, *str_step_end_msg;
+static PyObject *str_clock_key, *str_clock_msg, *kwnames_explicit, *kwnames_explicit_now;
+static PyObject *kwnames_exc_info;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t step_depth;
+    Py_ssize_t watchers;
+    Py_ssize_t buffer_steps;
+    long long step_start_ns;
+    long long step_index;
+    long long steps_recorded;
+    long long buffer_dropped;
+    char sampled;
+    char explicit_steps;
+    char auto_step_open;
+    PyObject *phases_ns;     /* dict: phase name -> ns, the open step's */
+    PyObject *sampled_ns;    /* dict: auto-mode phase name -> ns, the open sampled step's */
+    PyObject *buffer;        /* collections.deque of finished steps */
+    PyObject *sampler;       /* PhaseSampler */
+    PyObject *device_timer;  /* DeviceTimer or None */
+    PyObject *kernel_source; /* KernelSource or None */
+    PyObject *device_phases; /* dict: phase name -> [(start mark, end mark)] */
+    PyObject *clock_ns;      /* callable -> int */
+    PyObject *weakrefs;
+} RecorderCore;
+
+static PyTypeObject RecorderCoreType;
+
+/* ------------------------------------------------------------------ helpers */
+
+/* The clock's reading, or -1 with no exception set when it cannot be used here (the caller
+ * then takes the Python path, which reads the clock again and reports what went wrong). */
+/* time.perf_counter_ns() on Linux: CLOCK_MONOTONIC in ns, as CPython 3.11 reads it
+ * (tests/exporters/test_fastrecord.py checks the two agree). */
+static int monotonic_ns(long long *now) {
+#if defined(__linux__)
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0) {
+        *now = (long long)ts.tv_sec * 1000000000LL + (long long)ts.tv_nsec;
+        return 0;
+    }
+#endif
+    (void)now;
+    return -1;
+}
+
+static int call_clock(PyObject *clock, long long *now) {
+#if defined(__linux__)
+    if (clock == perf_counter_ns && monotonic_ns(now) == 0) {
+        return 0;
+    }
+#endif
+    PyObject *value = PyObject_CallNoArgs(clock);
+    if (value == NULL) {
+        return -1;
+    }
+    int overflow = 0;
+    long long result = PyLong_Check(value) ? PyLong_AsLongLongAndOverflow(value, &overflow) : -1;
+    int usable = PyLong_Check(value) && !overflow && !(result == -1 && PyErr_Occurred());
+    Py_DECREF(value);
+    if (!usable) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "the clock did not answer with an int64");
+        }
+        return -1;
+    }
+    *now = result;
+    return 0;
+}
+
+static int read_clock(RecorderCore *self, long long *now) {
+    if (self->clock_ns == NULL) {
+        return -1;
+    }
+    if (call_clock(self->clock_ns, now) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
+/* now_ns argument: NULL or None -> read the clock; an int in range -> it. -1: Python path. */
+static int resolve_now(RecorderCore *self, PyObject *now_ns, long long *now) {
+    if (now_ns == NULL || now_ns == Py_None) {
+        return read_clock(self, now);
+    }
+    if (!PyLong_CheckExact(now_ns)) {
+        return -1;
+    }
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(now_ns, &overflow);
+    if (overflow || (value == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    *now = value;
+    return 0;
+}
+
+static uint64_t step_hash(uint64_t index) {
+    /* _sampling.step_hash: splitmix64's finaliser, modulo 2**64. */
+    uint64_t z = index + 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* Whether the step about to open is sampled: 1/0, or -1 (no exception) for the Python path. */
+static int sampled_now(RecorderCore *self) {
+    PyObject *sampler = self->sampler;
+    if (sampler == NULL || sampler_type == NULL || Py_TYPE(sampler) != sampler_type ||
+        self->step_index < 0) {
+        return -1;
+    }
+    PyObject *stride_object = PyObject_GetAttr(sampler, str_stride);
+    if (stride_object == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    int overflow = 0;
+    long long stride =
+        PyLong_CheckExact(stride_object) ? PyLong_AsLongLongAndOverflow(stride_object, &overflow)
+                                         : -1;
+    Py_DECREF(stride_object);
+    if (overflow || stride < 1) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (stride == 1) {
+        return 1;
+    }
+    return step_hash((uint64_t)self->step_index) % (uint64_t)stride == 0;
+}
+
+/* Python's begin_step(explicit=..., now_ns=...) on this recorder. */
+static PyObject *slow_begin(RecorderCore *self, int explicit_, PyObject *now_ns) {
+    if (py_begin_step == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_fastrecord.configure() was not called");
+        return NULL;
+    }
+    PyObject *args[3] = {(PyObject *)self, explicit_ ? Py_True : Py_False, now_ns};
+    int with_now = now_ns != NULL;
+    return PyObject_Vectorcall(py_begin_step, args, 1,
+                               with_now ? kwnames_explicit_now : kwnames_explicit);
+}
+
+static PyObject *slow_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
+    if (py_end_step == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_fastrecord.configure() was not called");
+        return NULL;
+    }
+    PyObject *args[3] = {(PyObject *)self, explicit_ ? Py_True : Py_False, now_ns};
+    int with_now = now_ns != NULL;
+    return PyObject_Vectorcall(py_end_step, args, 1,
+                               with_now ? kwnames_explicit_now : kwnames_explicit);
+}
+
+/* self.misuse(key, message, exc_info=<the pending exception>); clears it. Never fails. */
+static void report_misuse(PyObject *owner, PyObject *key, PyObject *message, int with_exception) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (with_exception && type != NULL) {
+        PyErr_NormalizeException(&type, &value, &traceback);
+        if (value != NULL && traceback != NULL) {
+            PyException_SetTraceback(value, traceback);
+        }
+    }
+    PyObject *exc_info = (with_exception && value != NULL) ? value : Py_False;
+    PyObject *args[4] = {owner, key, message, exc_info};
+    PyObject *result = PyObject_VectorcallMethod(str_misuse, args, 3, kwnames_exc_info);
+    Py_XDECREF(result);
+    PyErr_Clear();
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+}
+
+/* ------------------------------------------------------------------ begin / end */
+
+static PyObject *do_begin(RecorderCore *self, int explicit_, PyObject *now_ns) {
+    if (self->step_depth != 0 || (explicit_ && self->auto_step_open) ||
+        self->device_timer != Py_None) {
+        return slow_begin(self, explicit_, now_ns);
+    }
+    int sampled = 1;
+    if (self->watchers) {
+        sampled = sampled_now(self);
+        if (sampled < 0) {
+            return slow_begin(self, explicit_, now_ns);
+        }
+    }
+    long long now;
+    if (resolve_now(self, now_ns, &now) < 0) {
+        return slow_begin(self, explicit_, now_ns);
+    }
+    if (explicit_) {
+        self->explicit_steps = 1;
+    } else {
+        self->auto_step_open = 1;
+    }
+    self->step_depth = 1;
+    self->step_start_ns = now;
+    if (self->watchers) {
+        self->sampled = (char)sampled;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
+    if (self->step_depth != 1 || self->device_timer != Py_None || self->buffer == NULL ||
+        self->phases_ns == NULL || self->sampled_ns == NULL || self->kernel_source == NULL) {
+        return slow_end(self, explicit_, now_ns);
+    }
+    Py_ssize_t queued = PyObject_Length(self->buffer);
+    if (queued < 0) {
+        PyErr_Clear();
+        return slow_end(self, explicit_, now_ns);
+    }
+    if (queued >= self->buffer_steps) {
+        return slow_end(self, explicit_, now_ns);  /* counts and logs the dropped step */
+    }
+    long long end;
+    if (resolve_now(self, now_ns, &end) < 0) {
+        return slow_end(self, explicit_, now_ns);
+    }
+    PyObject *fresh = PyDict_New();
+    PyObject *fresh_sampled = NULL;
+    PyObject *auto_phases = Py_None;
+    int swap_sampled = self->watchers && self->sampled;
+    if (fresh != NULL && swap_sampled) {
+        fresh_sampled = PyDict_New();
+        if (fresh_sampled == NULL) {
+            Py_CLEAR(fresh);
+        }
+    }
+    long long index = self->step_index;
+    PyObject *record = NULL;
+    if (fresh != NULL) {
+        PyObject *phases = self->phases_ns;
+        if (self->watchers) {
+            auto_phases = swap_sampled ? self->sampled_ns : unsampled;
+        }
+        record = PyTuple_New(6);
+        PyObject *numbers[3] = {PyLong_FromLongLong(index), PyLong_FromLongLong(self->step_start_ns),
+                                PyLong_FromLongLong(end)};
+        if (record == NULL || numbers[0] == NULL || numbers[1] == NULL || numbers[2] == NULL) {
+            Py_CLEAR(record);
+            for (int i = 0; i < 3; i++) {
+                Py_XDECREF(numbers[i]);
+            }
+        } else {
+            PyObject *last = auto_phases == NULL ? Py_None : auto_phases;
+            PyTuple_SET_ITEM(record, 0, numbers[0]);
+            PyTuple_SET_ITEM(record, 1, numbers[1]);
+            PyTuple_SET_ITEM(record, 2, numbers[2]);
+            Py_INCREF(phases);
+            PyTuple_SET_ITEM(record, 3, phases);
+            Py_INCREF(Py_None);
+            PyTuple_SET_ITEM(record, 4, Py_None);
+            Py_INCREF(last);
+            PyTuple_SET_ITEM(record, 5, last);
+        }
+    }
+    if (record == NULL) {
+        Py_XDECREF(fresh);
+        Py_XDECREF(fresh_sampled);
+        PyErr_Clear();
+        return slow_end(self, explicit_, now_ns);
+    }
+    PyObject *appended = PyObject_CallMethodOneArg(self->buffer, str_append, record);
+    Py_DECREF(record);
+    if (appended == NULL) {
+        Py_DECREF(fresh);
+        Py_XDECREF(fresh_sampled);
+        PyErr_Clear();
+        return slow_end(self, explicit_, now_ns);
+    }
+    Py_DECREF(appended);
+    /* Committed: the step is in the buffer. */
+    self->step_depth = 0;
+    self->auto_step_open = 0;
+    Py_SETREF(self->phases_ns, fresh);
+    if (swap_sampled) {
+        Py_SETREF(self->sampled_ns, fresh_sampled);
+    }
+    self->step_index = index + 1;
+    self->steps_recorded += 1;
+    if (self->kernel_source != Py_None) {
+        PyObject *number = PyLong_FromLongLong(index);
+        PyObject *told = number == NULL ? NULL
+                                        : PyObject_CallMethodOneArg(self->kernel_source,
+                                                                    str_on_step_end, number);
+        Py_XDECREF(number);
+        if (told == NULL) {
+            report_misuse((PyObject *)self, str_step_end_key, str_step_end_msg, 1);
+        } else {
+            Py_DECREF(told);
+        }
+    }
+    (void)explicit_;
+    Py_RETURN_NONE;
+}
+
+static int parse_step_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                           int *explicit_, PyObject **now_ns) {
+    if (nargs != 0) {
+        PyErr_SetString(PyExc_TypeError, "begin_step()/end_step() take keyword arguments only");
+        return -1;
+    }
+    int have_explicit = 0;
+    *now_ns = NULL;
+    Py_ssize_t count = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        PyObject *value = args[i];
+        if (PyUnicode_Compare(name, str_explicit) == 0) {
+            int truth = PyObject_IsTrue(value);
+            if (truth < 0) {
+                return -1;
+            }
+            *explicit_ = truth;
+            have_explicit = 1;
+        } else if (PyUnicode_Compare(name, str_now_ns) == 0) {
+            *now_ns = value;
+        } else {
+            PyErr_Format(PyExc_TypeError, "unexpected keyword argument %R", name);
+            return -1;
+        }
+    }
+    if (!have_explicit) {
+        PyErr_SetString(PyExc_TypeError, "missing keyword argument 'explicit'");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *RecorderCore_begin_step(RecorderCore *self, PyObject *const *args,
+                                         Py_ssize_t nargs, PyObject *kwnames) {
+    int explicit_ = 0;
+    PyObject *now_ns;
+    if (parse_step_args(args, nargs, kwnames, &explicit_, &now_ns) < 0) {
+        return NULL;
+    }
+    return do_begin(self, explicit_, now_ns);
+}
+
+static PyObject *RecorderCore_end_step(RecorderCore *self, PyObject *const *args,
+                                       Py_ssize_t nargs, PyObject *kwnames) {
+    int explicit_ = 0;
+    PyObject *now_ns;
+    if (parse_step_args(args, nargs, kwnames, &explicit_, &now_ns) < 0) {
+        return NULL;
+    }
+    return do_end(self, explicit_, now_ns);
+}
+
+/* add_phase_ns(name, elapsed_ns) / add_sampled_phase_ns: phases[name] = phases.get(name, 0) + ns */
+static PyObject *add_to(PyObject *phases, PyObject *name, PyObject *elapsed) {
+    if (phases == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "the recorder has no phase dict");
+        return NULL;
+    }
+    PyObject *current = PyDict_GetItemWithError(phases, name);
+    if (current == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *total;
+    if (current == NULL) {
+        Py_INCREF(elapsed);
+        total = elapsed;
+        /* Python's phases.get(name, 0) + elapsed: 0 + elapsed is elapsed for an int. */
+        if (!PyLong_CheckExact(elapsed)) {
+            Py_DECREF(total);
+            PyObject *zero = PyLong_FromLong(0);
+            if (zero == NULL) {
+                return NULL;
+            }
+            total = PyNumber_Add(zero, elapsed);
+            Py_DECREF(zero);
+        }
+    } else {
+        total = PyNumber_Add(current, elapsed);
+    }
+    if (total == NULL) {
+        return NULL;
+    }
+    int failed = PyDict_SetItem(phases, name, total);
+    Py_DECREF(total);
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *RecorderCore_add_phase_ns(RecorderCore *self, PyObject *const *args,
+                                           Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "add_phase_ns(name, elapsed_ns)");
+        return NULL;
+    }
+    return add_to(self->phases_ns, args[0], args[1]);
+}
+
+static PyObject *RecorderCore_add_sampled_phase_ns(RecorderCore *self, PyObject *const *args,
+                                                   Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "add_sampled_phase_ns(name, elapsed_ns)");
+        return NULL;
+    }
+    return add_to(self->sampled_ns, args[0], args[1]);
+}
+
+static int RecorderCore_traverse(RecorderCore *self, visitproc visit, void *arg) {
+    /* A Python subclass's type is visited by subtype_traverse. */
+    Py_VISIT(self->phases_ns);
+    Py_VISIT(self->sampled_ns);
+    Py_VISIT(self->buffer);
+    Py_VISIT(self->sampler);
+    Py_VISIT(self->device_timer);
+    Py_VISIT(self->kernel_source);
+    Py_VISIT(self->device_phases);
+    Py_VISIT(self->clock_ns);
+    return 0;
+}
+
+static int RecorderCore_clear(RecorderCore *self) {
+    Py_CLEAR(self->phases_ns);
+    Py_CLEAR(self->sampled_ns);
+    Py_CLEAR(self->buffer);
+    Py_CLEAR(self->sampler);
+    Py_CLEAR(self->device_timer);
+    Py_CLEAR(self->kernel_source);
+    Py_CLEAR(self->device_phases);
+    Py_CLEAR(self->clock_ns);
+    return 0;
+}
+
+static void RecorderCore_dealloc(RecorderCore *self) {
+    PyTypeObject *type = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    if (self->weakrefs != NULL) {
+        PyObject_ClearWeakRefs((PyObject *)self);
+    }
+    RecorderCore_clear(self);
+    /* A Python subclass's instance: subtype_dealloc drops the type's reference. */
+    type->tp_free((PyObject *)self);
+}
+
+static PyObject *RecorderCore_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    (void)args;
+    (void)kwargs;
+    RecorderCore *self = (RecorderCore *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->sampled = 1;
+    self->buffer_steps = PY_SSIZE_T_MAX;
+    Py_INCREF(Py_None);
+    self->device_timer = Py_None;
+    Py_INCREF(Py_None);
+    self->kernel_source = Py_None;
+    return (PyObject *)self;
+}
+
+#define MEMBER(name, type, field, doc) {name, type, offsetof(RecorderCore, field), 0, doc}
+
+static PyMemberDef RecorderCore_members[] = {
+    MEMBER("step_depth", T_PYSSIZET, step_depth, "Open steps (positive while one is open)."),
+    MEMBER("watchers", T_PYSSIZET, watchers, "Auto-mode instrumentations installed."),
+    MEMBER("_buffer_steps", T_PYSSIZET, buffer_steps, "Most steps waiting for export."),
+    MEMBER("_step_start_ns", T_LONGLONG, step_start_ns, "Start of the open (or last) step."),
+    MEMBER("_step_index", T_LONGLONG, step_index, "Index of the open (or next) step."),
+    MEMBER("steps_recorded", T_LONGLONG, steps_recorded, "Steps finished and buffered."),
+    MEMBER("buffer_dropped", T_LONGLONG, buffer_dropped, "Steps dropped: the buffer was full."),
+    MEMBER("sampled", T_BOOL, sampled, "Auto mode times this step's phases."),
+    MEMBER("explicit_steps", T_BOOL, explicit_steps, "The loop marks steps with step()."),
+    MEMBER("_auto_step_open", T_BOOL, auto_step_open, "Auto mode opened the open step."),
+    MEMBER("_phases_ns", T_OBJECT_EX, phases_ns, "Phase name -> ns of the open step."),
+    MEMBER("_sampled_ns", T_OBJECT_EX, sampled_ns, "Auto-mode phases of the open step."),
+    MEMBER("buffer", T_OBJECT_EX, buffer, "Finished steps, oldest first."),
+    MEMBER("sampler", T_OBJECT_EX, sampler, "Which steps auto mode times."),
+    MEMBER("device_timer", T_OBJECT_EX, device_timer, "Device timing, or None."),
+    MEMBER("_kernel_source", T_OBJECT_EX, kernel_source, "Told each finished step, or None."),
+    MEMBER("_device_phases", T_OBJECT_EX, device_phases, "Device marks of the open step."),
+    MEMBER("clock_ns", T_OBJECT_EX, clock_ns, "The monotonic clock (ns)."),
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMethodDef RecorderCore_methods[] = {
+    {"begin_step", (PyCFunction)(void (*)(void))RecorderCore_begin_step,
+     METH_FASTCALL | METH_KEYWORDS,
+     "begin_step(*, explicit, now_ns=None): open a step (C; unusual cases in Python)."},
+    {"end_step", (PyCFunction)(void (*)(void))RecorderCore_end_step,
+     METH_FASTCALL | METH_KEYWORDS,
+     "end_step(*, explicit, now_ns=None): close a step and buffer it (C; unusual in Python)."},
+    {"add_phase_ns", (PyCFunction)(void (*)(void))RecorderCore_add_phase_ns, METH_FASTCALL,
+     "add_phase_ns(name, elapsed_ns): add to a phase of the current (or next) step."},
+    {"add_sampled_phase_ns", (PyCFunction)(void (*)(void))RecorderCore_add_sampled_phase_ns,
+     METH_FASTCALL, "add_sampled_phase_ns(name, elapsed_ns): add to an auto-mode phase."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RecorderCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.RecorderCore",
+    .tp_basicsize = sizeof(RecorderCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The step recorder's hot state and step boundary in C (see the module).",
+    .tp_new = RecorderCore_new,
+    .tp_dealloc = (destructor)RecorderCore_dealloc,
+    .tp_traverse = (traverseproc)RecorderCore_traverse,
+    .tp_clear = (inquiry)RecorderCore_clear,
+    .tp_members = RecorderCore_members,
+    .tp_methods = RecorderCore_methods,
+    .tp_weaklistoffset = offsetof(RecorderCore, weakrefs),
+};
+
+/* ------------------------------------------------------------------ StepContext */
+
+typedef struct {
+    PyObject_HEAD
+    RecorderCore *recorder;
+} StepContext;
+
+static int StepContext_init(StepContext *self, PyObject *args, PyObject *kwargs) {
+    PyObject *recorder;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "StepContext(recorder)");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "O!:StepContext", &RecorderCoreType, &recorder)) {
+        return -1;
+    }
+    Py_INCREF(recorder);
+    Py_XSETREF(self->recorder, (RecorderCore *)recorder);
+    return 0;
+}
+
+static PyObject *StepContext_enter(StepContext *self, PyObject *unused) {
+    (void)unused;
+    if (self->recorder == NULL) {
+        Py_RETURN_NONE;
+    }
+    return do_begin(self->recorder, 1, NULL);
+}
+
+static PyObject *StepContext_exit(StepContext *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)args;
+    (void)nargs;
+    if (self->recorder == NULL) {
+        Py_RETURN_NONE;
+    }
+    PyObject *result = do_end(self->recorder, 1, NULL);
+    if (result == NULL) {
+        return NULL;
+    }
+    Py_DECREF(result);
+    Py_RETURN_FALSE;
+}
+
+/* monitor.step() itself (the monitor binds its context as ``step``): returns the context. */
+static PyObject *StepContext_call(StepContext *self, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "step() takes no arguments");
+        return NULL;
+    }
+    Py_INCREF(self);
+    return (PyObject *)self;
+}
+
+static int StepContext_traverse(StepContext *self, visitproc visit, void *arg) {
+    Py_VISIT(self->recorder);
+    return 0;
+}
+
+static int StepContext_clear(StepContext *self) {
+    Py_CLEAR(self->recorder);
+    return 0;
+}
+
+static void StepContext_dealloc(StepContext *self) {
+    PyObject_GC_UnTrack(self);
+    StepContext_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef StepContext_methods[] = {
+    {"__enter__", (PyCFunction)StepContext_enter, METH_NOARGS, "Open a step."},
+    {"__exit__", (PyCFunction)(void (*)(void))StepContext_exit, METH_FASTCALL,
+     "Close the step and buffer it."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject StepContextType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.StepContext",
+    .tp_basicsize = sizeof(StepContext),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The context monitor.step() returns (reusable); calling it returns it.",
+    .tp_new = PyType_GenericNew,
+    .tp_call = (ternaryfunc)StepContext_call,
+    .tp_init = (initproc)StepContext_init,
+    .tp_dealloc = (destructor)StepContext_dealloc,
+    .tp_traverse = (traverseproc)StepContext_traverse,
+    .tp_clear = (inquiry)StepContext_clear,
+    .tp_methods = StepContext_methods,
+};
+
+/* ------------------------------------------------------------------ PhaseContext */
+
+typedef struct {
+    PyObject_HEAD
+    RecorderCore *recorder;
+    PyObject *name;
+    PyObject *clock_ns;
+    PyObject *device;     /* DeviceTimer or None */
+    PyObject *start_mark; /* device mark at entry, or None */
+    Py_ssize_t depth;
+    long long start_ns;
+} PhaseContext;
+
+static int PhaseContext_init(PhaseContext *self, PyObject *args, PyObject *kwargs) {
+    PyObject *recorder, *name;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "PhaseContext(recorder, name)");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "O!U:PhaseContext", &RecorderCoreType, &recorder, &name)) {
+        return -1;
+    }
+    RecorderCore *core = (RecorderCore *)recorder;
+    if (core->clock_ns == NULL || core->device_timer == NULL) {
+        PyErr_SetString(PyExc_ValueError, "the recorder is not initialised");
+        return -1;
+    }
+    Py_INCREF(recorder);
+    Py_XSETREF(self->recorder, core);
+    Py_INCREF(name);
+    Py_XSETREF(self->name, name);
+    Py_INCREF(core->clock_ns);
+    Py_XSETREF(self->clock_ns, core->clock_ns);
+    Py_INCREF(core->device_timer);
+    Py_XSETREF(self->device, core->device_timer);
+    Py_INCREF(Py_None);
+    Py_XSETREF(self->start_mark, Py_None);
+    self->depth = 0;
+    self->start_ns = 0;
+    return 0;
+}
+
+/* The clock's int reading; NULL with an exception set when it raises or is not an int. */
+static int phase_clock(PhaseContext *self, long long *now) {
+    return call_clock(self->clock_ns, now);
+}
+
+static PyObject *PhaseContext_enter(PhaseContext *self, PyObject *unused) {
+    (void)unused;
+    if (self->recorder == NULL) {
+        Py_RETURN_NONE;
+    }
+    if (self->depth == 0) {
+        long long now;
+        if (phase_clock(self, &now) < 0) {
+            report_misuse((PyObject *)self->recorder, str_clock_key, str_clock_msg, 0);
+            Py_RETURN_NONE;
+        }
+        self->start_ns = now;
+        if (self->device != Py_None) {
+            PyObject *mark = PyObject_CallMethodNoArgs(self->device, str_mark);
+            if (mark == NULL) {
+                report_misuse((PyObject *)self->recorder, str_clock_key, str_clock_msg, 0);
+                Py_RETURN_NONE;
+            }
+            Py_SETREF(self->start_mark, mark);
+        }
+    }
+    self->depth += 1;
+    Py_RETURN_NONE;
+}
+
+static int add_device_interval(PhaseContext *self) {
+    RecorderCore *recorder = self->recorder;
+    if (recorder->device_phases == NULL || !PyDict_Check(recorder->device_phases)) {
+        PyErr_SetString(PyExc_TypeError, "the recorder's device phases are not a dict");
+        return -1;
+    }
+    PyObject *mark = PyObject_CallMethodNoArgs(self->device, str_mark);
+    if (mark == NULL) {
+        return -1;
+    }
+    PyObject *interval = PyTuple_Pack(2, self->start_mark, mark);
+    Py_DECREF(mark);
+    if (interval == NULL) {
+        return -1;
+    }
+    PyObject *empty = PyList_New(0);
+    PyObject *intervals =
+        empty == NULL ? NULL : PyDict_SetDefault(recorder->device_phases, self->name, empty);
+    Py_XDECREF(empty);
+    int failed = intervals == NULL || PyList_Append(intervals, interval) < 0;
+    Py_DECREF(interval);
+    if (failed) {
+        return -1;
+    }
+    Py_INCREF(Py_None);
+    Py_SETREF(self->start_mark, Py_None);
+    return 0;
+}
+
+static PyObject *PhaseContext_exit(PhaseContext *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)args;
+    (void)nargs;
+    if (self->recorder == NULL || self->depth <= 0) {
+        Py_RETURN_FALSE;
+    }
+    self->depth -= 1;
+    if (self->depth == 0) {
+        long long now;
+        int failed = phase_clock(self, &now) < 0;
+        if (!failed) {
+            PyObject *elapsed = PyLong_FromLongLong(now - self->start_ns);
+            PyObject *done =
+                elapsed == NULL ? NULL : add_to(self->recorder->phases_ns, self->name, elapsed);
+            Py_XDECREF(elapsed);
+            failed = done == NULL;
+            Py_XDECREF(done);
+        }
+        if (!failed && self->device != Py_None && self->start_mark != Py_None) {
+            failed = add_device_interval(self) < 0;
+        }
+        if (failed) {
+            report_misuse((PyObject *)self->recorder, str_clock_key, str_clock_msg, 0);
+        }
+    }
+    Py_RETURN_FALSE;
+}
+
+static int PhaseContext_traverse(PhaseContext *self, visitproc visit, void *arg) {
+    Py_VISIT(self->recorder);
+    Py_VISIT(self->clock_ns);
+    Py_VISIT(self->device);
+    Py_VISIT(self->start_mark);
+    return 0;
+}
+
+static int PhaseContext_clear(PhaseContext *self) {
+    Py_CLEAR(self->recorder);
+    Py_CLEAR(self->name);
+    Py_CLEAR(self->clock_ns);
+    Py_CLEAR(self->device);
+    Py_CLEAR(self->start_mark);
+    return 0;
+}
+
+static void PhaseContext_dealloc(PhaseContext *self) {
+    PyObject_GC_UnTrack(self);
+    PhaseContext_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef PhaseContext_methods[] = {
+    {"__enter__", (PyCFunction)PhaseContext_enter, METH_NOARGS, "Start timing the phase."},
+    {"__exit__", (PyCFunction)(void (*)(void))PhaseContext_exit, METH_FASTCALL,
+     "Add the phase's time to the step."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef PhaseContext_members[] = {
+    {"_depth", T_PYSSIZET, offsetof(PhaseContext, depth), READONLY, "Nesting depth."},
+    {"_start_ns", T_LONGLONG, offsetof(PhaseContext, start_ns), READONLY, "Entry time."},
+    {"_name", T_OBJECT, offsetof(PhaseContext, name), READONLY, "The phase's name."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject PhaseContextType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.PhaseContext",
+    .tp_basicsize = sizeof(PhaseContext),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The context monitor.phase(name) returns (reusable, re-entrant).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)PhaseContext_init,
+    .tp_dealloc = (destructor)PhaseContext_dealloc,
+    .tp_traverse = (traverseproc)PhaseContext_traverse,
+    .tp_clear = (inquiry)PhaseContext_clear,
+    .tp_methods = PhaseContext_methods,
+    .tp_members = PhaseContext_members,
+};
+
+/* ------------------------------------------------------------------ PhaseLookup */
+
+/* monitor.phase(name): the context already made for ``name``, else the recorder's
+ * new_phase_context(name) (which validates, caps and remembers it). */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *contexts; /* dict: name -> context (the recorder's phase_contexts) */
+    PyObject *recorder;
+} PhaseLookup;
+
+static PyObject *str_new_phase_context;
+
+static int PhaseLookup_init(PhaseLookup *self, PyObject *args, PyObject *kwargs) {
+    PyObject *recorder, *contexts;
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "PhaseLookup(recorder, contexts)");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OO!:PhaseLookup", &recorder, &PyDict_Type, &contexts)) {
+        return -1;
+    }
+    Py_INCREF(recorder);
+    Py_XSETREF(self->recorder, recorder);
+    Py_INCREF(contexts);
+    Py_XSETREF(self->contexts, contexts);
+    return 0;
+}
+
+static PyObject *PhaseLookup_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                        PyObject *kwnames) {
+    PhaseLookup *self = (PhaseLookup *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "phase(name) takes one argument");
+        return NULL;
+    }
+    PyObject *name = args[0];
+    if (self->contexts != NULL && PyUnicode_CheckExact(name)) {
+        PyObject *context = PyDict_GetItemWithError(self->contexts, name);
+        if (context != NULL) {
+            Py_INCREF(context);
+            return context;
+        }
+        PyErr_Clear();
+    }
+    if (self->recorder == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "PhaseLookup is not initialised");
+        return NULL;
+    }
+    return PyObject_CallMethodOneArg(self->recorder, str_new_phase_context, name);
+}
+
+static PyObject *PhaseLookup_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    (void)args;
+    (void)kwargs;
+    PhaseLookup *self = (PhaseLookup *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->vectorcall = PhaseLookup_vectorcall;
+    }
+    return (PyObject *)self;
+}
+
+static int PhaseLookup_traverse(PhaseLookup *self, visitproc visit, void *arg) {
+    Py_VISIT(self->contexts);
+    Py_VISIT(self->recorder);
+    return 0;
+}
+
+static int PhaseLookup_clear(PhaseLookup *self) {
+    Py_CLEAR(self->contexts);
+    Py_CLEAR(self->recorder);
+    return 0;
+}
+
+static void PhaseLookup_dealloc(PhaseLookup *self) {
+    PyObject_GC_UnTrack(self);
+    PhaseLookup_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *PhaseLookup_call(PyObject *self, PyObject *args, PyObject *kwargs) {
+    if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "phase(name) takes one argument");
+        return NULL;
+    }
+    return PhaseLookup_vectorcall(self, &PyTuple_GET_ITEM(args, 0),
+                                  (size_t)PyTuple_GET_SIZE(args), NULL);
+}
+
+static PyTypeObject PhaseLookupType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.PhaseLookup",
+    .tp_basicsize = sizeof(PhaseLookup),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "monitor.phase(name) without a Python frame: the phase's context.",
+    .tp_new = PhaseLookup_new,
+    .tp_init = (initproc)PhaseLookup_init,
+    .tp_dealloc = (destructor)PhaseLookup_dealloc,
+    .tp_traverse = (traverseproc)PhaseLookup_traverse,
+    .tp_clear = (inquiry)PhaseLookup_clear,
+    .tp_call = PhaseLookup_call,
+    .tp_vectorcall_offset = offsetof(PhaseLookup, vectorcall),
+};
+
+/* ------------------------------------------------------------------ host_values */
+
+/* The export thread's pass over a batch of finished steps (_recorder.window_values) for steps
+ * without device marks: (durations s, {phase: [s]}, [sampled auto phases], watched), the
+ * same floats as the Python loop ((end - start) * 1e-9 and ns * 1e-9 of exact ints), or
+ * None when a record carries device marks or is not a plain record (the Python loop then
+ * takes the whole batch). */
+static PyObject *host_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2 || !PyList_Check(args[0]) || !PyLong_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "host_values(records: list, carry: int)");
+        return NULL;
+    }
+    PyObject *records = args[0];
+    long long watched = PyLong_AsLongLong(args[1]);
+    if (watched == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *record = PyList_GET_ITEM(records, i);
+        if (!PyTuple_CheckExact(record) || PyTuple_GET_SIZE(record) != 6 ||
+            PyTuple_GET_ITEM(record, 4) != Py_None ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(record, 1)) ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(record, 2)) ||
+            !PyDict_CheckExact(PyTuple_GET_ITEM(record, 3))) {
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *durations = PyList_New(n);
+    PyObject *phases = PyDict_New();
+    PyObject *sampled = PyList_New(0);
+    if (durations == NULL || phases == NULL || sampled == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *record = PyList_GET_ITEM(records, i);
+        PyObject *auto_phases = PyTuple_GET_ITEM(record, 5);
+        if (auto_phases != Py_None) {
+            watched += 1;
+            if (auto_phases != unsampled && PyList_Append(sampled, auto_phases) < 0) {
+                goto fail;
+            }
+        }
+        PyObject *elapsed =
+            PyNumber_Subtract(PyTuple_GET_ITEM(record, 2), PyTuple_GET_ITEM(record, 1));
+        if (elapsed == NULL) {
+            goto fail;
+        }
+        double seconds = PyLong_AsDouble(elapsed);
+        Py_DECREF(elapsed);
+        if (seconds == -1.0 && PyErr_Occurred()) {
+            goto fail;
+        }
+        PyObject *value = PyFloat_FromDouble(seconds * 1e-9);
+        if (value == NULL) {
+            goto fail;
+        }
+        PyList_SET_ITEM(durations, i, value);
+        PyObject *step_phases = PyTuple_GET_ITEM(record, 3);
+        Py_ssize_t position = 0;
+        PyObject *name, *ns;
+        while (PyDict_Next(step_phases, &position, &name, &ns)) {
+            double phase_ns = PyLong_CheckExact(ns) ? PyLong_AsDouble(ns) : PyFloat_AsDouble(ns);
+            if (phase_ns == -1.0 && PyErr_Occurred()) {
+                goto fail;
+            }
+            PyObject *values = PyDict_GetItemWithError(phases, name);
+            if (values == NULL) {
+                if (PyErr_Occurred()) {
+                    goto fail;
+                }
+                values = PyList_New(0);
+                if (values == NULL) {
+                    goto fail;
+                }
+                int stored = PyDict_SetItem(phases, name, values);
+                Py_DECREF(values); /* the dict holds it */
+                if (stored < 0) {
+                    goto fail;
+                }
+            }
+            PyObject *phase_value = PyFloat_FromDouble(phase_ns * 1e-9);
+            if (phase_value == NULL) {
+                goto fail;
+            }
+            int appended = PyList_Append(values, phase_value);
+            Py_DECREF(phase_value);
+            if (appended < 0) {
+                goto fail;
+            }
+        }
+    }
+    return Py_BuildValue("(NNNL)", durations, phases, sampled, watched);
+fail:
+    Py_XDECREF(durations);
+    Py_XDECREF(phases);
+    Py_XDECREF(sampled);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ module */
+
+static PyObject *configure(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *begin, *end, *marker, *sampler_class, *clock;
+    if (!PyArg_ParseTuple(args, "OOOO!O:configure", &begin, &end, &marker, &PyType_Type,
+                          &sampler_class, &clock)) {
+        return NULL;
+    }
+    Py_INCREF(clock);
+    Py_XSETREF(perf_counter_ns, clock);
+    Py_INCREF(begin);
+    Py_XSETREF(py_begin_step, begin);
+    Py_INCREF(end);
+    Py_XSETREF(py_end_step, end);
+    Py_INCREF(marker);
+    Py_XSETREF(unsampled, marker);
+    Py_INCREF(sampler_class);
+    Py_XSETREF(sampler_type, (PyTypeObject *)sampler_class);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"host_values", (PyCFunction)(void (*)(void))host_values, METH_FASTCALL,
+     "host_values(records, carry): window_values' pass for steps without device marks."},
+    {"configure", configure, METH_VARARGS,
+     "configure(begin_step, end_step, UNSAMPLED, PhaseSampler, time.perf_counter_ns): what the "
+     "C code needs from Python (its slow paths, the marker, the sampler's class, the clock "
+     "it may read directly)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "stepwatch.exporters._fastrecord",
+    .m_doc = "The step recorder's step boundary and phase contexts in C (_recorder.py).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+static int intern(PyObject **target, const char *text) {
+    *target = PyUnicode_InternFromString(text);
+    return *target == NULL ? -1 : 0;
+}
+
+PyMODINIT_FUNC PyInit__fastrecord(void) {
+    if (intern(&str_stride, "stride") || intern(&str_on_step_end, "on_step_end") ||
+        intern(&str_misuse, "misuse") || intern(&str_append, "append") ||
+        intern(&str_explicit, "explicit") || intern(&str_now_ns, "now_ns") ||
+        intern(&str_mark, "mark") || intern(&str_exc_info, "exc_info") ||
+        intern(&str_step_end_key, "step-end") ||
+        intern(&str_step_end_msg, "recording a step failed; step ignored") ||
+        intern(&str_clock_key, "clock") || intern(&str_new_phase_context, "new_phase_context") ||
+        intern(&str_clock_msg, "the clock raised in phase(); phase ignored")) {
+        return NULL;
+    }
+    kwnames_explicit = PyTuple_Pack(1, str_explicit);
+    kwnames_explicit_now = PyTuple_Pack(2, str_explicit, str_now_ns);
+    kwnames_exc_info = PyTuple_Pack(1, str_exc_info);
+    if (kwnames_explicit == NULL || kwnames_explicit_now == NULL || kwnames_exc_info == NULL) {
+        return NULL;
+    }
+    if (PyType_Ready(&RecorderCoreType) < 0 || PyType_Ready(&StepContextType) < 0 ||
+        PyType_Ready(&PhaseContextType) < 0 || PyType_Ready(&PhaseLookupType) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddType(module, &RecorderCoreType) < 0 ||
+        PyModule_AddType(module, &StepContextType) < 0 ||
+        PyModule_AddType(module, &PhaseContextType) < 0 ||
+        PyModule_AddType(module, &PhaseLookupType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

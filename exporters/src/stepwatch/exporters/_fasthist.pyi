@@ -1,0 +1,15 @@
+from collections.abc import Sequence
+
+from stepwatch.exporters._histogram import ExponentialHistogram
+
+SCALE_FACTORS: dict[int, float]
+MIN_NORMAL: float
+BOUNDARY_MARGIN: float
+UPPER_MARGIN: float
+MIN_SCALE: int
+MAX_SCALE: int
+
+def record_many(histogram: ExponentialHistogram, values: Sequence[float], /) -> tuple[int, int]: ...
+def record_weighted(
+    histogram: ExponentialHistogram, values: Sequence[float], weights: Sequence[int], /
+) -> tuple[int, int]: ...
