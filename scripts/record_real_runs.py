@@ -90,18 +90,26 @@ class RunRecord:
 
 NOTES = {
     "none": "a healthy run",
-    "straggler": "rank 2's forward does extra matrix multiplies from step 120 (compute straggler)",
-    "stall": f"rank 2 stops for {STALL_S:.0f} s once at step 120 between optimizer and the next "
+    "straggler": "rank 2's forward does extra matrix multiplies from step {step} "
+    "(compute straggler)",
+    "stall": f"rank 2 stops for {STALL_S:.0f} s once at step {{step}} between optimizer and the "
+    "next "
     "step, outside every phase (checkpoint write / GC pause); its peers wait in all-reduce",
-    "jit": "rank 2 stalls 1.5 s once at step 120 inside forward (a JIT recompile)",
-    "dataloader": "rank 2's data phase sleeps 8 ms per step from step 120",
-    "link": "rank 2's all-reduce is delayed 8 ms per step from step 120 (slow link)",
-    "regression": "every rank does extra compute from step 120 (job-wide regression)",
+    "jit": "rank 2 stalls 1.5 s once at step {step} inside forward (a JIT recompile)",
+    "dataloader": "rank 2's data phase sleeps 8 ms per step from step {step}",
+    "link": "rank 2's all-reduce is delayed 8 ms per step from step {step} (slow link)",
+    "regression": "every rank does extra compute from step {step} (job-wide regression)",
 }
 
 
 def record(
-    server: ManagedInfluxDB, work: Path, fault: str, *, steps: int, suffix: str = ""
+    server: ManagedInfluxDB,
+    work: Path,
+    fault: str,
+    *,
+    steps: int,
+    suffix: str = "",
+    phase_sampling: int | str = 1,
 ) -> RunRecord:
     name = f"{fault}{suffix}"
     job = f"real-{fault}-{uuid.uuid4().hex[:6]}"
@@ -109,7 +117,14 @@ def record(
     with LocalStack(work / job, influx_url=server.url, database=f"rec_{job}") as stack:
         assert stack.client is not None
         config = DemoJobConfig(
-            job_id=job, fault=fault, steps=steps, endpoint=stack.otlp_http_endpoint
+            job_id=job,
+            fault=fault,
+            steps=steps,
+            endpoint=stack.otlp_http_endpoint,
+            phase_sampling=phase_sampling,
+            # 2/5 of the way in (120 of 300), as the demo's 240 of 600: the corpus' runs
+            # are shorter than the demo, and the fault needs windows to show in.
+            fault_step=2 * steps // 5,
         )
         run_demo_job(stack.client, config, progress=lambda _: None)
         lines = list(dump_job(stack.client, job))
@@ -130,7 +145,8 @@ def record(
         seconds=round(time.monotonic() - started, 1),
         recorded=time.strftime("%Y-%m-%d"),
         machine=f"{platform.machine()}, {platform.python_version()}, 2-core VM",
-        note=NOTES[fault],
+        note=NOTES[fault].replace("{step}", str(config.fault_step))
+        + ("" if phase_sampling == 1 else f"; phases sampled (phase_sampling={phase_sampling!r})"),
     )
     (OUT / f"{name}.json").write_text(json.dumps(dataclasses.asdict(result), indent=2) + "\n")
     return result
@@ -143,13 +159,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--suffix", default="", help="added to each file name (a second run: --suffix -2)"
     )
+    parser.add_argument(
+        "--phase-sampling",
+        default="1",
+        help="StepMonitor's phase_sampling: 1 (every step, the default), N or auto",
+    )
     args = parser.parse_args(argv)
+    sampling: int | str = (
+        args.phase_sampling if args.phase_sampling == "auto" else int(args.phase_sampling)
+    )
     with (
         tempfile.TemporaryDirectory() as directory,
         ManagedInfluxDB(Path(directory) / "influxdb") as server,
     ):
         for fault in [f for f in args.faults.split(",") if f]:
-            run = record(server, Path(directory), fault, steps=args.steps, suffix=args.suffix)
+            run = record(
+                server,
+                Path(directory),
+                fault,
+                steps=args.steps,
+                suffix=args.suffix,
+                phase_sampling=sampling,
+            )
             print(f"{run.name:<11} {run.lines:>6} lines  {run.seconds:>6.1f} s  {run.job}")
     return 0
 

@@ -9,6 +9,7 @@ the rank whose backward is the *shortest*, while every rank's step is the same.
 from __future__ import annotations
 
 import collections
+import re
 
 import numpy as np
 import pytest
@@ -142,8 +143,9 @@ def test_a_slow_backward_blames_no_waiter() -> None:
 def test_the_recordings_hold_their_all_reduce_inside_backward() -> None:
     # What makes dropping the communication points the right fold: in every window of every
     # recorded run, each rank's backward counts as many occurrences as its communication
-    # phase and holds at least as much time.
-    for name in real_runs.names():
+    # phase and holds at least as much time. (Not in the sampled runs: there, backward is
+    # the sample's estimate, and a collective timed by a comm hook is every step's.)
+    for name in [n for n in real_runs.names() if not n.endswith("-sampled")]:
         windows: dict[tuple[str, str], dict[str, tuple[float, float]]] = collections.defaultdict(
             dict
         )
@@ -153,7 +155,8 @@ def test_the_recordings_hold_their_all_reduce_inside_backward() -> None:
                 continue
             head, fields, stamp = line.split(" ")
             rank = head.split(",stepwatch.rank=", 1)[1].split(",", 1)[0]
-            values = dict(item.split("=", 1) for item in fields.split(","))
+            # Not a plain split on ",": the compact layout's bucket string holds commas.
+            values = dict(re.findall(r"(?:^|,)(sum|count)=([^,]+)", fields))
             windows[(rank, stamp)][phase] = (float(values["sum"]), float(values["count"]))
         assert windows, name
         for key, both in windows.items():

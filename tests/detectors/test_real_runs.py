@@ -6,11 +6,13 @@ diagnosed here through InfluxDB and ``read_frame`` exactly as a live job is.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from stepwatch.core import Diagnosis, InfluxClient
 from stepwatch.detectors import detect_job
-from stepwatch.detectors.frame import job_time_range
+from stepwatch.detectors.frame import job_time_range, read_frame
+from stepwatch.exporters._sampling import PhaseSampler
 from tests.detectors import real_runs
 
 
@@ -93,3 +95,52 @@ def test_findings_come_most_expensive_first(influx: InfluxClient) -> None:
     _, found = diagnose_run(influx, "dataloader")
     costs = [d.slowdown for d in found]
     assert costs == sorted(costs, reverse=True)
+
+
+# ---- the same faults with phases sampled (phase_sampling="auto": 1 step in 8 here) ----------
+
+
+def test_sampled_runs_carry_what_their_phases_rest_on(influx: InfluxClient) -> None:
+    run = real_runs.load(influx, "straggler-sampled")
+    span = job_time_range(influx, run.job)
+    assert span is not None
+    frame = read_frame(influx, run.job, start_unix_nano=span[0], end_unix_nano=span[1])
+    assert frame.phase_steps is not None and frame.phase_step_s is not None
+    present = frame.present
+    # Fewer steps timed than run, each phase time resting on at least a few of them.
+    assert float(np.nanmedian(frame.phase_steps[present])) < float(
+        np.median(frame.step_count[present])
+    )
+    assert float(np.nanmedian(frame.phase_steps[present])) >= 8
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("none-sampled", []),
+        ("straggler-sampled", [("masked_straggler", (2,), "forward")]),
+        ("dataloader-sampled", [("dataloader_stall", (2,), "data")]),
+        ("regression-sampled", [("job_regression", (), "forward")]),
+    ],
+)
+def test_sampled_phases_give_the_diagnosis_of_every_step_timed(
+    influx: InfluxClient, name: str, expected: list[tuple[str, tuple[int, ...], str]]
+) -> None:
+    _, found = diagnose_run(influx, name)
+    assert [(d.kind, d.ranks, d.phase) for d in found] == expected, found
+
+
+def test_a_sampled_slow_link_is_found_on_its_host(influx: InfluxClient) -> None:
+    _, found = diagnose_run(influx, "link-sampled")
+    assert [(d.kind, d.hosts) for d in found] == [("link_degradation", ("vm-node1",))], found
+    assert 2 in found[0].ranks
+
+
+def test_a_one_off_stall_on_an_untimed_step_names_no_rank(influx: InfluxClient) -> None:
+    # What sampling loses (docs/diagnosis.md): rank 2 stops 3 s once, on a step whose
+    # phases were not timed. Every rank has one long step and no phase says who stopped,
+    # so nothing is named; above all, no waiting peer is blamed.
+    run, found = diagnose_run(influx, "stall-sampled")
+    assert run.fault_step is not None
+    assert not PhaseSampler(8).sampled(run.fault_step)
+    assert all(d.ranks in ((), (run.fault_rank,)) for d in found), found

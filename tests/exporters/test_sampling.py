@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch.core import ConfigError
+from stepwatch.core import ConfigError, _schema
 from stepwatch.exporters import InMemoryExporter, StepMonitor
 from stepwatch.exporters._histogram import ExponentialHistogram
-from stepwatch.exporters._recorder import UNSAMPLED, StepRecord, window_values
+from stepwatch.exporters._recorder import UNSAMPLED, StepRecord, sampled_steps, window_values
 from stepwatch.exporters._sampling import (
     MAX_STRIDE,
     PhaseSampler,
@@ -55,22 +55,22 @@ def test_step_hash_is_a_fixed_function() -> None:
     assert len({step_hash(i) for i in range(10_000)}) == 10_000
 
 
-def test_the_adaptive_stride_keeps_sampled_steps_100_ms_apart() -> None:
+def test_the_adaptive_stride_keeps_sampled_steps_50_ms_apart() -> None:
     assert ideal_stride(0.2) == 1
-    assert ideal_stride(0.1) == 1
-    assert ideal_stride(0.02) == 8  # 5 -> the next power of two
-    assert ideal_stride(0.004) == 32
+    assert ideal_stride(0.05) == 1
+    assert ideal_stride(0.02) == 4  # 2.5 -> the next power of two
+    assert ideal_stride(0.004) == 16
     assert ideal_stride(1e-6) == MAX_STRIDE
     assert ideal_stride(float("nan")) == 1
     sampler = PhaseSampler("auto")
     assert sampler.stride == 1  # every step until the first window
     sampler.observe([0.02] * 9 + [5.0])  # the median: one slow step does not count
-    assert sampler.stride == 8
+    assert sampler.stride == 4
     # Hysteresis: a step a few percent off the power-of-two boundary keeps the stride.
-    sampler.observe([0.1 / 8 * 0.95] * 5)  # ideal 8.4: would be 16 without hysteresis
+    sampler.observe([0.05 / 4 * 0.95] * 5)  # ideal 4.2: would be 8 without hysteresis
+    assert sampler.stride == 4
+    sampler.observe([0.05 / 8] * 5)  # ideal 8, clearly past: moves
     assert sampler.stride == 8
-    sampler.observe([0.1 / 16] * 5)  # ideal 16, clearly past: moves
-    assert sampler.stride == 16
     sampler.observe([0.5] * 5)
     assert sampler.stride == 1
     fixed = PhaseSampler(4)
@@ -153,6 +153,27 @@ def test_sampled_steps_stand_for_the_steps_of_their_batch() -> None:
     assert weighted["forward"][1] == [1] and carry == 0
 
 
+def test_the_sampled_steps_durations_carry_their_phases_weights() -> None:
+    records = [
+        _record(i, {"forward": 1000} if i in (2, 5) else UNSAMPLED, step_ns=1000 * (i + 1))
+        for i in range(7)
+    ]
+    durations, _, weighted, _ = window_values(records, None, 64, 3)
+    steps = sampled_steps(records, durations, 3, PhaseSampler(4))
+    assert steps is not None
+    assert steps[0] == [durations[2], durations[5]]
+    assert steps[1] == weighted["forward"][1] == [5, 5]  # 7 steps + 3 carried, 2 samples
+    # Every step timed: nothing, unless the stride says phases are sampled.
+    every = [_record(i, {"forward": 1000}) for i in range(4)]
+    durations, _, _, _ = window_values(every, None, 64)
+    assert sampled_steps(every, durations, 0, PhaseSampler(1)) is None
+    assert sampled_steps(every, durations, 0, PhaseSampler("auto")) is None  # stride 1 now
+    assert sampled_steps(every, durations, 0, PhaseSampler(2)) == (durations, [1, 1, 1, 1])
+    none_timed = [_record(i, UNSAMPLED) for i in range(4)]
+    durations, _, _, _ = window_values(none_timed, None, 64)
+    assert sampled_steps(none_timed, durations, 0, PhaseSampler(2)) is None
+
+
 def _train_steps(monitor: StepMonitor, model: Any, optimizer: Any, steps: int) -> None:
     generator = torch.Generator().manual_seed(7)
     for index in range(steps):
@@ -192,6 +213,16 @@ def test_auto_mode_times_a_sample_and_its_histograms_still_count_every_step() ->
     for phase in ("data", "forward", "backward", "optimizer"):
         assert summary["phases"][phase]["count"] == 400, phase
     assert monitor.phase_sample_stride == 8
+    # What the phases rest on: the sampled steps, their number and their weighted durations.
+    sampled = {"steps": 0, "count": 0}
+    for window in exporter.exported:
+        for metric in window.resource_metrics[0].scope_metrics[0].metrics:
+            if metric.name == _schema.SAMPLED_STEPS:
+                sampled["steps"] += metric.data.data_points[0].value
+                assert metric.data.is_monotonic
+            elif metric.name == _schema.SAMPLED_STEP_DURATION:
+                sampled["count"] += metric.data.data_points[0].count
+    assert sampled == {"steps": len(expected), "count": 400}
     # Numerics untouched whether a step is sampled or not.
     reference = _model(0)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -224,13 +255,23 @@ def test_an_unsampled_step_registers_no_backward_hook() -> None:
 
 
 def test_the_default_times_every_step() -> None:
-    monitor = StepMonitor(
-        job_id="s", rank=0, world_size=1, exporter=InMemoryExporter(), start=False
-    )
+    exporter = InMemoryExporter()
+    monitor = StepMonitor(job_id="s", rank=0, world_size=1, exporter=exporter, start=False)
     assert monitor.phase_sample_stride == 1
     monitor._sampler.observe([0.001] * 10)
     assert monitor.phase_sample_stride == 1
+    model = _model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor.instrument(model, optimizer)
+    _train_steps(monitor, model, optimizer, 60)
     monitor.close()
+    names = {
+        metric.name
+        for window in exporter.exported
+        for metric in window.resource_metrics[0].scope_metrics[0].metrics
+    }
+    assert _schema.PHASE_DURATION in names  # and nothing about samples: every step is one
+    assert not names & {_schema.SAMPLED_STEPS, _schema.SAMPLED_STEP_DURATION}
 
 
 class _Blocking(torch.autograd.Function):

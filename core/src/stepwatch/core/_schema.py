@@ -29,6 +29,11 @@ KERNEL_CATEGORY: Final = "stepwatch.kernel.category"
 STEP_DURATION: Final = "stepwatch.step.duration"  # histogram, s
 STEP_LAST: Final = "stepwatch.step.last"  # gauge, {step}
 PHASE_DURATION: Final = "stepwatch.phase.duration"  # histogram, s
+# The steps whose phases auto mode timed, while phases are sampled (issue 15): their durations
+# (weighted as the phases) are the step time those phase times compare with, their number
+# what they rest on.
+SAMPLED_STEP_DURATION: Final = "stepwatch.step.sampled.duration"  # histogram, s; weighted
+SAMPLED_STEPS: Final = "stepwatch.step.sampled"  # sum, {step}: how many were sampled
 KERNEL_DURATION: Final = "stepwatch.kernel.duration"  # histogram, s
 DEVICE_IDLE_DURATION: Final = "stepwatch.device.idle.duration"  # histogram, s
 # Where a rank is now (issue 12), sent in every window that holds no finished step (a rank

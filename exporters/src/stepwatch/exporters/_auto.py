@@ -376,7 +376,8 @@ class _AutoState:
             starts = self.comm_starts_ns
             if starts:
                 ends = self.comm_ends_ns
-                recorder.add_phase_ns("communication", _union_ns(starts, ends))
+                if recorder.sampled:  # on the same steps as the other phases (_sampling)
+                    recorder.add_sampled_phase_ns("communication", _union_ns(starts, ends))
                 starts.clear()
                 ends.clear()
             if not recorder.explicit_steps and recorder.step_depth > 0:

@@ -45,6 +45,7 @@ from stepwatch.exporters._recorder import (
     StepRecorder,
     SystemClock,
     new_recorder,
+    sampled_steps,
     window_values,
 )
 from stepwatch.exporters._sampling import PhaseSampler
@@ -137,8 +138,7 @@ class StepMonitor:
         histogram_buckets: ``exponential`` (default) or ``explicit`` (bounds a Collector's
             influxdb exporter keeps; docs/storage.md); else ``STEPWATCH_HISTOGRAM_BUCKETS``.
         phase_sampling: Steps whose phases auto mode times: ``1`` (default) every step,
-            ``"auto"`` steps >= 100 ms apart, ``k`` about 1 in ``k``; each stands for the steps
-            around it (``stepwatch.exporters._sampling``, docs/exporters.md).
+            ``"auto"`` >= 50 ms apart, ``k`` 1 in ``k`` (``_sampling``, docs/exporters.md).
         start: Start the export thread now (``False``: call :meth:`export_now` yourself).
 
     Raises:
@@ -425,15 +425,17 @@ class StepMonitor:
                 self._log.warning("kernel-drain", "kernel source drain() raised", exc_info=True)
         builder = self._builder
         if records:
+            carry = self._unsampled_carry
             durations, phases, weighted, self._unsampled_carry = window_values(
-                records, timer, _YIELD_EVERY_STEPS, self._unsampled_carry
+                records, timer, _YIELD_EVERY_STEPS, carry
             )
-            last_index = max(record[0] for record in records)
+            sampled = sampled_steps(records, durations, carry, self._sampler) if weighted else None
             builder.add_steps(
-                last_step_index=last_index,
+                last_step_index=max(record[0] for record in records),
                 durations_s=durations,
                 phases_s=phases,
                 weighted_phases_s=weighted,
+                sampled_steps_s=sampled,
             )
             self._sampler.observe(durations)
         if kernels is not None:
@@ -508,14 +510,10 @@ class StepMonitor:
         """Counters since construction; they add up (``_account``). Never raises."""
         recorder = self._recorder
         if self._disabled:  # all zero
-            return self._account.snapshot(
-                steps_recorded=0,
-                buffer_steps=0,
-                buffer_dropped=0,
-                misuse=0,
-                overflowed=0,
-                rejected=0,
+            zero = dict.fromkeys(
+                ("steps_recorded", "buffer_steps", "buffer_dropped", "misuse", "overflowed"), 0
             )
+            return self._account.snapshot(rejected=0, **zero)
         return self._account.snapshot(
             steps_recorded=recorder.steps_recorded,
             buffer_steps=len(self._buffer),

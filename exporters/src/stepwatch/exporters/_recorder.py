@@ -76,6 +76,30 @@ def window_values(
     return durations, phases, weighted, 0
 
 
+def sampled_steps(
+    records: list[StepRecord], durations: list[float], carry: int, sampler: PhaseSampler
+) -> tuple[list[float], list[int]] | None:
+    """The durations (``window_values``' first list) of the steps whose auto-mode phases
+    were timed, with the weights ``window_values`` gave their phases (same ``carry``): the
+    step time a window's sampled phase times compare with. ``None`` unless phases are
+    sampled (the stride is not 1) or some auto-mode step of ``records`` was not timed.
+    """
+    if sampler.stride == 1 and not sampler.adaptive:
+        return None  # every step is timed
+    sampling = sampler.stride != 1
+    timed: list[float] = []
+    watched = carry
+    for record, duration in zip(records, durations, strict=True):
+        auto = record[5]
+        if auto is not None:
+            watched += 1
+            if auto is not UNSAMPLED:
+                timed.append(duration)
+    if not timed or (len(timed) == watched and not sampling):
+        return None
+    return timed, share_out(watched, len(timed))
+
+
 def _values(
     records: list[StepRecord], timer: DeviceTimer | None, yield_every: int, carry: int
 ) -> tuple[list[float], dict[str, list[float]], list[dict[str, int]], int]:

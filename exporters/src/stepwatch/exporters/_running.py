@@ -22,7 +22,8 @@ Choices (docs/exporters.md, "Cumulative temporality"):
   run; the values of a new series past the cap go to the overflow series (``other``) and are
   counted, as in a delta window.
 
-:func:`histogram_metric` writes a window's or a run's histograms as one OTLP metric.
+:func:`histogram_metric` writes a window's or a run's histograms as one OTLP metric;
+:func:`number_metric` a window's gauges or counter.
 """
 
 from __future__ import annotations
@@ -173,3 +174,40 @@ def histogram_metric(
         unit="s",
         data=OtelHistogram(data_points=points, aggregation_temporality=temporality),
     )
+
+
+def number_metric(
+    name: str,
+    unit: str,
+    points: Sequence[tuple[dict[str, str], int | float]],
+    bounds: tuple[int, int],
+    *,
+    counter: str | None = None,
+) -> Metric:
+    """A gauge, or with ``counter`` (``"delta"``/``"cumulative"``) a monotonic sum."""
+    from opentelemetry.sdk.metrics.export import (
+        AggregationTemporality,
+        Gauge,
+        Metric,
+        NumberDataPoint,
+        Sum,
+    )
+
+    data_points = [
+        NumberDataPoint(
+            attributes=attributes,
+            start_time_unix_nano=bounds[0],
+            time_unix_nano=bounds[1],
+            value=value,
+        )
+        for attributes, value in points
+    ]
+    data: Gauge | Sum = Gauge(data_points=data_points)
+    if counter is not None:
+        temporality = (
+            AggregationTemporality.CUMULATIVE
+            if counter == "cumulative"
+            else AggregationTemporality.DELTA
+        )
+        data = Sum(data_points=data_points, aggregation_temporality=temporality, is_monotonic=True)
+    return Metric(name=name, description=_DESCRIPTION, unit=unit, data=data)

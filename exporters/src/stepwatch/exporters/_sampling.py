@@ -12,16 +12,16 @@ at the same steps), no period of the workload can alias with it (a fixed stride 
 would see only the same micro-batch of a period-``k`` schedule), and with power-of-two strides
 the sets nest: a rank at stride 16 samples a subset of a rank's at stride 8.
 
-The default is every step (``phase_sampling=1``): with fewer steps behind each window's
-phase times, the cross-rank rules see more noise than they were tuned for (the 4-rank demo's
-straggler test named a rotating workload imbalance as well at strides 2-8), and the detectors
-do not yet know how many steps a window's phase times rest on. ``phase_sampling="auto"``
-picks the smallest power of two that keeps sampled steps at least :data:`SAMPLE_INTERVAL_S`
-apart, from the median step of the last exported window: every step at 100 ms and longer,
-1 in 8 at 20 ms, at most 1 in :data:`MAX_STRIDE`. A sampled step costs ~100 µs at most on
-this project's bench machine, so phase timing stays within ~0.1 % of the run whatever the
-step. The stride changes only when the ideal one moves 25 % past a power of two (no flapping
-between ranks whose steps differ by a hair). Until the first window, every step is sampled.
+The default is every step (``phase_sampling=1``). While phases are sampled, each window also
+says what they rest on (``stepwatch.step.sampled`` and ``stepwatch.step.sampled.duration``,
+:func:`~stepwatch.exporters._recorder.sampled_steps`), and the detectors pool and pair on it
+(docs/diagnosis.md); what sampling still loses is a one-off stall on a step whose phases were
+not timed (docs/exporters.md). ``phase_sampling="auto"`` picks the smallest power of two that
+keeps sampled steps at least :data:`SAMPLE_INTERVAL_S` apart, from the median step of the
+last exported window: every step at 50 ms and longer, 1 in 4 at 20 ms, at most 1 in
+:data:`MAX_STRIDE`: 10-20 timed steps in a 1 s window. The stride changes only when the ideal
+one moves 25 % past a power of two (no flapping between ranks whose steps differ by a hair).
+Until the first window, every step is sampled.
 
 A step whose phases are not timed costs auto mode one early return in the forward wrapper,
 the optimizer hooks' check, and (DDP, exposed wait) a C-level mark when the last gradient
@@ -45,7 +45,7 @@ from typing import Final
 
 from stepwatch.core._errors import ConfigError
 
-SAMPLE_INTERVAL_S: Final = 0.1
+SAMPLE_INTERVAL_S: Final = 0.05
 MAX_STRIDE: Final = 256
 _HYSTERESIS: Final = 1.25
 _MASK64: Final = (1 << 64) - 1

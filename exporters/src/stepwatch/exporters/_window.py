@@ -38,7 +38,7 @@ from stepwatch.exporters._histogram import (
     ExponentialHistogram,
     HistogramSnapshot,
 )
-from stepwatch.exporters._running import RunningTotals
+from stepwatch.exporters._running import RunningTotals, number_metric
 from stepwatch.exporters._running import histogram_metric as _histogram_metric
 
 if TYPE_CHECKING:
@@ -84,12 +84,6 @@ class WindowOptions(TypedDict):
 
     histogram_buckets: str
     temporality: str
-
-
-# Metric descriptions are not sent: OTLP makes them optional, the bridge does not store them,
-# and on a one-step window they cost ~130 of ~1,250 gzipped bytes (bench/kernel_bytes.py).
-# docs/schema.md describes every metric.
-_DESCRIPTION = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +310,7 @@ class WindowBuilder:
                     },
                 },
             )
+        self._sampled_run = 0  # cumulative: sampled steps since the first window
         self._overflow_observations = 0
         self.rejected_observations = 0
         """Durations refused for being negative, NaN or infinite (cumulative)."""
@@ -337,6 +332,8 @@ class WindowBuilder:
 
     def _reset(self) -> None:
         self._steps = self._new_histogram()
+        self._sampled = self._new_histogram()
+        self._sampled_steps = 0
         self._idle = self._new_histogram()
         self._phases: dict[str, ExponentialHistogram] = {}
         self._kernels: dict[tuple[str, str], ExponentialHistogram] = {}
@@ -371,6 +368,7 @@ class WindowBuilder:
         durations_s: Sequence[float],
         phases_s: Mapping[str, Sequence[float]],
         weighted_phases_s: Mapping[str, tuple[Sequence[float], Sequence[int]]] | None = None,
+        sampled_steps_s: tuple[Sequence[float], Sequence[int]] | None = None,
     ) -> None:
         """Add many finished steps at once: what :meth:`add_step` on each does, in one pass
         per histogram (:meth:`ExponentialHistogram.record_many`; the export thread's cost).
@@ -381,6 +379,9 @@ class WindowBuilder:
             phases_s: Phase name → that phase's time in each step it occurred in.
             weighted_phases_s: Phase name → (time, weight) of each sampled step it occurred
                 in: auto mode's phases, timed on a sample of steps (``_sampling``).
+            sampled_steps_s: (wall time, weight) of each step whose phases were timed, with
+                the weights of ``weighted_phases_s``, while phases are sampled
+                (``stepwatch.step.sampled.duration`` and ``stepwatch.step.sampled``).
         """
         self.rejected_observations += self._steps.record_many(durations_s)
         if self._last_step is None or last_step_index > self._last_step:
@@ -391,6 +392,10 @@ class WindowBuilder:
         for phase, (values, weights) in (weighted_phases_s or {}).items():
             histogram = self._phase_histogram(phase, sum(weights))
             self.rejected_observations += histogram.record_weighted(values, weights)
+        if sampled_steps_s is not None:
+            values, weights = sampled_steps_s
+            self.rejected_observations += self._sampled.record_weighted(values, weights)
+            self._sampled_steps += len(values)
 
     def _phase_histogram(self, phase: str, observations: int) -> ExponentialHistogram:
         """The histogram of ``phase``, made on first use (past the cap: ``other``'s)."""
@@ -430,6 +435,17 @@ class WindowBuilder:
     def mark_closed(self) -> None:
         """Make this the monitor's last window (``stepwatch.monitor.closed`` = 1)."""
         self._closed = True
+
+    def _sampled_steps_metric(self, bounds: tuple[int, int]) -> Metric:
+        """``stepwatch.step.sampled``: how many steps the window's sampled phase times rest
+        on (since the first window when cumulative)."""
+        value = self._sampled_steps
+        if self._totals is not None:
+            self._sampled_run += value
+            value = self._sampled_run
+        return number_metric(
+            _schema.SAMPLED_STEPS, "{step}", [({}, value)], bounds, counter=self.temporality
+        )
 
     @property
     def empty(self) -> bool:
@@ -492,8 +508,13 @@ class WindowBuilder:
 
         if self._steps.count:
             histograms(_schema.STEP_DURATION, [({}, self._steps.snapshot())])
+        if self._sampled.count:
+            histograms(_schema.SAMPLED_STEP_DURATION, [({}, self._sampled.snapshot())])
+            metrics.append(self._sampled_steps_metric(histogram_bounds))
         if self._last_step is not None:
-            metrics.append(_gauge(_schema.STEP_LAST, "{step}", [({}, self._last_step)], bounds))
+            metrics.append(
+                number_metric(_schema.STEP_LAST, "{step}", [({}, self._last_step)], bounds)
+            )
         if self._idle.count:
             histograms(_schema.DEVICE_IDLE_DURATION, [({}, self._idle.snapshot())])
         phases = [
@@ -530,7 +551,7 @@ class WindowBuilder:
         if self._progress is not None:
             metrics.extend(_progress_metrics(self._progress, bounds))
         if self._closed:
-            metrics.append(_gauge(_schema.MONITOR_CLOSED, "1", [({}, 1)], bounds))
+            metrics.append(number_metric(_schema.MONITOR_CLOSED, "1", [({}, 1)], bounds))
         self._reset()
         return MetricsData(
             resource_metrics=[
@@ -543,41 +564,15 @@ class WindowBuilder:
         )
 
 
-def _gauge(
-    name: str,
-    unit: str,
-    points: Sequence[tuple[dict[str, str], int | float]],
-    bounds: tuple[int, int],
-) -> Metric:
-    from opentelemetry.sdk.metrics.export import Gauge, Metric, NumberDataPoint
-
-    return Metric(
-        name=name,
-        description=_DESCRIPTION,
-        unit=unit,
-        data=Gauge(
-            data_points=[
-                NumberDataPoint(
-                    attributes=attributes,
-                    start_time_unix_nano=bounds[0],
-                    time_unix_nano=bounds[1],
-                    value=value,
-                )
-                for attributes, value in points
-            ]
-        ),
-    )
-
-
 def _progress_metrics(progress: Progress, bounds: tuple[int, int]) -> list[Metric]:
     """The progress gauges of docs/schema.md, stamped at the window's end (the export)."""
     phase = {_schema.PHASE: progress.phase} if progress.phase is not None else {}
     metrics = [
-        _gauge(_schema.STEP_CURRENT, "{step}", [({}, progress.step_index)], bounds),
-        _gauge(_schema.STEP_ELAPSED, "s", [(phase, progress.step_elapsed_s)], bounds),
+        number_metric(_schema.STEP_CURRENT, "{step}", [({}, progress.step_index)], bounds),
+        number_metric(_schema.STEP_ELAPSED, "s", [(phase, progress.step_elapsed_s)], bounds),
     ]
     if progress.phase is not None and progress.phase_elapsed_s is not None:
         metrics.append(
-            _gauge(_schema.PHASE_ELAPSED, "s", [(phase, progress.phase_elapsed_s)], bounds)
+            number_metric(_schema.PHASE_ELAPSED, "s", [(phase, progress.phase_elapsed_s)], bounds)
         )
     return metrics

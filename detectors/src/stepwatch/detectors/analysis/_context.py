@@ -177,7 +177,7 @@ def _overlap_waiting(frame: JobFrame, present: BoolArray) -> frozenset[str]:
         return frozenset()
     with np.errstate(invalid="ignore"):
         phase_sum = float(np.nanmedian(np.nansum(frame.phase_s, axis=2)[present]))
-        step = float(np.nanmedian(frame.step_s[present]))
+        step = float(np.nanmedian(frame.phase_step[present]))
         overlap = float(np.nanmedian(communication[present]))
     if not (math.isfinite(step) and phase_sum > 1.1 * step and math.isfinite(overlap)):
         return frozenset()

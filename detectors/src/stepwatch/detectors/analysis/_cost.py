@@ -55,6 +55,7 @@ from stepwatch.detectors.analysis._context import Context, held_wait_phase
 from stepwatch.detectors.analysis._crossrank import OUTSIDE, outside_gap_s
 from stepwatch.detectors.analysis._rule import Verdict
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
+from stepwatch.detectors.frame._sampled import MIN_TIMED_STEPS
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
 
 #: Kinds costed by the late-arrival what-if when their rule gives no cost.
@@ -133,9 +134,8 @@ def lead_s(context: Context) -> FloatArray:
         held = held_wait_phase(frame)
         if wait is None and held is not None:
             wait = frame.phase(held)
-        lead = (
-            frame.step_s if wait is None else frame.step_s - np.where(np.isfinite(wait), wait, 0.0)
-        )
+        step = frame.phase_step  # the sampled steps' when phases were sampled
+        lead = step if wait is None else step - np.where(np.isfinite(wait), wait, 0.0)
         cache["lead"] = np.where(context.present, lead, np.nan)
     return np.asarray(cache["lead"])
 
@@ -224,10 +224,25 @@ def _usual_spread(context: Context, before: int, busy: Sequence[slice]) -> float
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         spread = float(np.nanmedian(np.nanmax(lead, axis=1) - np.nanmean(lead, axis=1)))
-        steps = float(np.nanmedian(steps_per_window(context)[clean]))
+        steps = float(np.nanmedian(_wait_steps(context)[clean]))
+    if context.frame.phase_steps is not None and not steps >= MIN_TIMED_STEPS:
+        return None  # sampled: the spread of a few timed steps' means is their noise
     if not (spread > 0 and usual <= 2.0 * math.sqrt(max(steps, 1.0)) * spread):
         return None
     return usual
+
+
+def _wait_steps(context: Context) -> FloatArray:
+    """``(W,)`` median over the ranks of the steps their window means of phase times rest
+    on: the steps per window, or the timed steps of sampled phases (the leads' spread is
+    then the sample's)."""
+    timed = context.frame.phase_steps
+    if timed is None:
+        return steps_per_window(context)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        median = np.nanmedian(np.where(context.present, timed, np.nan), axis=1)
+    return np.where(np.isfinite(median), median, steps_per_window(context))
 
 
 def _paused_s(

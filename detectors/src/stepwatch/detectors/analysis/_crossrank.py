@@ -64,7 +64,7 @@ def _series(basis: Basis) -> list[_Series]:
         # outside it and waits least in it (arrival order, ARGUS). Unlike step or
         # communication time, waiting for a late peer does not inflate it.
         index = frame.phases.index(holding)
-        outside = np.asarray(frame.step_s - frame.phase_s[:, :, index])
+        outside = np.asarray(frame.phase_step - frame.phase_s[:, :, index])
         series.append(_Series(ARRIVAL, outside, "time"))
     # The waiters are the long ones in overlapping series: no blame from them.
     series = [s for s in series if s.name not in basis.overlap_waiting]
@@ -344,13 +344,13 @@ def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
     waited for it have long steps too, but the wait is inside their collective. So a flag
     needs that gap to reach ``config.stall_outside_min_steps`` job median steps and
     ``config.stall_min_ratio`` times the peers' gap, *and* the peers to have waited for
-    at least half of it in the same or the next window (their longest collective, else
-    their longest step): a pause every rank takes at once (a synchronous checkpoint) makes
-    no one wait and is not a stall of one rank. A gap shorter than ``stall_min_steps``
-    counts only on a rank with at least two more in the frame: once or twice, it is the
-    noise of a shared host (a healthy rank of the 4-rank demo, descheduled twice in 40
-    windows on a loaded 2-core CI host, was named at 1.03x); recurring, it is a rank that
-    keeps stopping.
+    at least half of it in the same or the next window (their longest collective, else,
+    or when phases are sampled, their longest step): a pause every rank takes at once (a
+    synchronous checkpoint) makes no one wait and is not a stall of one rank. A gap
+    shorter than ``stall_min_steps`` counts only on a rank with at least two more in the
+    frame: once or twice, it is the noise of a shared host (a healthy rank of the 4-rank
+    demo, descheduled twice in 40 windows on a loaded 2-core CI host, was named at 1.03x);
+    recurring, it is a rank that keeps stopping.
     """
     frame = basis.frame
     config = basis.config
@@ -359,9 +359,9 @@ def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
     if gap is None or step <= 0:
         return None
     peer_gap = np.maximum(nanmedian(basis.peers(gap), axis=1), 0.0)
-    if COMMUNICATION_CATEGORY in frame.phases:
+    if COMMUNICATION_CATEGORY in frame.phases and frame.phase_steps is None:
         held = frame.phase_max_s[:, :, frame.phases.index(COMMUNICATION_CATEGORY)]
-    else:
+    else:  # no collective times, or sampled ones: the step the peers waited in may be untimed
         held = frame.step_max_s
     held = np.where(basis.present, held, np.nan)
     waited = np.fmax(

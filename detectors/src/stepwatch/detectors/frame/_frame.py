@@ -17,6 +17,7 @@ import numpy as np
 from stepwatch.core import _schema
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._influx import InfluxClient, QuerySeries, quote_ident, quote_literal
+from stepwatch.detectors.frame import _sampled
 from stepwatch.detectors.stats._stats import BoolArray, FloatArray
 
 #: Kernel categories whose time counts as "compute" for straggler blame.
@@ -56,6 +57,13 @@ class JobFrame:
         phase_min_s: ``(W, R, P)`` shortest single phase occurrence (the histograms' ``min``),
             or ``None`` when not read. The shortest time a rank spent in its collective in a
             window is the collective with (almost) no waiting: the transfer itself.
+        phase_step_s: ``(W, R)`` mean duration of the steps ``phase_s`` rests on, when the
+            exporter sampled phases (``None``: every step was timed: ``step_s``). Compare
+            phase times with this, not ``step_s`` (:attr:`phase_step`; :mod:`._sampled`).
+        phase_steps: ``(W, R)`` how many timed steps ``phase_s`` rests on, when sampled
+            (``None``: ``step_count``). A rank's window with fewer than
+            ``_sampled.MIN_TIMED_STEPS`` takes its phase times from it and its windows
+            just before it.
     """
 
     job: str
@@ -79,6 +87,14 @@ class JobFrame:
     dp_ranks: np.ndarray | None = None
     tp_ranks: np.ndarray | None = None
     phase_min_s: FloatArray | None = None
+    phase_step_s: FloatArray | None = None
+    phase_steps: FloatArray | None = None
+
+    @property
+    def phase_step(self) -> FloatArray:
+        """``(W, R)`` the step time phase times compare with: the sampled steps' mean when
+        phases were sampled, else ``step_s``."""
+        return self.step_s if self.phase_step_s is None else self.phase_step_s
 
     @property
     def n_windows(self) -> int:
@@ -238,6 +254,10 @@ def read_frame(
         f"WHERE {where} GROUP BY {rank_tag}",
         f'SELECT "gauge" FROM {quote_ident(_schema.GPU_SM_CLOCK)} WHERE {where} '
         f"GROUP BY {rank_tag}",
+        f'SELECT "sum", "count" FROM {quote_ident(_schema.SAMPLED_STEP_DURATION)} '
+        f"WHERE {where} GROUP BY {rank_tag}",
+        f'SELECT "counter" FROM {quote_ident(_schema.SAMPLED_STEPS)} WHERE {where} '
+        f"GROUP BY {rank_tag}",
     ]
     results = client.query("; ".join(statements))
     if window_s is None:
@@ -334,6 +354,8 @@ def frame_from_series(
     kernel = _Accumulator(n_bins, rank_index)
     idle = _Accumulator(n_bins, rank_index)
     clock = _Accumulator(n_bins, rank_index)
+    sampled = _Accumulator(n_bins, rank_index)
+    sampled_steps = _Accumulator(n_bins, rank_index)
     categories: dict[str, str] = {}
     for series in results:
         rank = _series_rank(series)
@@ -343,6 +365,8 @@ def frame_from_series(
         layout: tuple[str, ...]
         if series.name == _schema.GPU_SM_CLOCK:
             target, key, layout = clock, "clock", ("gauge",)
+        elif series.name == _schema.SAMPLED_STEPS:
+            target, key, layout = sampled_steps, "sampled", ("counter",)
         else:
             layout = ("sum", "count", "max", "min")
             if series.name == _schema.STEP_DURATION:
@@ -355,6 +379,8 @@ def frame_from_series(
                 categories[key] = series.tags.get(_schema.KERNEL_CATEGORY, "") or "other"
             elif series.name == _schema.DEVICE_IDLE_DURATION:
                 target, key = idle, "idle"
+            elif series.name == _schema.SAMPLED_STEP_DURATION:
+                target, key = sampled, "sampled"
             else:
                 continue
         positions = [columns.index(name) if name in columns else -1 for name in layout]
@@ -364,7 +390,7 @@ def frame_from_series(
             if not 0 <= bin_index < n_bins:
                 continue
             numbers = [_number(row[p]) if p >= 0 else math.nan for p in positions]
-            if layout == ("gauge",):
+            if len(layout) == 1:  # a gauge or a counter
                 value = numbers[0]
                 if math.isfinite(value):
                     target.add(bin_index, rank, key, value, 1.0, value)
@@ -391,6 +417,23 @@ def frame_from_series(
                 clock_count[:, :, 0] > 0, clock_total[:, :, 0] / clock_count[:, :, 0], np.nan
             )
     phase_order = sorted(range(len(phase_names)), key=lambda i: _phase_rank(phase_names[i]))
+    step_s = step_total[:, :, 0] * per_step
+    phase_s = phase_total * per_step[:, :, None]
+    phase_step_s: FloatArray | None = None
+    phase_steps: FloatArray | None = None
+    if sampled.keys:  # phases timed on a sample of steps
+        sampled_total, sampled_count, _, _ = sampled.arrays(n_ranks)
+        timed, stood_for, timed_total = _sampled.timed_steps(
+            steps,
+            step_total[:, :, 0],
+            sampled_steps.arrays(n_ranks)[0][:, :, 0],
+            sampled_count[:, :, 0],
+            sampled_total[:, :, 0],
+        )
+        phase_s, phase_step_s, phase_steps = _sampled.pool(
+            phase_total, steps, timed, stood_for, timed_total
+        )
+        phase_step_s = np.where(np.isfinite(phase_step_s), phase_step_s, step_s)
     kernel_order = sorted(range(len(kernel_names)), key=lambda i: kernel_names[i])
     no_phases = np.zeros((n_bins, n_ranks, 0))
 
@@ -411,12 +454,10 @@ def frame_from_series(
             [coordinates[_schema.PP_RANK].get(rank, -1) for rank in ordered], dtype=np.int64
         ),
         step_count=steps,
-        step_s=step_total[:, :, 0] * per_step,
+        step_s=step_s,
         step_max_s=np.where(steps > 0, step_peak[:, :, 0], np.nan),
         phases=tuple(phase_names[i] for i in phase_order),
-        phase_s=(phase_total * per_step[:, :, None])[:, :, phase_order]
-        if phase_names
-        else no_phases,
+        phase_s=phase_s[:, :, phase_order] if phase_names else no_phases,
         phase_max_s=phase_peak[:, :, phase_order] if phase_names else no_phases,
         kernel_classes=tuple(kernel_names[i] for i in kernel_order),
         kernel_categories=tuple(categories[kernel_names[i]] for i in kernel_order),
@@ -431,6 +472,8 @@ def frame_from_series(
         dp_ranks=coordinate(_schema.DP_RANK),
         tp_ranks=coordinate(_schema.TP_RANK),
         phase_min_s=phase_low[:, :, phase_order] if phase_names else no_phases,
+        phase_step_s=phase_step_s,
+        phase_steps=phase_steps,
     )
 
 
