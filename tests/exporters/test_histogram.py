@@ -276,3 +276,30 @@ def test_boundary_values_land_where_map_to_index_puts_them(
     expected = collections.Counter(map_to_index(v, snap.scale) for v in values if v > 0.0)
     got = {snap.offset + i: c for i, c in enumerate(snap.bucket_counts) if c}
     assert got == dict(expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(durations, min_size=1, max_size=200), bits=st.integers(1, FLOAT_BITS))
+def test_snapshot_buckets_are_the_dense_counts_whatever_the_path(
+    values: list[float], bits: int
+) -> None:
+    # snapshot() fills sparse histograms from their few buckets and dense ones by index:
+    # both must give every bucket from the lowest to the highest, zeros included.
+    histogram = ExponentialHistogram(max_scale=5, max_size=160)
+    histogram.record_many(values)
+    snap = histogram.snapshot()
+    counts = histogram._counts
+    if counts:  # else every value was zero
+        low, high = min(counts), max(counts)
+        assert snap.offset == low
+        assert snap.bucket_counts == tuple(counts.get(i, 0) for i in range(low, high + 1))
+    else:
+        assert snap.bucket_counts == ()
+    assert sum(snap.bucket_counts) + snap.zero_count == snap.count == len(values)
+    # Rounding only the sum (min/max not sent) leaves them exact and the sum as rounded.
+    both, only_sum = (
+        snap.with_significant_bits(bits),
+        snap.with_significant_bits(bits, bounds=False),
+    )
+    assert only_sum.sum == both.sum
+    assert (only_sum.min, only_sum.max) == (snap.min, snap.max)

@@ -14,13 +14,12 @@ them.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from stepwatch.core._errors import ConfigError
 
@@ -145,9 +144,12 @@ def lower_boundary(index: int, scale: int) -> float:
         return math.inf
 
 
-@dataclasses.dataclass(frozen=True)
-class HistogramSnapshot:
+class HistogramSnapshot(NamedTuple):
     """The state of one exponential histogram, ready to become one OTLP data point.
+
+    A named tuple, not a frozen dataclass: the export thread makes one per series per window
+    (~26 in a window with 20 kernel classes), and a frozen dataclass' ``__init__`` (one
+    ``object.__setattr__`` per field) cost ~5x a tuple's (bench/export_cost.py).
 
     Attributes:
         count: Number of recorded values (``zero_count + sum(bucket_counts)``).
@@ -160,7 +162,7 @@ class HistogramSnapshot:
         bucket_counts: Dense counts of the positive buckets from ``offset`` upwards.
     """
 
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, unused on snapshots
     sum: float
     min: float
     max: float
@@ -169,7 +171,7 @@ class HistogramSnapshot:
     offset: int
     bucket_counts: tuple[int, ...]
 
-    def with_significant_bits(self, bits: int) -> HistogramSnapshot:
+    def with_significant_bits(self, bits: int, *, bounds: bool = True) -> HistogramSnapshot:
         """The snapshot with ``sum``, ``min`` and ``max`` rounded to ``bits`` significant bits.
 
         ``min`` rounds down and ``max`` rounds up, so they still bound every recorded value
@@ -181,14 +183,17 @@ class HistogramSnapshot:
 
         Args:
             bits: Significant bits kept, ``1 <= bits``.
+            bounds: Round ``min`` and ``max`` too (``False``: only ``sum``, for a point that
+                will not carry them: the kernel points by default).
 
         Returns:
             The rounded snapshot (``self`` when ``bits >= FLOAT_BITS`` or ``min == max``).
         """
         if bits >= FLOAT_BITS or self.min == self.max:
             return self
-        return dataclasses.replace(
-            self,
+        if not bounds:
+            return self._replace(sum=round_significant(self.sum, bits))
+        return self._replace(
             sum=round_significant(self.sum, bits),
             min=round_significant(self.min, bits, direction="down"),
             max=round_significant(self.max, bits, direction="up"),
@@ -404,9 +409,17 @@ class ExponentialHistogram:
 
     def snapshot(self) -> HistogramSnapshot:
         """The current state as an immutable value."""
-        if self._counts:
-            offset = self._low
-            buckets = tuple(map(self._counts.get, range(self._low, self._high + 1), _ZEROS))
+        counts = self._counts
+        if counts:
+            offset = low = self._low
+            width = self._high - low + 1
+            if len(counts) * 4 < width:  # sparse (a few executions over many buckets)
+                dense = [0] * width
+                for index, count in counts.items():
+                    dense[index - low] = count
+                buckets = tuple(dense)
+            else:
+                buckets = tuple(map(counts.get, range(low, low + width), _ZEROS))
         else:
             offset, buckets = 0, ()
         empty = self._count == 0

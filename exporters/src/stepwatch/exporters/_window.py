@@ -535,7 +535,10 @@ class WindowBuilder:
             kernels = totals.add(_schema.KERNEL_DURATION, kernels)
         else:  # a cumulative sum stays exact: its rounding error would be a share of the run
             bits = self._kernel_significant_bits
-            kernels = [(key, snap.with_significant_bits(bits)) for key, snap in kernels]
+            sent = self._kernel_min_max  # min/max rounded only when they are sent
+            kernels = [
+                (key, snap.with_significant_bits(bits, bounds=sent)) for key, snap in kernels
+            ]
         kernels.sort(key=lambda series: series[1].sum)  # stable: ties stay in (class, category)
         if kernels:
             metrics.append(
