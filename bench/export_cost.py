@@ -170,6 +170,40 @@ def _recording_paths(rng: random.Random, repeat: int) -> None:
         )
     print("(per call: divide by calls; identical results: tests/exporters/test_histogram_fast.py)")
     _step_pass(rng, repeat)
+    _point_encoding(rng, repeat, python_path)
+
+
+def _point_encoding(
+    rng: random.Random, repeat: int, python_path: Callable[[Callable[[], None]], Callable[[], None]]
+) -> None:
+    """The lean encoder on the kernels window: its exponential points written in C
+    (``_fasthist.exponential_point``) vs in Python, side by side (the same bytes)."""
+    from stepwatch.exporters._otlp_protobuf import RequestEncoder
+    from stepwatch.exporters._window import WindowBuilder, build_resource
+
+    steps, kernels = _window_values(rng, 20)
+    builder = WindowBuilder(build_resource(job_id="bench", rank=0, world_size=2))
+    _fill(builder, steps, kernels)
+    window = builder.build(start_unix_nano=1_000, end_unix_nano=2_000)
+    encoder = RequestEncoder()
+    points = sum(
+        len(metric.data.data_points)
+        for metric in window.resource_metrics[0].scope_metrics[0].metrics
+    )
+
+    def encode() -> None:
+        encoder.encode(window)
+
+    assert python_path(lambda: None) is not None
+    c_bytes = encoder.encode(window)
+    slow: list[bytes | None] = []
+    python_path(lambda: slow.append(encoder.encode(window)))()
+    assert slow == [c_bytes], "the C and Python point writers disagree"
+    python_cpu, _, c_cpu, _ = _compare(python_path(encode), encode, repeat)
+    print(
+        f"{'encode':14} {1:5} {points:6} {c_cpu:8.1f} {python_cpu:9.1f} "
+        f"{python_cpu / c_cpu:5.1f}x   (the kernels window's {points} points, one request)"
+    )
 
 
 def _step_pass(rng: random.Random, repeat: int) -> None:

@@ -1,4 +1,6 @@
-/* stepwatch.exporters._fasthist: ExponentialHistogram.record_many / record_weighted in C.
+/* stepwatch.exporters._fasthist: ExponentialHistogram.record_many / record_weighted in C, and
+ * exponential_point: one OTLP ExponentialHistogramDataPoint written as _otlp_protobuf writes it
+ * (the same bytes; None, for the Python code to handle, on anything unusual).
  *
  * The export thread records every step, phase and kernel duration of a window into base-2
  * exponential histograms (_histogram.py). These two functions run the loops of
@@ -545,11 +547,299 @@ static PyObject *fast_record_weighted(PyObject *module, PyObject *const *args, P
     return run(args[0], values, weights);
 }
 
+/* ---- one ExponentialHistogramDataPoint, as _otlp_protobuf._exponential_point writes it ------ */
+
+static PyObject *p_exemplars, *p_start_time_unix_nano, *p_time_unix_nano, *p_count, *p_sum, *p_scale, *p_zero_count, *p_positive, *p_negative, *p_flags, *p_min, *p_max, *p_bucket_counts, *p_offset; /* point attribute names */
+
+/* A growable byte buffer on the stack, spilling to the heap. */
+typedef struct {
+    unsigned char *data;
+    Py_ssize_t size, capacity;
+    unsigned char stack[1024];
+} Buffer;
+
+static int buffer_reserve(Buffer *b, Py_ssize_t extra) {
+    if (b->size + extra <= b->capacity) return 0;
+    Py_ssize_t capacity = (b->capacity + extra) * 2;
+    unsigned char *grown;
+    if (b->data == b->stack) {
+        grown = PyMem_Malloc((size_t)capacity);
+        if (grown) memcpy(grown, b->data, (size_t)b->size);
+    } else {
+        grown = PyMem_Realloc(b->data, (size_t)capacity);
+    }
+    if (!grown) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->data = grown;
+    b->capacity = capacity;
+    return 0;
+}
+
+static int put_byte(Buffer *b, unsigned char byte) {
+    if (buffer_reserve(b, 1)) return -1;
+    b->data[b->size++] = byte;
+    return 0;
+}
+
+static int put_varint(Buffer *b, uint64_t value) {
+    if (buffer_reserve(b, 10)) return -1;
+    while (value > 0x7F) {
+        b->data[b->size++] = (unsigned char)((value & 0x7F) | 0x80);
+        value >>= 7;
+    }
+    b->data[b->size++] = (unsigned char)value;
+    return 0;
+}
+
+static int put_fixed64(Buffer *b, unsigned char tag, uint64_t value) {
+    if (buffer_reserve(b, 9)) return -1;
+    b->data[b->size++] = tag;
+    for (int k = 0; k < 8; k++) b->data[b->size++] = (unsigned char)(value >> (8 * k));
+    return 0;
+}
+
+static int put_double(Buffer *b, unsigned char tag, double value) {
+    uint64_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return put_fixed64(b, tag, bits);
+}
+
+static int put_bytes(Buffer *b, const unsigned char *bytes, Py_ssize_t n) {
+    if (buffer_reserve(b, n)) return -1;
+    memcpy(b->data + b->size, bytes, (size_t)n);
+    b->size += n;
+    return 0;
+}
+
+/* sint32's zigzag, as the Python's (value << 1) ^ (value >> 31) on an int32. */
+static uint64_t zigzag32(long long value) {
+    uint32_t bits = (uint32_t)value;
+    return (uint64_t)((bits << 1) ^ (value < 0 ? 0xFFFFFFFFu : 0u));
+}
+
+/* An attribute as an exact int in [low, high]: 1 with *out set, 0 when it is not one. */
+static int exact_int(PyObject *obj, PyObject *name, long long low, unsigned long long high,
+                     unsigned long long *out, int *negative) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (!value) return -1;
+    int ok = 0;
+    if (PyLong_CheckExact(value)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (!overflow && !(v == -1 && PyErr_Occurred()) && v >= low &&
+            (v < 0 || (unsigned long long)v <= high)) {
+            *out = (unsigned long long)v;
+            *negative = v < 0;
+            ok = 1;
+        } else if (overflow > 0 && low >= 0) {
+            PyErr_Clear();
+            unsigned long long u = PyLong_AsUnsignedLongLong(value);
+            if (!(u == (unsigned long long)-1 && PyErr_Occurred()) && u <= high) {
+                *out = u;
+                *negative = 0;
+                ok = 1;
+            }
+        }
+        PyErr_Clear();
+    }
+    Py_DECREF(value);
+    return ok;
+}
+
+/* An optional double attribute: 1 set (*out), 2 None, 0 not an exact float or int. */
+static int optional_double(PyObject *obj, PyObject *name, double *out) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (!value) return -1;
+    int result = 0;
+    if (value == Py_None) {
+        result = 2;
+    } else if (PyFloat_CheckExact(value)) {
+        *out = PyFloat_AS_DOUBLE(value);
+        result = 1;
+    } else if (PyLong_CheckExact(value)) {
+        double d = PyLong_AsDouble(value);
+        if (!(d == -1.0 && PyErr_Occurred())) {
+            *out = d;
+            result = 1;
+        }
+        PyErr_Clear();
+    }
+    Py_DECREF(value);
+    return result;
+}
+
+#define INT32_LOW (-2147483648LL)
+#define INT32_HIGH 2147483647ULL
+#define UINT64_HIGH 18446744073709551615ULL
+
+/* Buckets field ``tag`` (positive 8, negative 9): 1 written (or empty), 0 unsupported. */
+static int put_buckets(Buffer *b, PyObject *point, PyObject *name, unsigned char tag) {
+    PyObject *buckets = PyObject_GetAttr(point, name);
+    if (!buckets) return -1;
+    int status = 0;
+    PyObject *counts = PyObject_GetAttr(buckets, p_bucket_counts);
+    if (!counts) goto done_error;
+    if (!PyList_CheckExact(counts) && !PyTuple_CheckExact(counts)) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(counts);
+    if (n == 0) {
+        status = 1;
+        goto done;
+    }
+    unsigned long long offset_bits;
+    int negative;
+    int got = exact_int(buckets, p_offset, INT32_LOW, INT32_HIGH, &offset_bits, &negative);
+    if (got < 0) goto done_error;
+    if (!got) goto done;
+    long long offset = (long long)offset_bits;
+    /* packed varints of the counts (each one byte below 0x80, as bytes(counts)) */
+    Buffer packed = {.data = NULL, .size = 0, .capacity = 1024};
+    packed.data = packed.stack;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(counts, k);
+        if (!PyLong_CheckExact(item)) goto packed_unsupported;
+        int overflow = 0;
+        long long c = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow || c < 0) { /* negative: the Python raises (bytes() or _varint's 10) */
+            PyErr_Clear();
+            goto packed_unsupported;
+        }
+        if (put_varint(&packed, (uint64_t)c)) goto packed_error;
+    }
+    Buffer body = {.data = NULL, .size = 0, .capacity = 1024};
+    body.data = body.stack;
+    if ((offset && (put_byte(&body, 0x08) || put_varint(&body, zigzag32(offset)))) ||
+        put_byte(&body, 0x12) || put_varint(&body, (uint64_t)packed.size) ||
+        put_bytes(&body, packed.data, packed.size) || put_byte(b, tag) ||
+        put_varint(b, (uint64_t)body.size) || put_bytes(b, body.data, body.size)) {
+        if (body.data != body.stack) PyMem_Free(body.data);
+        goto packed_error;
+    }
+    if (body.data != body.stack) PyMem_Free(body.data);
+    if (packed.data != packed.stack) PyMem_Free(packed.data);
+    status = 1;
+    goto done;
+packed_unsupported:
+    if (packed.data != packed.stack) PyMem_Free(packed.data);
+    goto done;
+packed_error:
+    if (packed.data != packed.stack) PyMem_Free(packed.data);
+done_error:
+    status = -1;
+done:
+    Py_XDECREF(counts);
+    Py_DECREF(buckets);
+    return status;
+}
+
+PyDoc_STRVAR(exponential_point_doc,
+             "exponential_point(point, attributes) -> bytes | None\n\n"
+             "The data point as a length-delimited field 1 (0x0a, its length, its body), the "
+             "bytes _otlp_protobuf._exponential_point and _length_delimited write; "
+             "``attributes`` is the point's encoded attributes. None for anything the Python "
+             "code handles differently (exemplars, a value out of range or of another type): "
+             "the caller runs the Python code then.");
+
+static PyObject *fast_exponential_point(PyObject *module, PyObject *const *args,
+                                        Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2 || !PyBytes_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "exponential_point takes a point and bytes");
+        return NULL;
+    }
+    PyObject *point = args[0];
+    PyObject *result = NULL;
+    Buffer body = {.data = NULL, .size = 0, .capacity = 1024};
+    body.data = body.stack;
+    PyObject *exemplars = PyObject_GetAttr(point, p_exemplars);
+    if (!exemplars) return NULL;
+    int has_exemplars = PyObject_IsTrue(exemplars);
+    Py_DECREF(exemplars);
+    if (has_exemplars < 0) return NULL;
+    if (has_exemplars) Py_RETURN_NONE;
+    if (put_bytes(&body, (const unsigned char *)PyBytes_AS_STRING(args[1]),
+                  PyBytes_GET_SIZE(args[1])))
+        goto error;
+    PyObject *fixed[] = {p_start_time_unix_nano, p_time_unix_nano, p_count};
+    static const unsigned char fixed_tags[] = {0x11, 0x19, 0x21};
+    for (int k = 0; k < 3; k++) {
+        unsigned long long value;
+        int negative;
+        int got = exact_int(point, fixed[k], 0, UINT64_HIGH, &value, &negative);
+        if (got < 0) goto error;
+        if (!got) goto unsupported;
+        if (value && put_fixed64(&body, fixed_tags[k], value)) goto error;
+    }
+    double number;
+    int got = optional_double(point, p_sum, &number);
+    if (got < 0) goto error;
+    if (!got) goto unsupported;
+    if (got == 1 && put_double(&body, 0x29, number)) goto error;
+    unsigned long long scale_bits;
+    int negative;
+    got = exact_int(point, p_scale, INT32_LOW, INT32_HIGH, &scale_bits, &negative);
+    if (got < 0) goto error;
+    if (!got) goto unsupported;
+    long long scale = (long long)scale_bits;
+    if (scale && (put_byte(&body, 0x30) || put_varint(&body, zigzag32(scale)))) goto error;
+    unsigned long long zero_count;
+    got = exact_int(point, p_zero_count, 0, UINT64_HIGH, &zero_count, &negative);
+    if (got < 0) goto error;
+    if (!got) goto unsupported;
+    if (zero_count && put_fixed64(&body, 0x39, zero_count)) goto error;
+    got = put_buckets(&body, point, p_positive, 0x42);
+    if (got < 0) goto error;
+    if (!got) goto unsupported;
+    got = put_buckets(&body, point, p_negative, 0x4a);
+    if (got < 0) goto error;
+    if (!got) goto unsupported;
+    unsigned long long flags;
+    got = exact_int(point, p_flags, 0, 4294967295ULL, &flags, &negative);
+    if (got < 0) goto error;
+    if (!got) goto unsupported;
+    if (flags && (put_byte(&body, 0x50) || put_varint(&body, flags))) goto error;
+    got = optional_double(point, p_min, &number);
+    if (got < 0) goto error;
+    if (!got) goto unsupported;
+    if (got == 1 && put_double(&body, 0x61, number)) goto error;
+    got = optional_double(point, p_max, &number);
+    if (got < 0) goto error;
+    if (!got) goto unsupported;
+    if (got == 1 && put_double(&body, 0x69, number)) goto error;
+    {
+        unsigned char head[11];
+        Py_ssize_t used = 0;
+        head[used++] = 0x0a;
+        uint64_t length = (uint64_t)body.size;
+        while (length > 0x7F) {
+            head[used++] = (unsigned char)((length & 0x7F) | 0x80);
+            length >>= 7;
+        }
+        head[used++] = (unsigned char)length;
+        result = PyBytes_FromStringAndSize(NULL, used + body.size);
+        if (result) {
+            memcpy(PyBytes_AS_STRING(result), head, (size_t)used);
+            memcpy(PyBytes_AS_STRING(result) + used, body.data, (size_t)body.size);
+        }
+    }
+    if (body.data != body.stack) PyMem_Free(body.data);
+    return result;
+unsupported:
+    if (body.data != body.stack) PyMem_Free(body.data);
+    Py_RETURN_NONE;
+error:
+    if (body.data != body.stack) PyMem_Free(body.data);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"record_many", (PyCFunction)(void (*)(void))fast_record_many, METH_FASTCALL,
      record_many_doc},
     {"record_weighted", (PyCFunction)(void (*)(void))fast_record_weighted, METH_FASTCALL,
      record_weighted_doc},
+    {"exponential_point", (PyCFunction)(void (*)(void))fast_exponential_point, METH_FASTCALL,
+     exponential_point_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -588,13 +878,27 @@ PyMODINIT_FUNC PyInit__fasthist(void) {
         scale_factors[scale] = ldexp(inverse_ln2, scale);
     boundary_margin = margin;
     upper_margin = 1.0 - boundary_margin;
-    if (intern(&s_count, "_count") < 0 || intern(&s_sum, "_sum") < 0 ||
-        intern(&s_min, "_min") < 0 || intern(&s_max, "_max") < 0 ||
-        intern(&s_zero_count, "_zero_count") < 0 || intern(&s_counts, "_counts") < 0 ||
-        intern(&s_scale, "_scale") < 0 || intern(&s_low, "_low") < 0 ||
-        intern(&s_high, "_high") < 0 || intern(&s_max_size, "_max_size") < 0 ||
-        intern(&s_widen, "_widen") < 0 || intern(&s_get, "get") < 0)
-        return NULL;
+    static const struct {
+        PyObject **slot;
+        const char *name;
+    } names[] = {
+        {&s_count, "_count"},  {&s_sum, "_sum"},
+        {&s_min, "_min"},      {&s_max, "_max"},
+        {&s_zero_count, "_zero_count"}, {&s_counts, "_counts"},
+        {&s_scale, "_scale"},  {&s_low, "_low"},
+        {&s_high, "_high"},    {&s_max_size, "_max_size"},
+        {&s_widen, "_widen"},  {&s_get, "get"},
+        /* the OTLP data point's attributes (exponential_point) */
+        {&p_exemplars, "exemplars"}, {&p_start_time_unix_nano, "start_time_unix_nano"},
+        {&p_time_unix_nano, "time_unix_nano"}, {&p_count, "count"},
+        {&p_sum, "sum"},       {&p_scale, "scale"},
+        {&p_zero_count, "zero_count"}, {&p_positive, "positive"},
+        {&p_negative, "negative"}, {&p_flags, "flags"},
+        {&p_min, "min"},       {&p_max, "max"},
+        {&p_bucket_counts, "bucket_counts"}, {&p_offset, "offset"},
+    };
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
+        if (intern(names[k].slot, names[k].name) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     PyObject *factors = PyDict_New();

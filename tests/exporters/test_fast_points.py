@@ -83,3 +83,97 @@ def test_a_window_encodes_the_same_either_way(monkeypatch: Any) -> None:
     fast = window()
     monkeypatch.setattr(_running, "fast_constructor", lambda cls: cls)
     assert window() == fast
+
+
+# ---- the C point writer (_fasthist.exponential_point) against the Python one -------------
+
+_ints = st.one_of(
+    st.integers(0, 2**64 - 1),
+    st.integers(-(2**70), 2**70),
+    st.booleans(),
+    st.floats(0, 1e20),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    start=_ints,
+    end=_ints,
+    count=_ints,
+    total=st.one_of(st.none(), st.floats(allow_nan=True), st.integers(-(2**80), 2**80)),
+    scale=st.one_of(st.integers(-(2**33), 2**33), st.integers(-20, 20), st.booleans()),
+    zero=_ints,
+    offset=st.one_of(st.integers(-(2**33), 2**33), st.integers(-500, 500)),
+    counts=st.one_of(
+        st.lists(st.integers(0, 127), max_size=30),
+        st.lists(st.integers(-5, 2**65), max_size=30),
+        st.lists(st.integers(0, 3), max_size=3).map(tuple),
+    ),
+    negative=st.lists(st.integers(0, 300), max_size=4),
+    flags=st.one_of(st.integers(0, 2**33), st.just(0)),
+    low=st.one_of(st.none(), st.floats(allow_nan=False), st.integers(0, 10)),
+    high=st.one_of(st.none(), st.floats(allow_nan=False)),
+    exemplars=st.booleans(),
+)
+def test_the_c_point_writer_writes_the_python_bytes_or_steps_aside(
+    start: Any,
+    end: Any,
+    count: Any,
+    total: Any,
+    scale: Any,
+    zero: Any,
+    offset: int,
+    counts: Any,
+    negative: list[int],
+    flags: int,
+    low: Any,
+    high: Any,
+    exemplars: bool,
+) -> None:
+    from stepwatch.exporters import _histogram, _otlp_protobuf
+
+    fast = _histogram._fasthist
+    if fast is None:
+        return  # the C extension is not built here: nothing to compare
+    point = _running.fast_constructor(ExponentialHistogramDataPoint)(
+        attributes={"stepwatch.kernel.class": "gemm"},
+        start_time_unix_nano=start,
+        time_unix_nano=end,
+        count=count,
+        sum=total,
+        scale=scale,
+        zero_count=zero,
+        positive=Buckets(offset=offset, bucket_counts=counts),
+        negative=Buckets(offset=-offset, bucket_counts=negative),
+        flags=flags,
+        min=low,
+        max=high,
+    )
+    if exemplars:
+        object.__setattr__(point, "exemplars", [object()])
+    cache = _otlp_protobuf._AttributeCache()
+    encoded_attributes = cache(b"\x0a", point.attributes)
+    written = fast.exponential_point(point, encoded_attributes)
+    try:
+        python = _otlp_protobuf._length_delimited(
+            b"\x0a", _otlp_protobuf._exponential_point(point, cache)
+        )
+    except Exception:  # the Python refuses it (or fails): the C must have stepped aside
+        assert written is None
+        return
+    if written is not None:
+        assert written == python
+    plain = (
+        all(type(v) is int and 0 <= v < 2**64 for v in (start, end, count, zero))
+        and (total is None or type(total) is float)
+        and type(scale) is int
+        and -(2**31) <= scale < 2**31
+        and -(2**31) <= offset < 2**31
+        and type(counts) in (list, tuple)
+        and all(0 <= c < 2**63 for c in counts)
+        and flags < 2**32
+        and all(v is None or type(v) is float for v in (low, high))
+        and not exemplars
+    )
+    if plain:  # what stepwatch's own windows hold: always the C's
+        assert written == python
