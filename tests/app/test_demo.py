@@ -13,8 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from stepwatch.app._demo import run_demo_job, write_outputs
 from stepwatch.app._demo_job import DemoJobConfig
@@ -74,14 +72,21 @@ def _single_window_test(log_values: np.ndarray) -> object:
     return multiscale_outliers(log_values, metric="m", scales=(1,))[1]
 
 
-@settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), noise=st.floats(0.05, 1.0))
-def test_sustained_rule_never_flags_exchangeable_noise(seed: int, noise: float) -> None:
-    rng = np.random.default_rng(seed)
-    logs = rng.normal(0.0, noise, size=(40, 4))
-    test = multiscale_outliers(logs, metric="m", scales=(1,))[1]
-    flags = sustained_outliers(test, windows=6, q=1e-6, min_log_effect=np.log(1.5))
-    assert not flags.any()
+@pytest.mark.parametrize("noise", [0.05, 0.3, 1.0])
+def test_sustained_rule_almost_never_flags_exchangeable_noise(noise: float) -> None:
+    # Not "never": with four ranks, a rank that happens to be the slowest in 6 of 7 windows
+    # by 1.5x or more is flagged. Measured: 2 runs in 3,000 at each of these noise levels
+    # (log-normal sd up to 1.0, i.e. steps jittering by up to 2.7x). A hypothesis version
+    # of this test found seed 723 at noise 1.0 (one of those runs) and so failed once in
+    # ~60 CI runs; 400 fixed seeds bound the rate instead (<= 1 %).
+    flagged = 0
+    for seed in range(400):
+        rng = np.random.default_rng(seed)
+        logs = rng.normal(0.0, noise, size=(40, 4))
+        test = multiscale_outliers(logs, metric="m", scales=(1,))[1]
+        flags = sustained_outliers(test, windows=6, q=1e-6, min_log_effect=np.log(1.5))
+        flagged += bool(flags.any())
+    assert flagged <= 4, flagged
 
 
 def test_sustained_rule_flags_a_rank_slower_in_every_window_despite_bursty_peers() -> None:

@@ -139,3 +139,13 @@ def test_a_frame_without_sampled_points_is_unchanged() -> None:
     assert frame.phase_steps is None and frame.phase_step_s is None
     assert frame.phase_step is frame.step_s
     assert frame.phase_s[0, 0, 0] == pytest.approx(0.1 / 50)
+
+
+def test_a_window_with_no_timed_step_within_reach_is_unknown_not_zero() -> None:
+    # A frame that starts inside a run of windows whose steps were all handed on.
+    phase, step, rests_on = _pool(
+        [0.0, 0.0, 1.0], [10.0, 10.0, 10.0], [0, 0, MIN], [0, 0, 2.0], [0, 0, 30.0]
+    )
+    assert np.isnan(phase[:2]).all() and np.isnan(step[:2]).all()
+    assert rests_on[:2].tolist() == [0, 0]
+    assert phase[2] == pytest.approx(0.1) and step[2] == pytest.approx(2.0 / 30)

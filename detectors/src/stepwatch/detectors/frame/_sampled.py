@@ -87,8 +87,8 @@ def pool(
 
     Returns:
         ``phase_s`` ``(W, R, P)``, ``phase_step_s`` ``(W, R)`` and ``phase_steps``
-        ``(W, R)``; NaN where the rank is silent, and ``phase_step_s`` NaN where no step of
-        the span was timed.
+        ``(W, R)``; NaN where the rank is silent, and ``phase_s`` and ``phase_step_s`` NaN
+        where no step within reach was timed.
     """
     n_windows = steps.shape[0]
     zero_2d = np.zeros((1, *steps.shape[1:]))
@@ -115,7 +115,9 @@ def pool(
                 per_step = (cum_phase[ends] - cum_phase[starts]) / window_steps[:, :, None]
                 stood = cum_stood[ends] - cum_stood[starts]
                 mean_step = (cum_timed_total[ends] - cum_timed_total[starts]) / stood
-            phase_s[take] = per_step[take]
+            # No timed step in reach (a frame starting in a run of untimed windows): unknown,
+            # not zero.
+            phase_s[take] = np.where((counted > 0)[:, :, None], per_step, np.nan)[take]
             step_s[take] = np.where(stood > 0, mean_step, np.nan)[take]
             rests_on[take] = counted[take]
             pending &= ~take
