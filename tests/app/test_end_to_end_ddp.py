@@ -129,3 +129,10 @@ def test_demo_cli_help_lists_fault_flags(tmp_path: Path) -> None:
     default = parser.parse_args(["demo"])
     assert (default.fault, default.fault_rank, default.fault_step) == ("straggler", 2, 240)
     assert default.kernels is None and parser.parse_args(["demo", "--no-kernels"]).kernels is False
+    # Phase sampling: every step by default, 'auto' or a stride; anything else is refused.
+    assert default.phase_sampling == 1
+    assert parser.parse_args(["demo", "--phase-sampling", "auto"]).phase_sampling == "auto"
+    assert parser.parse_args(["demo", "--phase-sampling", "8"]).phase_sampling == 8
+    for bad in ("0", "-2", "often"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["demo", "--phase-sampling", bad])

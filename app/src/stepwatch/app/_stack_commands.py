@@ -92,12 +92,31 @@ def register(subparsers: Any) -> None:
         f"{'/'.join(NO_KERNELS_BY_DEFAULT)}; --no-kernels: phases only)",
     )
     demo.add_argument(
+        "--phase-sampling",
+        type=_phase_sampling,
+        default=1,
+        help="auto mode times phases on 1 step in N (an integer), 'auto' (steps >= 50 ms "
+        "apart) or every step (1, the default); the detectors know what sampled phases rest on",
+    )
+    demo.add_argument(
         "--keep-running",
         action="store_true",
         help="keep the stack up after the demo until Ctrl-C",
     )
     demo.add_argument("--json", action="store_true", help="print diagnoses as JSON lines")
     demo.set_defaults(handler=_run_demo)
+
+
+def _phase_sampling(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        stride = int(text)
+    except ValueError:
+        stride = 0
+    if stride < 1:
+        raise argparse.ArgumentTypeError(f"'auto' or a positive integer, got {text!r}")
+    return stride
 
 
 def _add_stack_arguments(parser: argparse.ArgumentParser) -> None:
@@ -234,6 +253,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             collect_kernels=kernels_by_default(args.fault)
             if args.kernels is None
             else args.kernels,
+            phase_sampling=args.phase_sampling,
         )
         if hangs:
             return _hang_demo(stack, config, json_lines=args.json)
