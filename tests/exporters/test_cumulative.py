@@ -326,3 +326,53 @@ def test_nvml_counters_count_from_the_first_window(monkeypatch: pytest.MonkeyPat
         m for m in data.resource_metrics[0].scope_metrics[0].metrics if m.name == _schema.HW_ERRORS
     )
     assert metric.data.aggregation_temporality == AggregationTemporality.DELTA
+
+
+def test_sampled_steps_through_the_bridge_read_the_same_either_way() -> None:
+    # stepwatch.step.sampled (a counter) and stepwatch.step.sampled.duration (a weighted
+    # histogram): cumulative windows, differenced by the bridge, store the delta windows.
+    def windows(temporality: str) -> list[Any]:
+        rng = random.Random(11)
+        builder = WindowBuilder(
+            build_resource(job_id="run-8", rank=1, world_size=4),
+            temporality=temporality,
+        )
+        requests = []
+        for window in range(6):
+            durations = [rng.uniform(0.018, 0.022) for _ in range(40)]
+            timed = [rng.uniform(0.018, 0.03) for _ in range(5)]
+            builder.add_steps(
+                last_step_index=40 * window + 39,
+                durations_s=durations,
+                phases_s={},
+                weighted_phases_s={"forward": ([d / 3 for d in timed], [8] * 5)},
+                sampled_steps_s=(timed, [8] * 5),
+            )
+            end = START + (window + 1) * SECOND
+            data = builder.build(start_unix_nano=end - SECOND + 1_000_000, end_unix_nano=end)
+            requests.append(encode_metrics(data))
+        return requests
+
+    def sampled_rows(requests: list[Any], state: CumulativeState | None) -> dict[Any, Any]:
+        rows = {}
+        for request in requests:
+            for line in convert_request(request, cumulative=state).lines:
+                head, _, stamp = line.rpartition(" ")
+                name = head.partition(",")[0]
+                fields = line_fields(line)
+                if name == _schema.SAMPLED_STEPS:
+                    rows[name, int(stamp)] = float(fields["counter"])
+                elif name == _schema.SAMPLED_STEP_DURATION:
+                    rows[name, int(stamp)] = (float(fields["count"]), float(fields["sum"]))
+        return rows
+
+    delta = sampled_rows(windows("delta"), None)
+    cumulative = sampled_rows(windows("cumulative"), CumulativeState())
+    assert {value for (name, _), value in delta.items() if name == _schema.SAMPLED_STEPS} == {5.0}
+    assert len(delta) == 12 and len(cumulative) == 10  # each series' first: the baseline
+    for row, value in cumulative.items():
+        if row[0] == _schema.SAMPLED_STEPS:
+            assert value == delta[row], row
+        else:
+            assert value[0] == delta[row][0] == 40.0, row  # 5 steps standing for 8 each
+            assert math.isclose(value[1], delta[row][1], rel_tol=1e-9), row
