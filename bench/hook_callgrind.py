@@ -10,7 +10,9 @@ dumped with the arm's name (a tiny C helper, built here with gcc, issues the cli
         --arms plain,all,all@base,plain,all,all@base --baseline-rev a6f1a51
     .venv/bin/python bench/hook_callgrind.py --report '/tmp/cg.*.*' --steps 10
 
-``--report`` prints each dump's events per step. Put ``plain`` twice or more: the first block
+``--kind ddp`` wraps the model in ``DistributedDataParallel`` over a 1-rank gloo group (the
+exposed-wait hook on the last gradient is then installed too). ``--report`` prints each dump's
+events per step. Put ``plain`` twice or more: the first block
 of a run is inflated (allocator, first calls); compare arms of the same round. At 1024 wide
 (``--hidden 1024``) MKL's own instruction count varies by ±50 k per step between blocks.
 """
@@ -57,6 +59,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", default="plain,all,plain,all")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--kind", choices=("plain", "ddp"), default="plain", help="ddp: a 1-rank gloo group"
+    )
     parser.add_argument("--hidden", type=int, default=0)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--baseline-rev", default="")
@@ -73,7 +78,12 @@ def main() -> None:
     torch.set_num_threads(1)
     helper = _helper()
     baseline = hook_cost._load_auto_at(args.baseline_rev) if args.baseline_rev else None
-    bench = hook_cost.Bench("plain", baseline, args.hidden, args.batch)
+    if args.kind == "ddp":
+        import torch.distributed as dist
+
+        port = hook_cost._free_port()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    bench = hook_cost.Bench(args.kind, baseline, args.hidden, args.batch)
     for arm in args.arms.split(","):
         with bench.installed(arm):
             bench.run_block(3)

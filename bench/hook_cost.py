@@ -343,7 +343,7 @@ def _install_components(state: Any, model: Any, optimizer: Any, wanted: set[str]
         handles.append(optimizer.register_step_post_hook(state.optimizer_post))
     if "last_grad" in wanted and hasattr(model, "process_group"):
         first = next(p for p in model.parameters() if p.requires_grad)
-        handles.append(first.register_post_accumulate_grad_hook(state.last_gradient))
+        handles.append(first.register_post_accumulate_grad_hook(state.gradient_stamp))
     return handles
 
 

@@ -8,7 +8,8 @@
  *
  * - RecorderCore: a base class holding the recorder's hot state in a C struct (the attributes
  *   keep their Python names, as member descriptors), with begin_step() and end_step() in C;
- * - StepContext and PhaseContext: the contexts monitor.step() and monitor.phase() return.
+ * - StepContext and PhaseContext: the contexts monitor.step() and monitor.phase() return;
+ * - ClockStamp: a callable that takes the time (auto mode's last-gradient hook).
  *
  * The C code takes the common case only: no device timer, a step not already open (or, at its
  * end, the outermost one), a buffer with room, a clock that answers with an int. Anything else
@@ -925,6 +926,66 @@ static PyTypeObject PhaseLookupType = {
     .tp_vectorcall_offset = offsetof(PhaseLookup, vectorcall),
 };
 
+/* ------------------------------------------------------------------ ClockStamp */
+
+/* A callable that takes the time when called, whatever its arguments: the last parameter's
+ * post-accumulate-grad hook in auto mode (_auto.py), called by autograd on every step. It
+ * enters no Python frame: the exposed collective wait is then timed on every step for a
+ * clock read, while the other auto phases may be sampled. ``ns`` is CLOCK_MONOTONIC in ns,
+ * what time.perf_counter_ns() reads on Linux, and 0 until called or after being reset; it
+ * stays 0 where that clock cannot be read (the Python code then uses its own stamp). */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    long long ns;
+} ClockStamp;
+
+static PyObject *ClockStamp_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                       PyObject *kwnames) {
+    (void)args;
+    (void)nargsf;
+    (void)kwnames;
+    long long now;
+    ((ClockStamp *)callable)->ns = monotonic_ns(&now) == 0 ? now : 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ClockStamp_call(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)args;
+    (void)kwargs;
+    return ClockStamp_vectorcall(self, NULL, 0, NULL);
+}
+
+static PyObject *ClockStamp_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "ClockStamp() takes no arguments");
+        return NULL;
+    }
+    ClockStamp *self = (ClockStamp *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->vectorcall = ClockStamp_vectorcall;
+        self->ns = 0;
+    }
+    return (PyObject *)self;
+}
+
+static PyMemberDef ClockStamp_members[] = {
+    {"ns", T_LONGLONG, offsetof(ClockStamp, ns), 0,
+     "CLOCK_MONOTONIC (ns) at the last call; 0 before it or once reset"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject ClockStampType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.ClockStamp",
+    .tp_basicsize = sizeof(ClockStamp),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "Called with anything: ns = CLOCK_MONOTONIC in ns, without a Python frame.",
+    .tp_new = ClockStamp_new,
+    .tp_call = ClockStamp_call,
+    .tp_vectorcall_offset = offsetof(ClockStamp, vectorcall),
+    .tp_members = ClockStamp_members,
+};
+
 /* ------------------------------------------------------------------ host_values */
 
 /* The export thread's pass over a batch of finished steps (_recorder.window_values) for steps
@@ -1089,7 +1150,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         return NULL;
     }
     if (PyType_Ready(&RecorderCoreType) < 0 || PyType_Ready(&StepContextType) < 0 ||
-        PyType_Ready(&PhaseContextType) < 0 || PyType_Ready(&PhaseLookupType) < 0) {
+        PyType_Ready(&PhaseContextType) < 0 || PyType_Ready(&PhaseLookupType) < 0 ||
+        PyType_Ready(&ClockStampType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&module_def);
@@ -1099,7 +1161,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
     if (PyModule_AddType(module, &RecorderCoreType) < 0 ||
         PyModule_AddType(module, &StepContextType) < 0 ||
         PyModule_AddType(module, &PhaseContextType) < 0 ||
-        PyModule_AddType(module, &PhaseLookupType) < 0) {
+        PyModule_AddType(module, &PhaseLookupType) < 0 ||
+        PyModule_AddType(module, &ClockStampType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -121,6 +121,9 @@ def test_sampled_runs_carry_what_their_phases_rest_on(influx: InfluxClient) -> N
         ("straggler-sampled", [("masked_straggler", (2,), "forward")]),
         ("dataloader-sampled", [("dataloader_stall", (2,), "data")]),
         ("regression-sampled", [("job_regression", (), "forward")]),
+        # The same with the wait timed on every step (-sampled-2 recordings).
+        ("none-sampled-2", []),
+        ("straggler-sampled-2", [("masked_straggler", (2,), "forward")]),
     ],
 )
 def test_sampled_phases_give_the_diagnosis_of_every_step_timed(
@@ -130,17 +133,71 @@ def test_sampled_phases_give_the_diagnosis_of_every_step_timed(
     assert [(d.kind, d.ranks, d.phase) for d in found] == expected, found
 
 
-def test_a_sampled_slow_link_is_found_on_its_host(influx: InfluxClient) -> None:
-    _, found = diagnose_run(influx, "link-sampled")
+@pytest.mark.parametrize("name", ["link-sampled", "link-sampled-2"])
+def test_a_sampled_slow_link_is_found_on_its_host(influx: InfluxClient, name: str) -> None:
+    _, found = diagnose_run(influx, name)
     assert [(d.kind, d.hosts) for d in found] == [("link_degradation", ("vm-node1",))], found
     assert 2 in found[0].ranks
 
 
 def test_a_one_off_stall_on_an_untimed_step_names_no_rank(influx: InfluxClient) -> None:
-    # What sampling loses (docs/diagnosis.md): rank 2 stops 3 s once, on a step whose
-    # phases were not timed. Every rank has one long step and no phase says who stopped,
-    # so nothing is named; above all, no waiting peer is blamed.
+    # What sampling lost before the wait was timed on every step (docs/diagnosis.md), on a
+    # recording of that time: rank 2 stops 3 s once, on a step whose phases were not timed.
+    # Every rank has one long step and no phase says who stopped, so nothing is named;
+    # above all, no waiting peer is blamed.
     run, found = diagnose_run(influx, "stall-sampled")
     assert run.fault_step is not None
     assert not PhaseSampler(8).sampled(run.fault_step)
     assert all(d.ranks in ((), (run.fault_rank,)) for d in found), found
+
+
+# ---- sampled, with the collective wait timed on every step (-sampled-2 recordings) --------
+
+
+def test_the_wait_is_marked_as_timed_on_every_step(influx: InfluxClient) -> None:
+    run = real_runs.load(influx, "stall-sampled-2")
+    span = job_time_range(influx, run.job)
+    assert span is not None
+    frame = read_frame(influx, run.job, start_unix_nano=span[0], end_unix_nano=span[1])
+    assert frame.phase_every_step is not None and frame.phase_steps is not None
+    # From the first export on ("auto" times every step until then, and says nothing).
+    present = frame.present & frame.phase_every_step.any(axis=2)
+    assert present.sum() >= 0.8 * frame.present.sum()
+    every = {
+        p: bool(frame.phase_every_step[:, :, i][present].all()) for i, p in enumerate(frame.phases)
+    }
+    # The wait and the loop's own phase("data") rest on every step; auto mode's on a sample.
+    assert every == {
+        "data": True,
+        "forward": False,
+        "backward": False,
+        "optimizer": False,
+        "communication": True,
+    }
+    index = frame.phases.index("communication")
+    rests_on = frame.phase_rests_on(index)
+    assert rests_on is not None
+    assert np.array_equal(rests_on[present], frame.step_count[present])
+    assert np.array_equal(frame.phase_base(index)[present], frame.step_s[present])
+    # Old recordings (the wait sampled too) carry no such mark.
+    old = real_runs.load(influx, "stall-sampled")
+    span = job_time_range(influx, old.job)
+    assert span is not None
+    assert (
+        read_frame(influx, old.job, start_unix_nano=span[0], end_unix_nano=span[1]).phase_every_step
+        is None
+    )
+
+
+@pytest.mark.parametrize("name", ["stall-sampled-2", "jit-sampled-2"])
+def test_a_one_off_stall_on_an_untimed_step_names_the_stalled_rank(
+    influx: InfluxClient, name: str
+) -> None:
+    # Rank 2 stops once (3 s between phases; 1.5 s inside forward) on a step whose phases
+    # were not timed. Its peers' wait, timed on every step, says they waited for it and it
+    # did not wait: the stall is named on rank 2, between its timed phases (the phase it
+    # stopped in was not timed), and no waiting peer is blamed.
+    run, found = diagnose_run(influx, name)
+    assert run.fault_step is not None and not PhaseSampler(8).sampled(run.fault_step)
+    assert [(d.kind, d.ranks, d.phase) for d in found] == [("jit_stall", (2,), None)], found
+    assert found[0].slowdown > 1.05

@@ -125,9 +125,9 @@ def test_auto_mode_phase_is_the_latest_open_one() -> None:
     state.in_backward, state.backward_start_ns = True, 30
     assert state.open_phase() == ("backward", 30)
     # The last gradient is ready: DDP waits for its allreduce inside loss.backward().
-    state.last_gradient_ns = 40
+    state.gradient_stamp.ns = 40
     assert state.open_phase() == ("communication", 40)
-    state.in_backward, state.last_gradient_ns = False, None
+    state.in_backward, state.gradient_stamp.ns = False, 0
     # Timed collectives: two issued, one completed → still in communication since the second.
     state.comm_starts_ns.extend([50, 55])
     state.comm_ends_ns.append(53)

@@ -75,7 +75,7 @@ def test_switched_off_hooks_record_nothing_and_switched_on_record_every_phase() 
             assert monitor.stats.steps_recorded == 0
             # No hook ran at all: no phase, no step opened, no gradient-ready time taken.
             assert not monitor._recorder._phases_ns and monitor._recorder.step_depth == 0
-            assert state.last_gradient_ns is None and state.forward_depth == 0
+            assert state.gradient_stamp.ns == 0 and state.forward_depth == 0
             switch.set(True)
             train(3)
             # Auto mode: a step ends at each optimizer.step(), the first one opened by forward.

@@ -34,6 +34,9 @@ PHASE_DURATION: Final = "stepwatch.phase.duration"  # histogram, s
 # what they rest on.
 SAMPLED_STEP_DURATION: Final = "stepwatch.step.sampled.duration"  # histogram, s; weighted
 SAMPLED_STEPS: Final = "stepwatch.step.sampled"  # sum, {step}: how many were sampled
+# While phases are sampled: a phase timed on every step nevertheless (the communication wait;
+# phase() contexts), and on how many of the window's steps; its time compares with every step's.
+PHASE_EVERY_STEP: Final = "stepwatch.phase.every_step"  # sum, {step}; stepwatch.phase
 KERNEL_DURATION: Final = "stepwatch.kernel.duration"  # histogram, s
 DEVICE_IDLE_DURATION: Final = "stepwatch.device.idle.duration"  # histogram, s
 # Where a rank is now (issue 12), sent in every window that holds no finished step (a rank

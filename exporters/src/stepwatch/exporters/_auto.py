@@ -33,12 +33,14 @@ One line, no change to the training loop::
 
 Sampling (``StepMonitor(phase_sampling=...)``, ``_sampling``; default: every step): the
 recorder says at each step's start whether its phases are timed (``recorder.sampled``). A step
-that is not runs the forward wrapper's early return (it marks that a forward began), the
-optimizer hooks' check and, in auto steps, the step boundary; its output gets no backward hook
-and the last parameter's dict holds only the C-level mark (``gradient_marks.append``), the
-timing hook being added by a sampled step's forward and taken out at its backward's end. A
-rank stuck in such a step is placed from the training thread's stack (``_stack_phase``).
-Collectives timed by a comm hook are timed every step (DDP calls the hook anyway).
+that is not runs the forward wrapper's early return, the optimizer hooks' check and, in auto
+steps, the step boundary; its output gets no backward hook. **Communication is timed on every
+step**, sampled or not: the exposed wait's start is a C clock stamp (``_fastrecord.ClockStamp``,
+the last parameter's post-accumulate-grad hook: no Python frame), its end the optimizer
+pre-hook, entered on every step anyway; a comm hook's collectives run on every step anyway.
+So a one-off stall on an untimed step still shows who waited for whom; the window says which
+phases rest on every step (``stepwatch.phase.every_step``, docs/schema.md). A rank stuck in
+such a step is placed from the training thread's stack (``_stack_phase``).
 
 Numerics are untouched: hooks return ``None`` (no gradient or output is replaced) and the
 comm hook returns the inner hook's own tensor.
@@ -66,7 +68,6 @@ are served from L3 instead of L2. Hence the least code per step:
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 from typing import Any
@@ -79,7 +80,7 @@ from stepwatch.exporters._forward import (
     first_grad_tensor,
     time_forward,
 )
-from stepwatch.exporters._recorder import StepRecorder
+from stepwatch.exporters._recorder import StepRecorder, new_clock_stamp
 from stepwatch.exporters._stack import phase_codes, stack_phase
 
 logger = logging.getLogger("stepwatch.exporters")
@@ -111,9 +112,6 @@ class Instrumentation:
         if state.enabled:
             state.recorder.watchers -= 1
         state.enabled = False
-        parameter_hooks = state.last_parameter_hooks
-        if parameter_hooks is not None:
-            parameter_hooks.pop(state.hook_key, None)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -157,14 +155,13 @@ class _AutoState:
         self.comm_starts_ns: list[int] = []
         self.comm_ends_ns: list[int] = []
         self.clock_ns = recorder.clock_ns
-        self.last_gradient_ns: int | None = None  # exposed-wait timing (no comm hook)
-        # Exposed-wait timing: the last parameter's post-accumulate-grad hook dict. Every step
-        # it holds ``gradient_marks.append`` (a C call, no Python frame: the export thread reads
-        # whether the last gradient came since the last forward began); a sampled step adds
-        # ``last_gradient`` (the time) from its forward to the end of its backward.
-        self.last_parameter_hooks: dict[Any, Any] | None = None
-        self.gradient_marks: collections.deque[Any] = collections.deque([None], maxlen=1)
-        self._on_last_gradient = self.last_gradient
+        # Exposed-wait timing (no comm hook): the last parameter's post-accumulate-grad hook is
+        # this stamp, on every step; in C where it can be (no Python frame from autograd). It
+        # takes the time the model's last gradient is ready (``ns``; 0: none since the last
+        # reset). The next hook on the training thread (the optimizer pre-hook, or a forward
+        # when gradients accumulate) records the wait since then as ``communication`` on every
+        # step, sampled or not, and resets it.
+        self.gradient_stamp: Any = new_clock_stamp(self.clock_ns)
         # Where a stack of the training thread is, for a rank stuck in a step whose phases
         # are not timed (``_sampling``): code object -> phase (set by install_hooks).
         self.phase_codes: dict[Any, str] = {}
@@ -204,8 +201,8 @@ class _AutoState:
                 open_phases.append(("forward", self.forward_start_ns))
             if self.in_backward:
                 open_phases.append(("backward", self.backward_start_ns))
-            last_gradient = self.last_gradient_ns
-            if last_gradient is not None:
+            last_gradient = self.gradient_stamp.ns
+            if last_gradient:
                 open_phases.append(("communication", last_gradient))
             issued = sorted(self.comm_starts_ns)
             completed = len(self.comm_ends_ns)
@@ -229,13 +226,14 @@ class _AutoState:
         C-level mark its hook leaves) means the rank waits for its collectives:
         ``communication``. Between the optimizer and the next forward of an auto step:
         ``data``. The phase's start is not known: the step's start is given (a lower bound of
-        how long it has lasted is what the export thread needs).
+        how long it has lasted is what the export thread needs). (The time the last gradient
+        came is known, but the export thread names the phase from the stack alone there.)
         """
         recorder = self.recorder
         since = recorder.step_start_ns
         phase = stack_phase(self.phase_codes, self.thread_id)
         if phase is not None:
-            if phase == "backward" and self.gradient_marks[-1] is not None:
+            if phase == "backward" and self.gradient_stamp.ns:
                 return ("communication", since)
             return (phase, since)
         if self.data_start_ns is not None and not recorder.explicit_steps:
@@ -248,13 +246,12 @@ class _AutoState:
             return False
         try:
             now = self.clock_ns()
-            if self.in_backward or self.last_gradient_ns is not None:
+            if self.in_backward or self.gradient_stamp.ns:
                 self._end_backward(now)  # gradient accumulation: the previous micro-batch ended
             recorder = self.recorder
             if not recorder.explicit_steps and recorder.step_depth == 0:
                 recorder.begin_step(explicit=False, now_ns=now)
             if not recorder.sampled:
-                self.gradient_marks.append(None)
                 return False
             if not recorder.explicit_steps:
                 data_start = self.data_start_ns
@@ -283,10 +280,6 @@ class _AutoState:
             self.recorder.add_sampled_phase_ns("forward", self.clock_ns() - self.forward_start_ns)
             if not self._grad_enabled():
                 return
-            self.gradient_marks.append(None)
-            parameter_hooks = self.last_parameter_hooks
-            if parameter_hooks is not None:  # this step's exposed wait is timed
-                parameter_hooks[self.hook_key] = self._on_last_gradient
             tensor = (
                 output
                 if type(output) is self._tensor_type
@@ -333,31 +326,34 @@ class _AutoState:
         engine callback, keeps Python out of the autograd engine's final callbacks, which
         measurably slowed DDP steps (about 5% on the CPU/gloo overhead bench).
         """
-        recorder = self.recorder
         if self.in_backward:
             self.in_backward = False
-            recorder.add_sampled_phase_ns("backward", now_ns - self.backward_start_ns)
-        last_gradient = self.last_gradient_ns
-        if last_gradient is not None:
-            self.last_gradient_ns = None
-            if now_ns > last_gradient:
-                recorder.add_sampled_phase_ns("communication", now_ns - last_gradient)
-        parameter_hooks = self.last_parameter_hooks
-        if parameter_hooks is not None:
-            parameter_hooks.pop(self.hook_key, None)
+            self.recorder.add_sampled_phase_ns("backward", now_ns - self.backward_start_ns)
+        self._close_wait(now_ns)
 
-    def last_gradient(self, parameter: Any) -> None:
-        # A post-accumulate-grad hook on the parameter whose gradient comes last.
-        if self.enabled and self.recorder.sampled:
-            self.last_gradient_ns = self.clock_ns()
+    def _close_wait(self, now_ns: int) -> None:
+        """Record the exposed wait since the last gradient (every step) and reset the stamp.
+
+        An every-step phase (``add_phase_ns``), not a sampled one: a one-off stall on a step
+        whose phases are not timed still shows who waited (the peers) and who did not.
+        """
+        stamp = self.gradient_stamp
+        last_gradient = stamp.ns
+        if last_gradient:
+            stamp.ns = 0
+            if now_ns > last_gradient:
+                self.recorder.add_phase_ns("communication", now_ns - last_gradient)
 
     def optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.enabled or not self.recorder.sampled:
+        if not self.enabled:
             return
         try:
-            now = self.optimizer_start_ns = self.clock_ns()
-            if self.in_backward or self.last_gradient_ns is not None:
-                self._end_backward(now)
+            if self.recorder.sampled:
+                now = self.optimizer_start_ns = self.clock_ns()
+                if self.in_backward or self.gradient_stamp.ns:
+                    self._end_backward(now)
+            elif self.gradient_stamp.ns:  # a step whose phases are not timed: its wait is
+                self._close_wait(self.clock_ns())
         except Exception:
             self.recorder.misuse("auto", "auto-mode optimizer pre-hook failed", exc_info=True)
 
@@ -374,10 +370,9 @@ class _AutoState:
                 recorder.add_sampled_phase_ns("optimizer", now - start)
                 self.optimizer_start_ns = None
             starts = self.comm_starts_ns
-            if starts:
+            if starts:  # every step, as the exposed wait (_close_wait)
                 ends = self.comm_ends_ns
-                if recorder.sampled:  # on the same steps as the other phases (_sampling)
-                    recorder.add_sampled_phase_ns("communication", _union_ns(starts, ends))
+                recorder.add_phase_ns("communication", _union_ns(starts, ends))
                 starts.clear()
                 ends.clear()
             if not recorder.explicit_steps and recorder.step_depth > 0:
@@ -565,11 +560,6 @@ def install_hooks(
             last = next((p for p in model.parameters() if p.requires_grad), None)
             if last is not None:
                 register: Any = last.register_post_accumulate_grad_hook
-                handles.append(register(state.gradient_marks.append))
-                parameter_hooks = getattr(last, "_post_accumulate_grad_hooks", None)
-                if isinstance(parameter_hooks, dict):
-                    state.last_parameter_hooks = parameter_hooks  # a sampled step adds its hook
-                else:  # torch internals changed: the timing hook stays, timing sampled steps
-                    handles.append(register(state.last_gradient))
+                handles.append(register(state.gradient_stamp))
                 communication_timed = True
     return Instrumentation(state, handles, communication_timed=communication_timed)

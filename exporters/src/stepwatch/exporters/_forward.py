@@ -92,14 +92,17 @@ def _swap_class(state: Any, model: Any) -> _ClassSwap | None:
         return None
     target = model
     forward_pre, forward_post = state.forward_pre, state.forward_post
-    recorder, mark = state.recorder, state.gradient_marks.append
+    recorder, stamp = state.recorder, state.gradient_stamp
 
     @functools.wraps(forward)
     def timed_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self is not target or not state.enabled:
             return forward(self, *args, **kwargs)
         if recorder.step_depth and not recorder.sampled and not state.in_backward:
-            mark(None)  # a step whose phases are not timed (_sampling): a forward began
+            # A step whose phases are not timed (_sampling); a last gradient already come
+            # (gradients accumulate) ends its wait here, as in a timed step.
+            if stamp.ns:
+                forward_pre(self, args)
             return forward(self, *args, **kwargs)
         if not forward_pre(self, args):
             return forward(self, *args, **kwargs)

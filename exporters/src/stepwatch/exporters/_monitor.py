@@ -429,13 +429,15 @@ class StepMonitor:
             durations, phases, weighted, self._unsampled_carry = window_values(
                 records, timer, _YIELD_EVERY_STEPS, carry
             )
-            sampled = sampled_steps(records, durations, carry, self._sampler) if weighted else None
+            sampler = self._sampler
+            sampled = sampled_steps(records, durations, carry, sampler) if weighted else None
             builder.add_steps(
                 last_step_index=max(record[0] for record in records),
                 durations_s=durations,
                 phases_s=phases,
                 weighted_phases_s=weighted,
                 sampled_steps_s=sampled,
+                sampling=sampled is not None or sampler.stride != 1,
             )
             self._sampler.observe(durations)
         if kernels is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, Final, Protocol
@@ -77,12 +78,18 @@ def window_values(
 
 
 def sampled_steps(
-    records: list[StepRecord], durations: list[float], carry: int, sampler: PhaseSampler
+    records: list[StepRecord],
+    durations: list[float],
+    carry: int,
+    sampler: PhaseSampler,
 ) -> tuple[list[float], list[int]] | None:
     """The durations (``window_values``' first list) of the steps whose auto-mode phases
     were timed, with the weights ``window_values`` gave their phases (same ``carry``): the
     step time a window's sampled phase times compare with. ``None`` unless phases are
-    sampled (the stride is not 1) or some auto-mode step of ``records`` was not timed.
+    sampled (the stride is not 1), some auto-mode step of ``records`` was not timed, or
+    they were in an earlier window (``sampler.reported``): once a rank's windows say what
+    their phases rest on, they keep saying it (the detectors take a window without it for
+    one with no step timed), also when ``auto`` comes back to timing every step.
     """
     if sampler.stride == 1 and not sampler.adaptive:
         return None  # every step is timed
@@ -95,8 +102,9 @@ def sampled_steps(
             watched += 1
             if auto is not UNSAMPLED:
                 timed.append(duration)
-    if not timed or (len(timed) == watched and not sampling):
+    if not timed or (len(timed) == watched and not (sampling or sampler.reported)):
         return None
+    sampler.reported = True
     return timed, share_out(watched, len(timed))
 
 
@@ -489,6 +497,36 @@ if _fastrecord is not None and os.environ.get("STEPWATCH_EXPORTERS_NO_C", "") in
             }
 
     FAST_RECORDER = _FastStepRecorder
+
+
+class _ClockStamp:
+    """``_fastrecord.ClockStamp`` in Python: called with anything, ``ns`` becomes the clock's
+    reading (0 before the first call, once reset, or when the clock raises)."""
+
+    __slots__ = ("_clock_ns", "ns")
+
+    def __init__(self, clock_ns: Callable[[], int]) -> None:
+        self._clock_ns = clock_ns
+        self.ns = 0
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        try:
+            self.ns = int(self._clock_ns())
+        except Exception:  # called by autograd: never raise into backward
+            self.ns = 0
+
+
+def new_clock_stamp(clock_ns: Callable[[], int]) -> Any:
+    """A callable that takes ``clock_ns()`` into its ``ns`` when called, whatever its
+    arguments: in C (no Python frame) where ``clock_ns`` is ``time.perf_counter_ns`` on
+    Linux and the extension is on, else in Python."""
+    if (
+        FAST_RECORDER is not None
+        and clock_ns is time.perf_counter_ns
+        and sys.platform.startswith("linux")
+    ):
+        return _fastrecord.ClockStamp()
+    return _ClockStamp(clock_ns)
 
 
 def new_recorder(**kwargs: Any) -> StepRecorder:

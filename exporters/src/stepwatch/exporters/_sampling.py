@@ -93,6 +93,9 @@ class PhaseSampler:
             self.stride = every
         else:
             raise ConfigError(f"phase_sampling must be 'auto' or a positive integer, got {every!r}")
+        #: Set by the export thread once a window said what its sampled phases rest on
+        #: (``_recorder.sampled_steps``).
+        self.reported = False
 
     def sampled(self, index: int) -> bool:
         """Whether step ``index`` is timed phase by phase."""

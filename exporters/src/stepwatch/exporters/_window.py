@@ -310,7 +310,7 @@ class WindowBuilder:
                     },
                 },
             )
-        self._sampled_run = 0  # cumulative: sampled steps since the first window
+        self._counts_run: dict[tuple[str, str], int] = {}  # cumulative: _counts since the start
         self._overflow_observations = 0
         self.rejected_observations = 0
         """Durations refused for being negative, NaN or infinite (cumulative)."""
@@ -333,7 +333,8 @@ class WindowBuilder:
     def _reset(self) -> None:
         self._steps = self._new_histogram()
         self._sampled = self._new_histogram()
-        self._sampled_steps = 0
+        # Counters of steps: (metric, phase or "") -> steps (_count_metric).
+        self._counts: dict[tuple[str, str], int] = {}
         self._idle = self._new_histogram()
         self._phases: dict[str, ExponentialHistogram] = {}
         self._kernels: dict[tuple[str, str], ExponentialHistogram] = {}
@@ -369,6 +370,7 @@ class WindowBuilder:
         phases_s: Mapping[str, Sequence[float]],
         weighted_phases_s: Mapping[str, tuple[Sequence[float], Sequence[int]]] | None = None,
         sampled_steps_s: tuple[Sequence[float], Sequence[int]] | None = None,
+        sampling: bool = False,
     ) -> None:
         """Add many finished steps at once: what :meth:`add_step` on each does, in one pass
         per histogram (:meth:`ExponentialHistogram.record_many`; the export thread's cost).
@@ -382,20 +384,27 @@ class WindowBuilder:
             sampled_steps_s: (wall time, weight) of each step whose phases were timed, with
                 the weights of ``weighted_phases_s``, while phases are sampled
                 (``stepwatch.step.sampled.duration`` and ``stepwatch.step.sampled``).
+            sampling: Whether auto mode's phases are sampled in these steps: the phases of
+                ``phases_s`` alone, timed on every step, are then said to be
+                (``stepwatch.phase.every_step``).
         """
         self.rejected_observations += self._steps.record_many(durations_s)
         if self._last_step is None or last_step_index > self._last_step:
             self._last_step = last_step_index
+        weighted = weighted_phases_s or {}
         for phase, values in phases_s.items():
             histogram = self._phase_histogram(phase, len(values))
             self.rejected_observations += histogram.record_many(values)
-        for phase, (values, weights) in (weighted_phases_s or {}).items():
+            if sampling and phase not in weighted:
+                name = phase if phase in self._phases else OTHER
+                self._count(_schema.PHASE_EVERY_STEP, name, len(values))
+        for phase, (values, weights) in weighted.items():
             histogram = self._phase_histogram(phase, sum(weights))
             self.rejected_observations += histogram.record_weighted(values, weights)
         if sampled_steps_s is not None:
             values, weights = sampled_steps_s
             self.rejected_observations += self._sampled.record_weighted(values, weights)
-            self._sampled_steps += len(values)
+            self._count(_schema.SAMPLED_STEPS, "", len(values))
 
     def _phase_histogram(self, phase: str, observations: int) -> ExponentialHistogram:
         """The histogram of ``phase``, made on first use (past the cap: ``other``'s)."""
@@ -436,16 +445,20 @@ class WindowBuilder:
         """Make this the monitor's last window (``stepwatch.monitor.closed`` = 1)."""
         self._closed = True
 
-    def _sampled_steps_metric(self, bounds: tuple[int, int]) -> Metric:
-        """``stepwatch.step.sampled``: how many steps the window's sampled phase times rest
-        on (since the first window when cumulative)."""
-        value = self._sampled_steps
+    def _count(self, name: str, phase: str, steps: int) -> None:
+        key = (name, phase)
+        self._counts[key] = self._counts.get(key, 0) + steps
+
+    def _count_metric(self, name: str, bounds: tuple[int, int]) -> Metric:
+        """A counter of steps: ``stepwatch.step.sampled`` (how many steps the window's sampled
+        phase times rest on), ``stepwatch.phase.every_step`` (per phase timed on every step
+        while the others are sampled); since the first window when cumulative."""
+        counts = {key: value for key, value in self._counts.items() if key[0] == name}
         if self._totals is not None:
-            self._sampled_run += value
-            value = self._sampled_run
-        return number_metric(
-            _schema.SAMPLED_STEPS, "{step}", [({}, value)], bounds, counter=self.temporality
-        )
+            for key, value in counts.items():
+                counts[key] = self._counts_run[key] = self._counts_run.get(key, 0) + value
+        points = [({_schema.PHASE: p} if p else {}, v) for (_, p), v in sorted(counts.items())]
+        return number_metric(name, "{step}", points, bounds, counter=self.temporality)
 
     @property
     def empty(self) -> bool:
@@ -510,7 +523,9 @@ class WindowBuilder:
             histograms(_schema.STEP_DURATION, [({}, self._steps.snapshot())])
         if self._sampled.count:
             histograms(_schema.SAMPLED_STEP_DURATION, [({}, self._sampled.snapshot())])
-            metrics.append(self._sampled_steps_metric(histogram_bounds))
+            metrics.append(self._count_metric(_schema.SAMPLED_STEPS, histogram_bounds))
+        if any(name == _schema.PHASE_EVERY_STEP for name, _ in self._counts):
+            metrics.append(self._count_metric(_schema.PHASE_EVERY_STEP, histogram_bounds))
         if self._last_step is not None:
             metrics.append(
                 number_metric(_schema.STEP_LAST, "{step}", [({}, self._last_step)], bounds)

@@ -88,6 +88,19 @@ def wait_s(context: Context) -> FloatArray | None:
     return kernels if np.isfinite(kernels).any() else None
 
 
+def _wait_phase(context: Context) -> int | None:
+    """The index of the phase :func:`lead_s` takes the wait from (communication, else the
+    phase that holds the collective), ``None`` when it is the communication kernels'."""
+    frame = context.frame
+    communication = frame.phase(COMMUNICATION_CATEGORY)
+    if communication is not None and np.isfinite(communication).any():
+        return frame.phases.index(COMMUNICATION_CATEGORY)
+    held = held_wait_phase(frame)
+    if held is not None and wait_s(context) is None:
+        return frame.phases.index(held)
+    return None
+
+
 def _held_growth(
     context: Context, indices: Sequence[int], span: slice, busy: Sequence[slice]
 ) -> FloatArray | None:
@@ -134,7 +147,9 @@ def lead_s(context: Context) -> FloatArray:
         held = held_wait_phase(frame)
         if wait is None and held is not None:
             wait = frame.phase(held)
-        step = frame.phase_step  # the sampled steps' when phases were sampled
+        index = _wait_phase(context)
+        # The sampled steps' when phases were sampled, unless the wait was timed on every step.
+        step = frame.phase_step if index is None else frame.phase_base(index)
         lead = step if wait is None else step - np.where(np.isfinite(wait), wait, 0.0)
         cache["lead"] = np.where(context.present, lead, np.nan)
     return np.asarray(cache["lead"])
@@ -225,18 +240,31 @@ def _usual_spread(context: Context, before: int, busy: Sequence[slice]) -> float
         warnings.simplefilter("ignore", RuntimeWarning)
         spread = float(np.nanmedian(np.nanmax(lead, axis=1) - np.nanmean(lead, axis=1)))
         steps = float(np.nanmedian(_wait_steps(context)[clean]))
-    if context.frame.phase_steps is not None and not steps >= MIN_TIMED_STEPS:
+    if _wait_sampled(context) and not steps >= MIN_TIMED_STEPS:
         return None  # sampled: the spread of a few timed steps' means is their noise
     if not (spread > 0 and usual <= 2.0 * math.sqrt(max(steps, 1.0)) * spread):
         return None
     return usual
 
 
+def _wait_sampled(context: Context) -> bool:
+    """Whether the waits of :func:`lead_s` rest on a sample of steps."""
+    index = _wait_phase(context)
+    frame = context.frame
+    timed = frame.phase_steps if index is None else frame.phase_rests_on(index)
+    return timed is not None and not (
+        frame.phase_every_step is not None
+        and index is not None
+        and bool(frame.phase_every_step[:, :, index][context.present].all())
+    )
+
+
 def _wait_steps(context: Context) -> FloatArray:
     """``(W,)`` median over the ranks of the steps their window means of phase times rest
     on: the steps per window, or the timed steps of sampled phases (the leads' spread is
     then the sample's)."""
-    timed = context.frame.phase_steps
+    index = _wait_phase(context)
+    timed = context.frame.phase_steps if index is None else context.frame.phase_rests_on(index)
     if timed is None:
         return steps_per_window(context)
     with warnings.catch_warnings():
@@ -333,6 +361,12 @@ def estimate(
         usual = late_saving(context, indices, slice(0, step.shape[0]))
         if usual is not None and np.isfinite(usual).any():
             saving = saving - max(0.0, float(np.nanmedian(usual)))
+        # A rank that finished fewer steps than its peers in a window (it stopped in it) has
+        # its stall in fewer steps: per step of the job, it is diluted by their ratio.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            own = np.nanmax(context.frame.step_count[span][:, list(indices)], axis=1)
+        saving = saving * np.clip(own / np.maximum(weight, 1.0), 0.0, 1.0)
         # A window mean dilutes one stalled step among the window's steps and compares it
         # with the others' *mean* latest arrival: a stall between phases is better costed by
         # its own length beyond the others' usual spread, once per window it struck.

@@ -64,7 +64,7 @@ def _series(basis: Basis) -> list[_Series]:
         # outside it and waits least in it (arrival order, ARGUS). Unlike step or
         # communication time, waiting for a late peer does not inflate it.
         index = frame.phases.index(holding)
-        outside = np.asarray(frame.phase_step - frame.phase_s[:, :, index])
+        outside = np.asarray(frame.phase_base(index) - frame.phase_s[:, :, index])
         series.append(_Series(ARRIVAL, outside, "time"))
     # The waiters are the long ones in overlapping series: no blame from them.
     series = [s for s in series if s.name not in basis.overlap_waiting]
@@ -332,7 +332,17 @@ def outside_gap_s(basis: Basis) -> FloatArray | None:
     longest = np.where(
         np.isfinite(frame.phase_max_s[:, :, columns]), frame.phase_max_s[:, :, columns], 0.0
     )
-    return np.where(basis.present, frame.step_max_s - longest.sum(axis=2), np.nan)
+    inside = longest.sum(axis=2)
+    every = frame.phase_every_step
+    if overlap and every is not None:
+        # The wait timed on every step, the phase holding it on a sample: a wait longer than
+        # any sampled phase was in a step whose phases were not timed, inside the phase that
+        # holds it there. (With every step timed, the holding phase is at least as long.)
+        index = frame.phases.index(COMMUNICATION_CATEGORY)
+        wait = frame.phase_max_s[:, :, index]
+        beyond = np.where(np.isfinite(wait), wait - longest.max(axis=2, initial=0.0), 0.0)
+        inside += np.where(every[:, :, index], np.clip(beyond, 0.0, None), 0.0)
+    return np.where(basis.present, frame.step_max_s - inside, np.nan)
 
 
 def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
@@ -344,8 +354,8 @@ def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
     waited for it have long steps too, but the wait is inside their collective. So a flag
     needs that gap to reach ``config.stall_outside_min_steps`` job median steps and
     ``config.stall_min_ratio`` times the peers' gap, *and* the peers to have waited for
-    at least half of it in the same or the next window (their longest collective, else,
-    or when phases are sampled, their longest step): a pause every rank takes at once (a
+    at least half of it in the same window or one next to it (their longest collective;
+    their longest step without one, or when it was sampled): a pause every rank takes at once (a
     synchronous checkpoint) makes no one wait and is not a stall of one rank. A gap
     shorter than ``stall_min_steps`` counts only on a rank with at least two more in the
     frame: once or twice, it is the noise of a shared host (a healthy rank of the 4-rank
@@ -358,14 +368,32 @@ def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
     gap = outside_gap_s(basis)
     if gap is None or step <= 0:
         return None
-    peer_gap = np.maximum(nanmedian(basis.peers(gap), axis=1), 0.0)
-    if COMMUNICATION_CATEGORY in frame.phases and frame.phase_steps is None:
-        held = frame.phase_max_s[:, :, frame.phases.index(COMMUNICATION_CATEGORY)]
-    else:  # no collective times, or sampled ones: the step the peers waited in may be untimed
+    # The peers' gap as in _stalls: from the windows on either side when few ranks report
+    # in the stalled step's own (its peers, held in the next collective, finish no step).
+    peers = basis.peers(gap)
+    enough_same = np.isfinite(peers).sum(axis=1, keepdims=True) >= config.min_ranks
+    pooled = nanmedian(np.concatenate([_shifted(peers, 1), peers, _shifted(peers, -1)], 1), axis=1)
+    peer_gap = np.maximum(np.where(enough_same, nanmedian(peers, axis=1), pooled), 0.0)
+    if COMMUNICATION_CATEGORY in frame.phases:
+        index = frame.phases.index(COMMUNICATION_CATEGORY)
+        held = frame.phase_max_s[:, :, index]
+        if frame.phase_steps is not None:
+            # Sampled collectives: the step the peers waited in may be untimed, unless the
+            # wait was timed on every step (stepwatch.phase.every_step).
+            every = frame.phase_every_step
+            timed_every_step = every[:, :, index] if every is not None else False
+            held = np.where(timed_every_step, held, frame.step_max_s)
+    else:  # no collective times
         held = frame.step_max_s
     held = np.where(basis.present, held, np.nan)
+    # The peers' wait for the same step may be stored a window earlier or later than the
+    # stalled rank's step (each rank's windows end at its own exports).
     waited = np.fmax(
-        nanmedian(basis.peers(held), axis=1), nanmedian(basis.peers(_shifted(held, -1)), axis=1)
+        nanmedian(basis.peers(held), axis=1),
+        np.fmax(
+            nanmedian(basis.peers(_shifted(held, -1)), axis=1),
+            nanmedian(basis.peers(_shifted(held, 1)), axis=1),
+        ),
     )
     with np.errstate(invalid="ignore", divide="ignore"):
         hit = (

@@ -64,6 +64,11 @@ class JobFrame:
             (``None``: ``step_count``). A rank's window with fewer than
             ``_sampled.MIN_TIMED_STEPS`` takes its phase times from it and its windows
             just before it.
+        phase_every_step: ``(W, R, P)`` where the rank's window timed the phase on every
+            step although its other phases were sampled (``stepwatch.phase.every_step``: the
+            collective wait, ``phase()`` contexts), or ``None`` when none did. Such a phase
+            time is the window's own (not pooled) and compares with ``step_s``
+            (:meth:`phase_base`).
     """
 
     job: str
@@ -89,12 +94,31 @@ class JobFrame:
     phase_min_s: FloatArray | None = None
     phase_step_s: FloatArray | None = None
     phase_steps: FloatArray | None = None
+    phase_every_step: BoolArray | None = None
 
     @property
     def phase_step(self) -> FloatArray:
         """``(W, R)`` the step time phase times compare with: the sampled steps' mean when
         phases were sampled, else ``step_s``."""
         return self.step_s if self.phase_step_s is None else self.phase_step_s
+
+    def phase_base(self, index: int) -> FloatArray:
+        """``(W, R)`` the step time phase ``index``'s time compares with: :attr:`phase_step`,
+        or ``step_s`` where that phase was timed on every step."""
+        every = self.phase_every_step
+        if every is None:
+            return self.phase_step
+        return np.where(every[:, :, index], self.step_s, self.phase_step)
+
+    def phase_rests_on(self, index: int) -> FloatArray | None:
+        """``(W, R)`` how many timed steps phase ``index``'s time rests on when phases were
+        sampled (:attr:`phase_steps`, or the window's steps where that phase was timed on
+        every step); ``None`` when every step was timed."""
+        timed = self.phase_steps
+        every = self.phase_every_step
+        if timed is None or every is None:
+            return timed
+        return np.where(every[:, :, index], self.step_count, timed)
 
     @property
     def n_windows(self) -> int:
@@ -258,6 +282,8 @@ def read_frame(
         f"WHERE {where} GROUP BY {rank_tag}",
         f'SELECT "counter" FROM {quote_ident(_schema.SAMPLED_STEPS)} WHERE {where} '
         f"GROUP BY {rank_tag}",
+        f'SELECT "counter" FROM {quote_ident(_schema.PHASE_EVERY_STEP)} WHERE {where} '
+        f"GROUP BY {rank_tag}, {quote_ident(_schema.PHASE)}",
     ]
     results = client.query("; ".join(statements))
     if window_s is None:
@@ -356,6 +382,7 @@ def frame_from_series(
     clock = _Accumulator(n_bins, rank_index)
     sampled = _Accumulator(n_bins, rank_index)
     sampled_steps = _Accumulator(n_bins, rank_index)
+    every_step = _Accumulator(n_bins, rank_index)
     categories: dict[str, str] = {}
     for series in results:
         rank = _series_rank(series)
@@ -367,6 +394,9 @@ def frame_from_series(
             target, key, layout = clock, "clock", ("gauge",)
         elif series.name == _schema.SAMPLED_STEPS:
             target, key, layout = sampled_steps, "sampled", ("counter",)
+        elif series.name == _schema.PHASE_EVERY_STEP:
+            key = series.tags.get(_schema.PHASE, "") or "other"
+            target, layout = every_step, ("counter",)
         else:
             layout = ("sum", "count", "max", "min")
             if series.name == _schema.STEP_DURATION:
@@ -434,6 +464,17 @@ def frame_from_series(
             phase_total, steps, timed, stood_for, timed_total
         )
         phase_step_s = np.where(np.isfinite(phase_step_s), phase_step_s, step_s)
+    phase_every_step: BoolArray | None = None
+    if every_step.keys and phase_names:
+        # Phases timed on every step while the others were sampled: the window's own time.
+        marked, _, _, _ = every_step.arrays(n_ranks)
+        phase_every_step = np.zeros(phase_total.shape, dtype=bool)
+        for name, column in every_step.keys.items():
+            if name in phase_names:
+                phase_every_step[:, :, phase_names.index(name)] = marked[:, :, column] > 0
+        phase_every_step &= (steps > 0)[:, :, None]
+        phase_s = np.where(phase_every_step, phase_total * per_step[:, :, None], phase_s)
+        phase_every_step = phase_every_step[:, :, phase_order]
     kernel_order = sorted(range(len(kernel_names)), key=lambda i: kernel_names[i])
     no_phases = np.zeros((n_bins, n_ranks, 0))
 
@@ -474,6 +515,7 @@ def frame_from_series(
         phase_min_s=phase_low[:, :, phase_order] if phase_names else no_phases,
         phase_step_s=phase_step_s,
         phase_steps=phase_steps,
+        phase_every_step=phase_every_step,
     )
 
 
