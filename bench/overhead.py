@@ -722,8 +722,8 @@ def main() -> int:
     parser.add_argument("--comm-pairs", type=int, default=30, help="0 skips the comm-hook job")
     parser.add_argument(
         "--phase-sampling",
-        default="1",
-        help="StepMonitor(phase_sampling=...): 1 (the default: every step), auto, or a stride",
+        default="auto",
+        help="StepMonitor(phase_sampling=...): auto (the default), 1 (every step) or a stride",
     )
     args = parser.parse_args()
     if args.mode in ("collective", "plain-python-hook"):

@@ -1,6 +1,7 @@
 """Stored bytes per rank per window and columns per measurement: compact vs per-bound layout.
 
-Run: ``.venv/bin/python bench/storage_bytes.py [--ranks 16] [--windows 360] [--interval-s 10]``
+Run: ``.venv/bin/python bench/storage_bytes.py [--ranks 16] [--windows 360] [--interval-s 10]
+[--steps 3] [--phase-stride 1]``
 
 Builds ``ranks x windows`` windows with the exporters' WindowBuilder (the scale simulation's
 window: 3 steps, 5 phases, ``--kernels`` kernel classes with 6 executions each, device idle;
@@ -47,9 +48,21 @@ KERNEL = "stepwatch.kernel.duration"
 
 
 def window(
-    rng: random.Random, *, rank: int, ranks: int, kernels: int, start_ns: int, end_ns: int
+    rng: random.Random,
+    *,
+    rank: int,
+    ranks: int,
+    kernels: int,
+    start_ns: int,
+    end_ns: int,
+    steps: int = 3,
+    phase_stride: int = 1,
 ) -> tuple[Any, dict[str, list[float]]]:
-    """One rank's window as an OTLP request, and the exact kernel durations per class."""
+    """One rank's window as an OTLP request, and the exact kernel durations per class.
+
+    ``phase_stride`` > 1: auto mode's phases timed on 1 step in that many (what a rank
+    sends at ``phase_sampling="auto"`` with short steps: the sampled steps' points, and
+    ``stepwatch.phase.every_step`` for the wait and ``data``, timed on every step)."""
     from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import (
         encode_metrics,
     )
@@ -62,12 +75,33 @@ def window(
             local_rank=rank % 8,
         )
     )  # fmt: skip
-    steps = 3
-    for step in range(steps):
-        builder.add_step(
-            step_index=step,
-            duration_s=0.5 * rng.lognormvariate(0, 0.05),
-            phases_s={phase: 0.1 * rng.lognormvariate(0, 0.1) for phase in PHASES},
+    if phase_stride == 1:
+        for step in range(steps):
+            builder.add_step(
+                step_index=step,
+                duration_s=0.5 * rng.lognormvariate(0, 0.05),
+                phases_s={phase: 0.1 * rng.lognormvariate(0, 0.1) for phase in PHASES},
+            )
+    else:
+        from stepwatch.exporters._sampling import share_out
+
+        durations_s = [0.5 * rng.lognormvariate(0, 0.05) for _ in range(steps)]
+        timed = list(range(0, steps, phase_stride))
+        weights = share_out(steps, len(timed))
+        every_step = ("data", "communication")
+        builder.add_steps(
+            last_step_index=steps - 1,
+            durations_s=durations_s,
+            phases_s={
+                p: [0.1 * rng.lognormvariate(0, 0.1) for _ in durations_s] for p in every_step
+            },
+            weighted_phases_s={
+                p: ([0.1 * rng.lognormvariate(0, 0.1) for _ in timed], weights)
+                for p in PHASES
+                if p not in every_step
+            },
+            sampled_steps_s=([durations_s[i] for i in timed], weights),
+            sampling=True,
         )
     durations = {
         (f"k{index:02d}", "communication" if index >= kernels - 4 else "compute"): [
@@ -159,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--kernels", type=int, default=20, help="kernel classes per window")
     parser.add_argument("--seed", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=3, help="steps per window")
+    parser.add_argument(
+        "--phase-stride", type=int, default=1,
+        help="auto mode's phases timed on 1 step in N (sampled windows carry 3 more points)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     from stepwatch.core import InfluxClient, ManagedInfluxDB
@@ -179,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 end = window_stamp(end, after=previous)  # what StepMonitor sends
             request, durations = window(
                 rng, rank=rank, ranks=args.ranks, kernels=args.kernels,
-                start_ns=previous, end_ns=end,
+                start_ns=previous, end_ns=end, steps=args.steps, phase_stride=args.phase_stride,
             )  # fmt: skip
             previous = end
             requests.append(request)

@@ -59,10 +59,16 @@ def test_every_rank_has_every_phase_with_one_observation_per_step(
         by_rank.setdefault(row.rank, {})[row.phase] = row.observations
     assert sorted(by_rank) == list(range(RANKS))
     for rank, phases in by_rank.items():
-        for phase in ("data", "forward", "backward", "optimizer"):
-            assert phases.get(phase) == STEPS, (rank, phase, phases)
-        # DDP's allreduce runs in every step's backward: the comm hook times it.
+        # The loop's phase("data") and DDP's allreduce wait are timed on every step.
+        assert phases.get("data") == STEPS, (rank, phases)
         assert phases.get("communication") == STEPS, (rank, phases)
+        # Auto mode's own phases are sampled by default (phase_sampling="auto"): each
+        # sampled step stands for the steps before it, so the counts are whole steps, less
+        # those after the run's last sampled step (auto times every step until the first
+        # export, so some are counted; exact weights: tests/exporters/test_sampling.py).
+        for phase in ("forward", "backward", "optimizer"):
+            assert 0 < phases.get(phase, 0) <= STEPS, (rank, phase, phases)
+        assert phases["forward"] == phases["backward"] == phases["optimizer"], (rank, phases)
 
 
 def test_windows_hold_whole_steps_and_plausible_durations(
@@ -130,7 +136,7 @@ def test_demo_cli_help_lists_fault_flags(tmp_path: Path) -> None:
     assert (default.fault, default.fault_rank, default.fault_step) == ("straggler", 2, 240)
     assert default.kernels is None and parser.parse_args(["demo", "--no-kernels"]).kernels is False
     # Phase sampling: every step by default, 'auto' or a stride; anything else is refused.
-    assert default.phase_sampling == 1
+    assert default.phase_sampling == "auto"
     assert parser.parse_args(["demo", "--phase-sampling", "auto"]).phase_sampling == "auto"
     assert parser.parse_args(["demo", "--phase-sampling", "8"]).phase_sampling == 8
     for bad in ("0", "-2", "often"):

@@ -254,9 +254,25 @@ def test_an_unsampled_step_registers_no_backward_hook() -> None:
     monitor.close()
 
 
-def test_the_default_times_every_step() -> None:
+def test_the_default_samples_steps_50_ms_apart() -> None:
+    # Since issue 15's seventh round the collective wait is timed on every step, so a
+    # one-off stall on an untimed step is still placed; phases are then sampled by default.
+    monitor = StepMonitor(
+        job_id="s", rank=0, world_size=1, exporter=InMemoryExporter(), start=False
+    )
+    assert monitor.phase_sample_stride == 1  # every step until the first window's median
+    monitor._sampler.observe([0.020] * 10)
+    assert monitor.phase_sample_stride == 4
+    monitor._sampler.observe([0.001] * 10)
+    assert monitor.phase_sample_stride == 64
+    monitor.close()
+
+
+def test_phase_sampling_1_times_every_step() -> None:
     exporter = InMemoryExporter()
-    monitor = StepMonitor(job_id="s", rank=0, world_size=1, exporter=exporter, start=False)
+    monitor = StepMonitor(
+        job_id="s", rank=0, world_size=1, exporter=exporter, start=False, phase_sampling=1
+    )
     assert monitor.phase_sample_stride == 1
     monitor._sampler.observe([0.001] * 10)
     assert monitor.phase_sample_stride == 1

@@ -96,7 +96,7 @@ class DemoJobConfig:
     budget, every few hundred to thousands of steps).
     ``onset_file``: where the faulty rank writes the wall time (Unix ns) at which a ``hang``
     or ``freeze`` begins (to time how fast it is found).
-    ``phase_sampling``: ``StepMonitor``'s (1: auto mode times every step's phases).
+    ``phase_sampling``: ``StepMonitor``'s (``"auto"``, its default; 1: every step's phases).
     """
 
     job_id: str
@@ -114,7 +114,7 @@ class DemoJobConfig:
     collect_kernels: bool = False
     kernel_period_steps: int = DEMO_KERNEL_PERIOD_STEPS
     onset_file: str | None = None
-    phase_sampling: int | str = 1
+    phase_sampling: int | str = "auto"
 
     def __post_init__(self) -> None:
         if self.fault not in FAULT_KINDS:

@@ -94,9 +94,10 @@ def register(subparsers: Any) -> None:
     demo.add_argument(
         "--phase-sampling",
         type=_phase_sampling,
-        default=1,
-        help="auto mode times phases on 1 step in N (an integer), 'auto' (steps >= 50 ms "
-        "apart) or every step (1, the default); the detectors know what sampled phases rest on",
+        default="auto",
+        help="auto mode times phases on steps >= 50 ms apart ('auto', the default), 1 step in "
+        "N (an integer) or every step (1); the collective wait is timed on every step, and the "
+        "detectors know what sampled phases rest on",
     )
     demo.add_argument(
         "--keep-running",

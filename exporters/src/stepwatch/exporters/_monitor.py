@@ -137,8 +137,8 @@ class StepMonitor:
         max_size: Most buckets per histogram.
         histogram_buckets: ``exponential`` (default) or ``explicit`` (bounds a Collector's
             influxdb exporter keeps; docs/storage.md); else ``STEPWATCH_HISTOGRAM_BUCKETS``.
-        phase_sampling: Steps whose phases auto mode times: ``1`` (default) every step,
-            ``"auto"`` >= 50 ms apart, ``k`` 1 in ``k`` (``_sampling``, docs/exporters.md).
+        phase_sampling: Steps whose phases auto mode times (docs/exporters.md): ``"auto"``
+            (default) >= 50 ms apart, ``1`` all, ``k`` 1 in ``k``; the wait: every step.
         start: Start the export thread now (``False``: call :meth:`export_now` yourself).
 
     Raises:
@@ -175,7 +175,7 @@ class StepMonitor:
         max_scale: int = 5,
         max_size: int = 160,
         histogram_buckets: str | None = None,
-        phase_sampling: int | str = 1,
+        phase_sampling: int | str = "auto",
         start: bool = True,
     ) -> None:
         environ = os.environ
@@ -429,7 +429,7 @@ class StepMonitor:
             durations, phases, weighted, self._unsampled_carry = window_values(
                 records, timer, _YIELD_EVERY_STEPS, carry
             )
-            sampler = self._sampler
+            sampler, auto_mode = self._sampler, self._recorder.watchers > 0
             sampled = sampled_steps(records, durations, carry, sampler) if weighted else None
             builder.add_steps(
                 last_step_index=max(record[0] for record in records),
@@ -437,7 +437,7 @@ class StepMonitor:
                 phases_s=phases,
                 weighted_phases_s=weighted,
                 sampled_steps_s=sampled,
-                sampling=sampled is not None or sampler.stride != 1,
+                sampling=sampled is not None or (auto_mode and sampler.stride != 1),
             )
             self._sampler.observe(durations)
         if kernels is not None:

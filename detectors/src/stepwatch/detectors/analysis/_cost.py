@@ -222,7 +222,9 @@ def _usual_spread(context: Context, before: int, busy: Sequence[slice]) -> float
     Waits measure arrival spread only while the collective's own time is steady (NCCL on
     a network). When it is not (gloo on a starved CPU, where the all-reduce itself takes
     anywhere from 1 to 15 ms), the waits exceed anything the spread of the ranks' window
-    means allows, more than ``2 sqrt(steps per window)`` times it, and are not used.
+    means allows, more than ``2 sqrt(steps per window)`` times it, or more than ``R - 1``
+    times the ranks' mean time outside the collective (what R arrivals can lose at most),
+    and are not used.
     """
     lost = imbalance_lost_s(context, ())
     if lost is None or before - 1 < MIN_CLEAN_WINDOWS:
@@ -240,9 +242,17 @@ def _usual_spread(context: Context, before: int, busy: Sequence[slice]) -> float
         warnings.simplefilter("ignore", RuntimeWarning)
         spread = float(np.nanmedian(np.nanmax(lead, axis=1) - np.nanmean(lead, axis=1)))
         steps = float(np.nanmedian(_wait_steps(context)[clean]))
+        # Of R ranks' times outside the collective (>= 0), the latest exceeds their mean by
+        # at most (R - 1) times that mean, in every step and so in every window's means: a
+        # larger "loss" is the collective's own time varying (gloo on a busy CPU: 1-15 ms),
+        # not arrival spread.
+        ranks = np.isfinite(lead).sum(axis=1)
+        most = float(np.nanmedian((ranks - 1) * np.nanmean(lead, axis=1)))
     if _wait_sampled(context) and not steps >= MIN_TIMED_STEPS:
         return None  # sampled: the spread of a few timed steps' means is their noise
     if not (spread > 0 and usual <= 2.0 * math.sqrt(max(steps, 1.0)) * spread):
+        return None
+    if not usual <= most:
         return None
     return usual
 

@@ -23,7 +23,7 @@ class MonitorOptions:
     export_interval_s: float | None = None
     exporter: Exporter | None = None
     kernel_source: KernelSource | None = None
-    phase_sampling: int | str = 1
+    phase_sampling: int | str = "auto"
 
 
 class CallbackMonitor:

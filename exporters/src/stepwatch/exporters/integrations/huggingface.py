@@ -38,8 +38,8 @@ class StepwatchTrainerCallback(TrainerCallback):  # type: ignore[misc]
         export_interval_s: Seconds between exports (else ``OTEL_METRIC_EXPORT_INTERVAL``).
         exporter: Any :class:`~stepwatch.exporters.Exporter` instead of OTLP (tests).
         kernel_source: Kernel events per window (e.g. ``TorchProfilerSource()``).
-        phase_sampling: Which steps auto mode times phase by phase (``StepMonitor``'s: 1,
-            every step, by default; ``"auto"`` steps at least 100 ms apart).
+        phase_sampling: Which steps auto mode times phase by phase (``StepMonitor``'s:
+            ``"auto"``, steps at least 50 ms apart, by default; 1: every step).
     """
 
     def __init__(
@@ -51,7 +51,7 @@ class StepwatchTrainerCallback(TrainerCallback):  # type: ignore[misc]
         export_interval_s: float | None = None,
         exporter: Exporter | None = None,
         kernel_source: KernelSource | None = None,
-        phase_sampling: int | str = 1,
+        phase_sampling: int | str = "auto",
     ) -> None:
         self._run = CallbackMonitor(
             MonitorOptions(

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.analysis._rule import (
+    Description,
+    EpisodeGroup,
+    EpisodeRule,
+    Flagged,
+    Signature,
+)
 
 
 def _describe(context: Context, group: EpisodeGroup) -> Description:
@@ -15,8 +21,19 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     return Description(RULE.kind, summary, ratio, "data", indices=group.indices)
 
 
+def _data_leads(flagged: Flagged) -> bool:
+    """``data`` flagged, in at least as many windows as any other phase: a rank whose
+    forward is slow in every window and whose data loading blipped once (descheduled
+    on a busy host) is not a data-loading problem."""
+    data = flagged.get("phase:data", 0)
+    others = (
+        n for name, n in flagged.items() if name.startswith("phase:") and name != "phase:data"
+    )
+    return data > 0 and data >= max(others, default=0)
+
+
 RULE = EpisodeRule(
     kind="dataloader_stall",
-    signatures=(Signature(30, lambda flagged: "phase:data" in flagged),),
+    signatures=(Signature(30, _data_leads),),
     describe=_describe,
 )
