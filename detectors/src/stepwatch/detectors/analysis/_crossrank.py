@@ -360,7 +360,8 @@ def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
     shorter than ``stall_min_steps`` counts only on a rank with at least two more in the
     frame: once or twice, it is the noise of a shared host (a healthy rank of the 4-rank
     demo, descheduled twice in 40 windows on a loaded 2-core CI host, was named at 1.03x);
-    recurring, it is a rank that keeps stopping.
+    recurring, it is a rank that keeps stopping (unless the window's phases were timed on a
+    sample: then a short gap is as likely a phase that ran long on an untimed step).
     """
     frame = basis.frame
     config = basis.config
@@ -408,6 +409,10 @@ def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
         # a page fault): short ones count only on a rank that keeps stopping.
         short = hit & (gap < config.stall_min_steps * step)
         recurring = hit.sum(axis=0, keepdims=True) >= 3
+        if frame.phase_steps is not None:
+            # With phases timed on a sample, a gap of a few steps is as likely a phase that
+            # ran long on an untimed step (a straggler's noisy forward): only long ones count.
+            recurring = recurring & ~(frame.phase_steps < frame.step_count)
     return hit & (~short | recurring), effect
 
 
