@@ -4,7 +4,8 @@ Two ranks (gloo over loopback, one per core of the bench machine) train an MLP w
 arms alternating (every step by default). Arm A is fully instrumented: ``monitor.step()``, a
 ``data`` phase, auto-mode hooks on forward/backward/optimizer and communication (the exposed
 wait, DDP's built-in allreduce untouched), and op histograms from :class:`TorchProfilerSource`
-(adaptive duty cycle, default budget), exporting OTLP/HTTP every second to a plain loopback
+(adaptive duty cycle, default budget), exporting OTLP/HTTP (the monitor's default interval, 10 s;
+``--export-interval``) to a plain loopback
 receiver (``--sink bridge``: the real stepwatch bridge in this process, with a counting writer,
 which on a 2-core machine takes CPU from the ranks it measures). Arm B is plain DDP. The arm
 order within each pair is random (seeded, the same on every rank) so drift and neighbours on the
@@ -39,7 +40,7 @@ per pair: the ranks' mean, as DDP couples them):
   (``time.process_time()``: every thread of the rank, the export thread and gloo's
   included), averaged over pairs so the rare profiled steps and the exports are paid for;
   insensitive to waiting for the CPU while other processes run. The export thread sends arm
-  A's windows when its 1 s timer fires, often during the following B block: its CPU time
+  A's windows when its timer fires, often during the following B block: its CPU time
   (read from its own thread clock) is moved from the B block to arm A. Blocks shorter than a
   few export intervals over-charge it (each A block adds one partly filled window): with
   ``--block 80`` at 24 ms, about 1.5x what continuous training would pay;
@@ -248,7 +249,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
             rank=rank,
             world_size=world_size,
             endpoint=options["endpoint"],
-            export_interval_s=1.0,
+            export_interval_s=options["export_interval_s"],
             kernel_source=source,
             phase_sampling=options["phase_sampling"],
         )
@@ -448,6 +449,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
                 "stats": monitor.stats.__dict__,
                 "duty_cycle": source.duty_cycle._asdict() if source is not None else None,
                 "phase_stride": monitor.phase_sample_stride,
+                "export_interval_s": monitor.export_interval_s,
             }
             Path(options["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
             return
@@ -468,6 +470,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
             "export_cpu_s": export_total_s,
             "gc": gc_totals,
             "phase_stride": monitor.phase_sample_stride,
+            "export_interval_s": monitor.export_interval_s,
         }
         Path(options["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -725,6 +728,12 @@ def main() -> int:
         default="auto",
         help="StepMonitor(phase_sampling=...): auto (the default), 1 (every step) or a stride",
     )
+    parser.add_argument(
+        "--export-interval",
+        type=float,
+        default=None,
+        help="StepMonitor(export_interval_s=...) (default: the monitor's, 10 s)",
+    )
     args = parser.parse_args()
     if args.mode in ("collective", "plain-python-hook"):
         args.design = "replicas"
@@ -761,6 +770,7 @@ def main() -> int:
                     if args.phase_sampling == "auto"
                     else int(args.phase_sampling)
                 ),
+                "export_interval_s": args.export_interval,
                 "endpoint": receiver.url,
                 "out_dir": out_dir,
             }
@@ -822,7 +832,11 @@ def main() -> int:
     )
     exported = sum(r["stats"]["steps_exported"] for r in results)
     recorded = sum(r["stats"]["steps_recorded"] for r in results)
-    print(f"exported {exported}/{recorded} instrumented steps; sink: {receiver.describe()}")
+    interval = results[0].get("export_interval_s")
+    print(
+        f"exported {exported}/{recorded} instrumented steps, one window per {interval} s; "
+        f"sink: {receiver.describe()}"
+    )
     strides = sorted({r["phase_stride"] for r in results})
     print(f"phase sampling: {args.phase_sampling}; stride at the end {strides} (1: every step)")
     print(f"end: {_load()}")
@@ -915,7 +929,7 @@ def _report_alternating(results: list[dict[str, Any]]) -> None:
     on_s = sum(r["on_steps_s"] for r in results)
     all_s = on_s + sum(r["off_steps_s"] for r in results)
     export_s = sum(r["export_cpu_s"] for r in results)
-    # The export thread works once a second whatever the steps, plus a little per step: over
+    # The export thread works once an interval whatever the steps, plus a little per step: over
     # all steps its share is what training pays for the fixed part, over A's steps alone an
     # upper bound (a window holds half as many A steps as in training).
     export_low, export_high = export_s / all_s * 100, export_s / on_s * 100

@@ -74,6 +74,24 @@ def test_a_silent_rank_while_its_peers_wait_is_named() -> None:
     assert "rank 2 silent since" in hang.summary
 
 
+def test_a_frozen_rank_is_silent_once_it_misses_a_report_its_peers_made() -> None:
+    # 10 s windows: rank 2 froze 3.8 s after its last report; its peers' windows since say
+    # they wait. 18 s into the hang it has missed a report (1.5 cadences): silent, not
+    # "stuck outside any phase" at its stale step (30 s, 3 cadences, is for a whole job).
+    def ten_s(r: RankProgress) -> RankProgress:
+        return dataclasses.replace(r, export_window_s=10.0)
+
+    peers = [ten_s(rank(r, stalled_s=18.0, report_s=6.0)) for r in (0, 1, 3)]
+    frozen = ten_s(rank(2, None, stalled_s=18.0, report_s=21.8, step=1073))
+    (hang,) = hangs(*peers, frozen)
+    assert hang.ranks == (2,)
+    assert "rank 2 silent since" in hang.summary
+    # Before it has missed one (its next report may still come): not yet silent.
+    early = dataclasses.replace(frozen, last_report_unix_nano=NOW - round(14.0 * S))
+    (hang,) = hangs(*peers, early)
+    assert "rank 2 stuck outside any phase" in hang.summary
+
+
 def test_a_rank_that_exited_while_its_peers_wait_is_named_as_exited() -> None:
     (hang,) = hangs(rank(0), rank(1), rank(2, None, report_s=30.0, closed=True), rank(3))
     assert hang.ranks == (2,)

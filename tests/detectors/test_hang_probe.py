@@ -8,6 +8,7 @@ lowered to 2 s so each case takes seconds; the real DDP jobs are in tests/app/te
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -22,6 +23,7 @@ from stepwatch.app._stack import LocalStack
 from stepwatch.core import InfluxClient, ManagedAlertmanager, ManagedInfluxDB
 from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.detectors import DetectorConfig, DetectorService, MemorySink, read_diagnoses
+from stepwatch.detectors.analysis.rules.hang import find_hangs
 from stepwatch.detectors.frame import read_progress
 from stepwatch.detectors.sinks import AlertmanagerSink
 from stepwatch.exporters import OtlpHttpExporter, StepMonitor
@@ -253,3 +255,65 @@ def test_a_rank_that_exits_and_the_end_of_the_job_are_not_hangs(stack: LocalStac
     progress = read_progress(client, job.id, now_unix_nano=time.time_ns())
     assert all(r.closed for r in progress.ranks)
     assert _hangs(client, job.id) == []
+
+
+class _SteppedClock:
+    """A monitor clock that moves only when told to, its wall time ``behind_s`` in the past."""
+
+    def __init__(self, behind_s: float) -> None:
+        self.now_ns = 1_000_000_000
+        self.wall_anchor_ns = time.time_ns() - round(behind_s * 1e9)
+
+    def monotonic_ns(self) -> int:
+        return self.now_ns
+
+    def time_ns(self) -> int:
+        return self.wall_anchor_ns
+
+    def advance(self, seconds: float) -> None:
+        self.now_ns += round(seconds * 1e9)
+
+
+def test_a_hang_just_after_an_export_is_not_every_rank_silent(stack: LocalStack) -> None:
+    # 10 s windows (the default interval): a hang 0.5 s after an export leaves each rank's
+    # last window of steps 0.5 s long. The ranks' cadence is the longer of their last two
+    # windows (10 s), not that one: 12 s after the hang, before the next window says where
+    # each rank is, no rank is silent yet (it was "every rank stopped reporting" before).
+    client = _client(stack)
+    job = f"cadence-{uuid.uuid4().hex[:8]}"
+    clock = _SteppedClock(behind_s=22.5)
+    monitors = [
+        StepMonitor(
+            job_id=job,
+            rank=rank,
+            world_size=WORLD,
+            exporter=OtlpHttpExporter(f"{stack.otlp_http_endpoint}/v1/metrics", timeout_s=5.0),
+            clock=clock,
+            start=False,
+            health=False,
+        )
+        for rank in range(WORLD)
+    ]
+    try:
+        for steps in (100, 5):  # 10 s of 0.1 s steps, an export; 0.5 s more, an export
+            for _ in range(steps):
+                with contextlib.ExitStack() as open_steps:
+                    for monitor in monitors:
+                        open_steps.enter_context(monitor.step())
+                    clock.advance(0.1)
+            for monitor in monitors:
+                assert monitor.export_now()
+        onset_ns = clock.wall_anchor_ns + (clock.now_ns - 1_000_000_000)
+
+        def every_rank_stored() -> Any:
+            progress = read_progress(client, job, now_unix_nano=onset_ns + 12 * 10**9)
+            return progress if len(progress.ranks) == WORLD else None
+
+        progress = _wait(every_rank_stored, timeout_s=10)
+        assert progress.export_interval_s == pytest.approx(10.0, rel=0.05)
+        assert [r.export_window_s for r in progress.ranks] == [pytest.approx(10.0, rel=0.05)] * 4
+        hangs = find_hangs(progress, hang_steps=10.0, hang_min_s=10.0)
+        assert hangs == []  # stuck or waiting is not known until the next window
+    finally:
+        for monitor in monitors:
+            monitor.close()

@@ -250,6 +250,22 @@ def test_full_buffer_drops_and_counts_steps(clock: FakeClock) -> None:
     assert (stats.steps_recorded, stats.steps_exported, stats.steps_dropped) == (8, 5, 3)
 
 
+@pytest.mark.parametrize(("interval_s", "held"), [(0.25, 4096), (1.0, 4096), (2.5, 3 * 4096)])
+def test_default_buffer_holds_4096_steps_per_second_of_interval(
+    clock: FakeClock, interval_s: float, held: int
+) -> None:
+    # The default 10 s interval must not drop the steps of a fast loop (2.5 ms steps: 4,000
+    # a window) that the former 1 s default kept.
+    monitor = _monitor(clock, InMemoryExporter(), export_interval_s=interval_s)
+    for _ in range(held + 2):
+        with monitor.step():
+            clock.advance(0.001)
+    stats = monitor.stats
+    monitor.close()
+    assert (stats.steps_recorded, stats.steps_queued) == (held + 2, held)
+    assert stats.steps_dropped_by_reason["buffer_full"] == stats.steps_dropped == 2
+
+
 def test_kernel_source_is_told_of_steps_and_drained_into_the_window(clock: FakeClock) -> None:
     exporter = InMemoryExporter()
     source = ListKernelSource()
@@ -304,13 +320,13 @@ def test_export_interval_from_argument_then_environment(
         return monitor
 
     monkeypatch.delenv("OTEL_METRIC_EXPORT_INTERVAL", raising=False)
-    assert make().export_interval_s == 1.0
+    assert make().export_interval_s == 10.0
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "250")
     assert make().export_interval_s == 0.25
     assert make(export_interval_s=2.0).export_interval_s == 2.0
     # A bad variable is treated as unset with a warning naming it (OTel specification).
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "soon")
-    assert make().export_interval_s == 1.0
+    assert make().export_interval_s == 10.0
     assert any("OTEL_METRIC_EXPORT_INTERVAL" in r.getMessage() for r in caplog.records)
     with pytest.raises(ConfigError, match="export_interval_s"):
         make(export_interval_s=0)

@@ -399,7 +399,7 @@ OTLP_CLIENT_CERTIFICATE = Setting[str](
 METRIC_EXPORT_INTERVAL_S = Setting[float](
     "export_interval_s",
     "OTEL_METRIC_EXPORT_INTERVAL",
-    1.0,
+    10.0,
     _milliseconds_as_s,
     "one window per interval (each window whole steps)",
     unit="ms",

@@ -52,6 +52,7 @@ from stepwatch.exporters._sampling import PhaseSampler
 from stepwatch.exporters._sdk_env import (
     NoHooks,
     NullPhases,
+    buffer_size,
     export_interval,
     rank_resource,
     sdk_disabled,
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("stepwatch.exporters")
 
 DEFAULT_EXPORT_INTERVAL_S: Final = cast(float, settings.METRIC_EXPORT_INTERVAL_S.default)
-DEFAULT_BUFFER_STEPS: Final = 4096
+DEFAULT_BUFFER_STEPS: Final = 4096  # per second of export interval (at least this many)
 RECONNECT_AFTER_FAILURES: Final = 2
 AT_EXIT_TIMEOUT_S: Final = 2.0
 DEFAULT_CLOSE_TIMEOUT_S: Final = 2.0
@@ -119,7 +120,7 @@ class StepMonitor:
         compression: ``none``, ``gzip`` or ``deflate`` (else the ``..._COMPRESSION`` variables).
         timeout_s: Bound on one export, retries included (else ``..._TIMEOUT`` in ms; 10 s).
         export_interval_s: Seconds between exports (else ``OTEL_METRIC_EXPORT_INTERVAL`` in ms;
-            1 s). Each export carries every whole step finished since the previous one.
+            10 s). Each export carries every whole step finished since the previous one.
         exporter: Any :class:`Exporter` (every SDK ``MetricExporter`` is one); replaces the
             OTLP exporter built from the settings above.
         kernel_source: Kernel events to add to each window.
@@ -132,7 +133,7 @@ class StepMonitor:
             else the host clock), ``"cuda"``, ``"cpu"`` or a :class:`DeviceTimer`. With a
             device timer, ``step()`` and ``phase()`` durations are device time and a window
             holds only steps the device has finished; auto-mode hooks stay host-timed.
-        buffer_steps: Most finished steps waiting for export; more are dropped and counted.
+        buffer_steps: Steps held for export; more are dropped, counted (4,096 per s of interval).
         max_scale: Finest exponential-histogram scale.
         max_size: Most buckets per histogram.
         histogram_buckets: ``exponential`` (default) or ``explicit`` (bounds a Collector's
@@ -171,7 +172,7 @@ class StepMonitor:
         health: HealthSource | bool | None = None,
         clock: Clock | None = None,
         device_timer: DeviceTimer | str | None = "auto",
-        buffer_steps: int = DEFAULT_BUFFER_STEPS,
+        buffer_steps: int | None = None,
         max_scale: int = 5,
         max_size: int = 160,
         histogram_buckets: str | None = None,
@@ -197,8 +198,7 @@ class StepMonitor:
         )
         rank = int(cast(int, resource.attributes[_schema.RANK]))
         self._interval_s = export_interval(export_interval_s, environ)
-        if isinstance(buffer_steps, bool) or not isinstance(buffer_steps, int) or buffer_steps < 1:
-            raise ConfigError(f"buffer_steps must be a positive integer, got {buffer_steps!r}")
+        buffer_steps = buffer_size(buffer_steps, self._interval_s, DEFAULT_BUFFER_STEPS)
         self.exporter_config: ExporterConfig | None = None
         if exporter is None:
             self.exporter_config = resolve_exporter_config(

@@ -28,6 +28,7 @@ per-rank series.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import urllib.parse
@@ -267,7 +268,7 @@ def rank_resource(
 
 
 def export_interval(argument: float | None, environ: Mapping[str, str]) -> float:
-    """The argument > ``OTEL_METRIC_EXPORT_INTERVAL`` (ms) > 1 s.
+    """The argument > ``OTEL_METRIC_EXPORT_INTERVAL`` (ms) > 10 s.
 
     Raises:
         ConfigError: the argument is not positive (a bad variable is logged and ignored).
@@ -284,6 +285,19 @@ def export_interval(argument: float | None, environ: Mapping[str, str]) -> float
         logger.warning("%s; ignored (treated as unset)", exc)
         interval_s = None
     return _DEFAULT_INTERVAL_S if interval_s is None else interval_s
+
+
+def buffer_size(argument: int | None, interval_s: float, per_second: int) -> int:
+    """The argument, else ``per_second`` steps per second of export interval (at least one s).
+
+    Raises:
+        ConfigError: the argument is not a positive integer.
+    """
+    if argument is None:
+        return per_second * max(1, math.ceil(interval_s))
+    if isinstance(argument, bool) or not isinstance(argument, int) or argument < 1:
+        raise ConfigError(f"buffer_steps must be a positive integer, got {argument!r}")
+    return argument
 
 
 class NullPhases(dict[str, Any]):

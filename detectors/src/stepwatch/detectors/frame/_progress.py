@@ -46,7 +46,8 @@ class RankProgress:
         phase_since_unix_nano: when it entered ``phase``.
         closed: its monitor was closed (its last window said so): its silence is an exit.
         step_s: mean step time of its last window with steps (``None`` before any).
-        export_window_s: length of that window.
+        export_window_s: the longer of its last two windows with steps: its export cadence
+            (a hang or a pause cuts the last one short; ``None`` before any).
         speaks_progress: it has sent progress gauges (a monitor that also says when it
             closes; every stepwatch monitor's first window carries them).
     """
@@ -91,7 +92,7 @@ class JobProgress:
 
     @property
     def export_interval_s(self) -> float | None:
-        """The median length of the ranks' last windows of steps (``None`` before any)."""
+        """The ranks' median export cadence (``export_window_s``; ``None`` before any)."""
         lengths = [r.export_window_s for r in self.ranks if r.export_window_s]
         return statistics.median(lengths) if lengths else None
 
@@ -166,7 +167,7 @@ def read_progress(
     lookback_s: float = PROGRESS_LOOKBACK_S,
     history_s: float = STEP_HISTORY_S,
 ) -> JobProgress:
-    """Where each rank of ``job`` is as of ``now_unix_nano`` (one request, six ``last()``s).
+    """Where each rank of ``job`` is as of ``now_unix_nano`` (one request, six statements).
 
     Args:
         client: InfluxDB client on the stepwatch database.
@@ -193,10 +194,11 @@ def read_progress(
         f"GROUP BY {rank}, {phase}",
         f'SELECT last("gauge") FROM {quote_ident(_schema.STEP_CURRENT)} WHERE {history} '
         f"GROUP BY {rank}",
-        # the newest window's mean step is sum / count (the compact layout stores no mean)
-        f'SELECT last("sum"), "count", "start_time_unix_nano" '
+        # the newest window's mean step is sum / count (the compact layout stores no mean);
+        # the one before it says how long a whole window is (the newest may be cut short)
+        f'SELECT "sum", "count", "start_time_unix_nano" '
         f"FROM {quote_ident(_schema.STEP_DURATION)} "
-        f"WHERE {history} GROUP BY {rank}, {host}",
+        f"WHERE {history} GROUP BY {rank}, {host} ORDER BY time DESC LIMIT 2",
         f'SELECT last("gauge") FROM {quote_ident(_schema.STEP_LAST)} WHERE {history} '
         f"GROUP BY {rank}",
         f'SELECT last("gauge") FROM {quote_ident(_schema.MONITOR_CLOSED)} WHERE {history} '
@@ -212,7 +214,7 @@ def progress_from_series(
     # Per rank: (time, value, tags) of the latest row of each measurement (and phase).
     latest: dict[str, dict[int, tuple[int, float, dict[str, str]]]] = {}
     by_phase: dict[int, dict[str, tuple[int, float]]] = {}
-    window_start: dict[int, int] = {}
+    window_span: dict[int, int] = {}
     for series in results:
         rank_text = series.tags.get(_schema.RANK, "")
         if not rank_text.lstrip("-").isdigit() or not series.values:
@@ -235,16 +237,25 @@ def progress_from_series(
         slot = latest.setdefault(series.name, {})
         if rank not in slot or time_unix_nano > slot[rank][0]:
             slot[rank] = (time_unix_nano, value, dict(series.tags))
-            if series.name == _schema.STEP_DURATION and len(row) > 2:
-                start = row[2]
-                if isinstance(start, int | float) and 0 < start < time_unix_nano:
-                    window_start[rank] = int(start)
+            if series.name == _schema.STEP_DURATION:
+                spans = [
+                    int(r[0]) - int(r[3])
+                    for r in series.values
+                    if len(r) > 3
+                    and isinstance(r[0], int | float)
+                    and isinstance(r[3], int | float)
+                    and 0 < r[3] < r[0]
+                ]
+                if spans:
+                    window_span[rank] = max(spans)
+                else:
+                    window_span.pop(rank, None)
     ranks = sorted({rank for slot in latest.values() for rank in slot})
     return JobProgress(
         job=job,
         now_unix_nano=now_unix_nano,
         ranks=tuple(
-            _rank_progress(rank, latest, by_phase.get(rank, {}), window_start.get(rank))
+            _rank_progress(rank, latest, by_phase.get(rank, {}), window_span.get(rank))
             for rank in ranks
         ),
     )
@@ -254,7 +265,7 @@ def _rank_progress(
     rank: int,
     latest: dict[str, dict[int, tuple[int, float, dict[str, str]]]],
     phases: dict[str, tuple[int, float]],
-    window_start: int | None,
+    window_span_ns: int | None,
 ) -> RankProgress:
     def get(name: str) -> tuple[int, float, dict[str, str]] | None:
         return latest.get(name, {}).get(rank)
@@ -298,8 +309,8 @@ def _rank_progress(
         phase_since_unix_nano=phase_since,
         closed=closed is not None and closed[0] >= last_report,
         step_s=step_s,
-        export_window_s=(window[0] - window_start) / 1e9
-        if window is not None and window_start is not None
+        export_window_s=window_span_ns / 1e9
+        if window is not None and window_span_ns is not None
         else None,
         speaks_progress=speaks,
     )
