@@ -96,6 +96,26 @@ class JobProgress:
         lengths = [r.export_window_s for r in self.ranks if r.export_window_s]
         return statistics.median(lengths) if lengths else None
 
+    def silent(self, *, min_s: float) -> list[RankProgress]:
+        """The live ranks without a report for max(``min_s``, 3 export cadences), or for
+        max(``min_s``, 1.5 cadences) once a peer has reported a cadence after them (they missed
+        a report: with 10 s windows, 3 cadences would leave a frozen rank named stuck at its
+        stale last report for 30 s)."""
+        live, now = self.live, self.now_unix_nano
+        if not live:
+            return []
+        cadence_s = self.export_interval_s or 1.0
+        newest = max(r.last_report_unix_nano for r in live)
+
+        def quiet(r: RankProgress) -> bool:
+            age_s = (now - r.last_report_unix_nano) / 1e9
+            missed = (newest - r.last_report_unix_nano) / 1e9 >= cadence_s
+            return age_s >= max(min_s, 3.0 * cadence_s) or (
+                missed and age_s >= max(min_s, 1.5 * cadence_s)
+            )
+
+        return [r for r in live if quiet(r)]
+
     @property
     def live(self) -> list[RankProgress]:
         """The ranks that have not closed their monitors."""

@@ -66,19 +66,7 @@ def find_hangs(progress: JobProgress, *, hang_steps: float, hang_min_s: float) -
     stalled = (now - onset) / 1e9
     if stalled < threshold or (now - last_report) / 1e9 > PROGRESS_LOOKBACK_S:
         return []
-    cadence_s = progress.export_interval_s or 1.0
-    silent_s = max(threshold / 2.0, 3.0 * cadence_s)
-    # A rank that missed a report its peers made: silent after 1.5 cadences (with 10 s
-    # windows, 30 s of silence would leave a frozen rank "stuck" at its stale last report).
-    missed_s = max(threshold / 2.0, 1.5 * cadence_s)
-    newest = max(r.last_report_unix_nano for r in live)
-
-    def quiet(r: RankProgress) -> bool:
-        age_s = (now - r.last_report_unix_nano) / 1e9
-        missed = (newest - r.last_report_unix_nano) / 1e9 >= cadence_s
-        return age_s >= silent_s or (age_s >= missed_s and missed)
-
-    silent = [r for r in live if quiet(r)]
+    silent = progress.silent(min_s=threshold / 2.0)
     waiting = [r for r in live if r not in silent and r.in_communication]
     stuck = [r for r in live if r not in silent and not r.in_communication]
     closed = [r for r in progress.ranks if r.closed]
