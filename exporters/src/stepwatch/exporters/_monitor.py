@@ -1,12 +1,12 @@
 """StepMonitor: step and phase timing on the training thread, OTLP export on a background thread.
 
-The hot path (``step()``, ``phase()``; in C where built, ``_recorder``) reads a monotonic clock
-and appends one finished-step record to a bounded deque: no lock, no SDK call. A daemon export
-thread wakes every ``export_interval_s``, aggregates the steps finished since the last export
-(:class:`~stepwatch.exporters.WindowBuilder`) and hands the window to the OTLP exporter. A
-window without a finished step still goes out with where the rank is (step, phase, for how
-long), so a rank stuck inside a step is seen. Nothing raises into the training loop: misuse and
-export failures are logged (rate-limited) and counted in :attr:`StepMonitor.stats`.
+The hot path (``step()``, ``phase()``; in C where built, ``_recorder``) reads a monotonic clock and
+appends one finished-step record to a bounded deque: no lock, no SDK call. A daemon export thread
+wakes every ``export_interval_s`` (and early for a stalled rank: ``_cadence``), aggregates the
+steps finished since the last export (:class:`~stepwatch.exporters.WindowBuilder`) and hands the
+window to the OTLP exporter. A window without a finished step says where the rank is (step, phase,
+for how long), so a rank stuck inside a step is seen. Nothing raises into the training loop:
+misuse and export failures are logged (rate-limited) and counted in :attr:`StepMonitor.stats`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters._account import ExportAccount, MonitorStats
 from stepwatch.exporters._auto import Instrumentation, install_hooks
+from stepwatch.exporters._cadence import run_exports
 from stepwatch.exporters._config import (
     DEFAULT_TIMEOUT_S,
     ExporterConfig,
@@ -357,8 +358,7 @@ class StepMonitor:
         return self._builder.stamp(self._wall_anchor_ns + (monotonic_ns - self._mono_anchor_ns))
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            self.export_now()
+        run_exports(self._interval_s, self._stop, self._recorder, self._buffer, self.export_now)
         self._final_flush()
 
     def _final_flush(self) -> None:
