@@ -153,6 +153,27 @@ def test_trickling_client_hits_the_request_deadline() -> None:
             assert sock.recv(4096) == b""  # and closed
 
 
+def test_a_client_still_sending_past_the_deadline_reads_its_408_not_a_reset() -> None:
+    # The server answers 408 at 1.0 s while the client is still sending its body (a byte
+    # every 20 ms): it then drains that input before closing. Closing with it unread made the
+    # kernel reset the connection: the client's next send failed and the 408 was lost.
+    with Bridge(RecordingWriter(), request_timeout_s=1.0, grpc_port=None) as bridge:
+        assert bridge.http_port is not None
+        with socket.create_connection(("127.0.0.1", bridge.http_port), timeout=5) as sock:
+            sock.sendall(
+                b"POST /v1/metrics HTTP/1.1\r\nHost: bridge\r\n"
+                b"Content-Type: application/x-protobuf\r\nContent-Length: 1000000\r\n\r\n"
+            )
+            until = time.monotonic() + 1.8
+            while time.monotonic() < until:
+                sock.sendall(b"x" * 64)
+                time.sleep(0.02)
+            answer = sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            assert b"Connection: close" in answer
+            assert sock.recv(4096) == b""  # then closed, in order
+
+
 def test_slow_clients_cannot_starve_a_step_monitor() -> None:
     writer = RecordingWriter()
     threads_before = threading.active_count()

@@ -37,6 +37,8 @@ _log = logging.getLogger("stepwatch.otel_bridge")
 
 
 MAX_HEADERS = 100  # as http.client
+#: Longest a closing connection drains the client's unread input (``_linger``).
+LINGER_S = 2.0
 
 
 class Headers:
@@ -250,8 +252,12 @@ class AsyncHttpServer:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            while await self._one_request(reader, writer):
-                pass
+            while True:
+                keep, answered = await self._one_request(reader, writer)
+                if not keep:
+                    break
+            if answered:
+                await self._linger(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, TimeoutError):
             pass
         except Exception:  # never let a connection's failure reach the loop
@@ -260,17 +266,30 @@ class AsyncHttpServer:
             self._connections.discard(writer)
             writer.transport.abort()
 
+    async def _linger(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Close after a last answer without resetting it: send FIN, then read and drop what
+        the client still sends (the rest of a body it was told was late or too big) until it
+        closes too, for at most :data:`LINGER_S`. Closing with unread input makes the kernel
+        send a reset, and a client can get that reset instead of the answer (a trickling
+        client read ``ConnectionResetError`` rather than its 408)."""
+        with contextlib.suppress(OSError, RuntimeError, TimeoutError, ssl.SSLError):
+            if writer.can_write_eof():
+                writer.write_eof()
+            async with asyncio.timeout(LINGER_S):
+                while await reader.read(65536):
+                    pass
+
     async def _one_request(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> bool:
-        """Read, handle and answer one request; False: close the connection."""
+    ) -> tuple[bool, bool]:
+        """Read, handle and answer one request: (keep the connection, an answer was sent)."""
         try:  # asyncio.timeout, not wait_for: no task per request
             async with asyncio.timeout(self.idle_timeout_s):
                 first = await reader.read(1)
         except TimeoutError:
-            return False
+            return False, False
         if not first:
-            return False
+            return False, False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout_s
         try:
@@ -280,27 +299,27 @@ class AsyncHttpServer:
                 checked = self.early(method, path, headers)
                 if isinstance(checked, HttpResponse):
                     await self._respond(writer, checked._replace(close=True), method=method)
-                    return False
+                    return False, True
                 if checked and headers.get("Expect", "").lower() == "100-continue":
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = await reader.readexactly(checked) if checked else b""
         except TimeoutError:
             await self._respond(writer, _plain(408, "request not received in time"))
-            return False
+            return False, True
         except _Refused as refused:
             await self._respond(writer, _plain(refused.status, str(refused)))
-            return False
+            return False, True
         request = HttpRequest(method, path, headers, body)
         if method == "POST":
             if self.in_flight >= self.max_concurrent_requests:
                 response = self.busy(request)
                 await self._respond(writer, response)
-                return keep_alive and not response.close
+                return keep_alive and not response.close, True
             self.in_flight += 1
         try:
             workers = self._workers
             if workers is None:  # stopping
-                return False
+                return False, False
             if self.inline():
                 response = self._handle(request)
             else:
@@ -309,7 +328,7 @@ class AsyncHttpServer:
             if method == "POST":
                 self.in_flight -= 1
         await self._respond(writer, response, method=method)
-        return keep_alive and not response.close
+        return keep_alive and not response.close, True
 
     def _handle(self, request: HttpRequest) -> HttpResponse:
         try:
