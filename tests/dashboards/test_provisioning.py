@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from stepwatch.core import settings
+
 REPO = Path(__file__).resolve().parents[2]
 GRAFANA = REPO / "grafana"
 AMTOOL = shutil.which("amtool")
@@ -46,6 +48,9 @@ def test_datasources_match_the_dashboards() -> None:
         assert source["jsonData"]["version"] == "InfluxQL"
         assert source["jsonData"]["dbName"] == "${STEPWATCH_INFLUX_DATABASE}"
         assert source["url"] == "${STEPWATCH_INFLUX_URL}"
+        # Grafana's smallest bucket is one export window by default: no per-second spikes.
+        default_s = settings.METRIC_EXPORT_INTERVAL_S.default
+        assert source["jsonData"]["timeInterval"] == f"{default_s:g}s"
     assert v2["datasources"][0]["jsonData"]["httpHeaderName1"] == "Authorization"
     token = v2["datasources"][0]["secureJsonData"]["httpHeaderValue1"]
     assert token == "Token ${STEPWATCH_INFLUX_TOKEN}"
