@@ -500,8 +500,10 @@ def install_hooks(
     comm_state: Any,
     time_communication: bool,
     collective_timing: bool,
+    state_type: type[_AutoState] = _AutoState,
 ) -> Instrumentation:
-    """Install auto-mode hooks feeding ``recorder`` (the options: ``StepMonitor.instrument``).
+    """Install auto-mode hooks feeding ``recorder`` (the options: ``StepMonitor.instrument``;
+    ``state_type``: the hooks' class, ``_auto_device.install_hooks`` picks it).
 
     Raises:
         ConfigError: ``model`` or ``optimizer`` is not a torch module / optimizer, or
@@ -518,7 +520,7 @@ def install_hooks(
         raise ConfigError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    state = _AutoState(recorder)
+    state = state_type(recorder)
     handles: list[Any] = [
         time_forward(state, model),
         optimizer.register_step_pre_hook(state.optimizer_pre),

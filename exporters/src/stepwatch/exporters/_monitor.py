@@ -23,7 +23,7 @@ from stepwatch.core import _schema, settings
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters._account import ExportAccount, MonitorStats
-from stepwatch.exporters._auto import Instrumentation, install_hooks
+from stepwatch.exporters._auto_device import Instrumentation, install_hooks
 from stepwatch.exporters._cadence import run_exports
 from stepwatch.exporters._config import (
     DEFAULT_TIMEOUT_S,
@@ -132,8 +132,8 @@ class StepMonitor:
         clock: Time source (tests inject a fake).
         device_timer: ``"auto"`` (CUDA events when torch is imported and CUDA is available,
             else the host clock), ``"cuda"``, ``"cpu"`` or a :class:`DeviceTimer`. With a
-            device timer, ``step()`` and ``phase()`` durations are device time and a window
-            holds only steps the device has finished; auto-mode hooks stay host-timed.
+            device timer, step, ``phase()`` and auto-mode phase durations are device time
+            (``_auto_device``) and a window holds only steps the device has finished.
         buffer_steps: Steps held for export; more are dropped, counted (4,096 per s of interval).
         max_scale: Finest exponential-histogram scale.
         max_size: Most buckets per histogram.

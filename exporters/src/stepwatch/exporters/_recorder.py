@@ -33,8 +33,11 @@ from stepwatch.exporters._window import KernelSource
 MAX_PHASE_NAME_LENGTH: Final = 64
 MAX_PHASE_NAMES: Final = 256
 
-# Device marks of one step: (step start, step end, phase name -> [(start, end), ...]).
-DeviceMarks = tuple[Any, Any, dict[str, list[tuple[Any, Any]]]]
+# Device marks of one step: (step start, step end, phase name -> [(start, end), ...], the
+# same for auto-mode phases of a sampled step: they replace its host times, ``_auto_device``).
+DeviceMarks = tuple[
+    Any, Any, dict[str, list[tuple[Any, Any]]], dict[str, list[tuple[Any, Any]]] | None
+]
 # One finished step: (index, start monotonic ns, end monotonic ns, phase name -> ns, device,
 # auto-mode phases). The last is None for a step no auto mode watched, UNSAMPLED for one whose
 # phases it did not time (``_sampling``), else its phase name -> ns (possibly empty).
@@ -125,10 +128,15 @@ def _values(
                 sampled.append(auto)
         if device is not None and timer is not None:
             durations.append(timer.elapsed_s(device[0], device[1]))
-            device_phases = {
-                name: sum(timer.elapsed_s(a, b) for a, b in intervals)
-                for name, intervals in device[2].items()
-            }
+            device_phases = _device_seconds(timer, device[2])
+            if len(device) > 3 and device[3] and auto is not None and auto is not UNSAMPLED:
+                sampled[-1] = {  # auto-mode phases timed on the device (_auto_device)
+                    **auto,
+                    **{
+                        name: round(seconds * 1e9)
+                        for name, seconds in _device_seconds(timer, device[3]).items()
+                    },
+                }
             for name, ns in step_phases.items():
                 seconds = device_phases.pop(name, None)
                 _append(phases, name, ns * 1e-9 if seconds is None else seconds)
@@ -142,6 +150,20 @@ def _values(
                     values = phases[name] = []
                 values.append(ns * 1e-9)
     return durations, phases, sampled, watched
+
+
+def _device_seconds(
+    timer: DeviceTimer, intervals_by_name: dict[str, list[tuple[Any, Any]]]
+) -> dict[str, float]:
+    """Seconds per phase from device marks; a phase with a mark the timer cannot read is left
+    out (its host time stays)."""
+    seconds: dict[str, float] = {}
+    for name, intervals in intervals_by_name.items():
+        try:
+            seconds[name] = sum(timer.elapsed_s(start, end) for start, end in intervals)
+        except Exception:
+            continue
+    return seconds
 
 
 def _fast_host_values(
@@ -316,6 +338,7 @@ class StepRecorder:
         self.sampled = True
         self.watchers = 0
         self._device_phases: dict[str, list[tuple[Any, Any]]] = {}
+        self._device_sampled: dict[str, list[tuple[Any, Any]]] | None = None
         self._step_start_mark: Any = None
         self.step_depth = 0
         self._step_start_ns = 0
@@ -359,6 +382,23 @@ class StepRecorder:
         phases = self._sampled_ns
         phases[name] = phases.get(name, 0) + elapsed_ns
 
+    def add_device_phase(self, name: str, start_mark: Any, end_mark: Any) -> None:
+        """Add a device interval to phase ``name`` of the current step (every step)."""
+        intervals = self._device_phases.get(name)
+        if intervals is None:
+            intervals = self._device_phases[name] = []
+        intervals.append((start_mark, end_mark))
+
+    def add_sampled_device_phase(self, name: str, start_mark: Any, end_mark: Any) -> None:
+        """Add a device interval to auto-mode phase ``name`` of the current (sampled) step."""
+        sampled = self._device_sampled
+        if sampled is None:
+            sampled = self._device_sampled = {}
+        intervals = sampled.get(name)
+        if intervals is None:
+            intervals = sampled[name] = []
+        intervals.append((start_mark, end_mark))
+
     def begin_step(self, *, explicit: bool, now_ns: int | None = None) -> None:
         """Open a step (``now_ns``: its start, already read from the monitor's clock)."""
         try:
@@ -400,9 +440,15 @@ class StepRecorder:
             if self.device_timer is not None:
                 device_phases = self._device_phases
                 self._device_phases = {}
+                device_sampled, self._device_sampled = self._device_sampled, None
                 start_mark, self._step_start_mark = self._step_start_mark, None
                 if start_mark is not None:
-                    device = (start_mark, self.device_timer.mark(), device_phases)
+                    device = (
+                        start_mark,
+                        self.device_timer.mark(),
+                        device_phases,
+                        device_sampled if self.watchers and self.sampled else None,
+                    )
             auto: dict[str, int] | None = None
             if self.watchers:
                 if self.sampled:

@@ -1,0 +1,544 @@
+"""Run stepwatch's GPU paths for real on a CUDA machine and record what they saw.
+
+Parts (each in its own try: one failing part does not hide the others):
+
+1. ``nvml``: :class:`~stepwatch.exporters.kernels.HealthSampler` on the real NVML: readings,
+   then the metrics of one window.
+2. ``cupti``: :class:`~stepwatch.exporters.kernels.CuptiSource` on the real CUPTI: steps of
+   known work (matrix products, an element-wise op, a host-to-device copy, a memset), one
+   drain per step, checked for the classes each step must hold.
+3. ``timer``: :class:`~stepwatch.exporters.CudaEventTimer` around a device sleep the host does
+   not wait for: the device time it reports against the host's launch time.
+4. ``straggler``, ``regression``: a 2-rank DDP job (gloo, both ranks on the one GPU), fully
+   instrumented (auto phases, CUPTI, NVML, CUDA-event timing), exporting a window every second
+   to a capturing OTLP/HTTP receiver. From the middle on, extra matrix products in the forward
+   pass: rank 1's alone (a compute straggler; on one shared GPU rank 0's kernels queue behind
+   them too) or every rank's (a job-wide regression). Each capture (``otlp_FAULT.jsonl.gz``)
+   replays into a bridge with ``--replay``, for the detectors where InfluxDB runs.
+5. ``overhead``: a single-GPU loop without and with the full monitor, in alternating
+   processes: median step times side by side.
+
+Usage (on the GPU machine; ``OUT`` is where results go)::
+
+    python bench/gpu_check.py --out "$OUT"
+    python bench/gpu_check.py --replay OUT/otlp_straggler.jsonl.gz --endpoint http://127.0.0.1:4318
+
+Results: ``gpu_check.json`` (every part's figures), the captures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import gzip
+import http.server
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+JOB_STEPS = 1600
+JOB_FAULT_STEP = 800
+JOB_HIDDEN = 1024
+JOB_BATCH = 256
+JOB_BURN = 4096  # the straggler's extra products: JOB_BURN x JOB_BURN, 3 per forward
+
+
+def _versions() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    for module, attribute in (("cupti", "__version__"), ("pynvml", "__version__")):
+        try:
+            info[module] = getattr(__import__(module), attribute, "?")
+        except Exception as exc:
+            info[module] = f"missing: {exc}"
+    try:
+        from cupti import cupti
+
+        info["cupti_api_version"] = cupti.get_version()
+    except Exception as exc:
+        info["cupti_api_version"] = f"n/a: {exc}"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        info["driver"] = pynvml.nvmlSystemGetDriverVersion()
+    except Exception as exc:
+        info["driver"] = f"n/a: {exc}"
+    return info
+
+
+def part_nvml() -> dict[str, Any]:
+    from stepwatch.exporters import build_resource
+    from stepwatch.exporters.kernels import HealthSampler
+
+    sampler = HealthSampler(build_resource(job_id="gpu-check", rank=0, world_size=1))
+    start = time.time_ns()
+    sampler.sample()
+    time.sleep(0.2)
+    sampler.sample()
+    metrics = sampler.build(start_unix_nano=start, end_unix_nano=time.time_ns())
+    readings = {str(k): repr(v) for k, v in sampler._last.items()}
+    points: dict[str, list[Any]] = {}
+    if metrics is not None:
+        for resource_metrics in metrics.resource_metrics:
+            for scope in resource_metrics.scope_metrics:
+                for metric in scope.metrics:
+                    points[metric.name] = [
+                        (dict(point.attributes or {}), getattr(point, "value", None))
+                        for point in metric.data.data_points
+                    ]
+    sampler.close()
+    return {"active": sampler.active, "readings": readings, "metrics": points}
+
+
+def part_cupti() -> dict[str, Any]:
+    import torch
+
+    from stepwatch.exporters.kernels import CuptiSource
+
+    source = CuptiSource()
+    device = torch.device("cuda")
+    a = torch.randn(2048, 2048, device=device)
+    host = torch.randn(4096, 4096)
+    steps: list[dict[str, Any]] = []
+
+    def gemm() -> None:
+        for _ in range(4):
+            torch.mm(a, a)
+
+    def elementwise() -> None:
+        for _ in range(4):
+            a.mul_(1.0001)
+
+    def copy_and_set() -> None:
+        host.to(device, non_blocking=False)
+        torch.zeros(1 << 24, device=device)
+
+    work = [("warm-up", gemm), ("gemm", gemm), ("elementwise", elementwise), ("copy", copy_and_set)]
+    for index, (label, body) in enumerate(work):
+        torch.cuda.synchronize()
+        body()
+        torch.cuda.synchronize()
+        source.on_step_end(index)
+        window = source.drain()
+        steps.append(
+            {
+                "step": label,
+                "classes": {
+                    f"{name}/{category}": [len(d), round(sum(d) * 1e6, 1)]
+                    for (name, category), d in window.durations_s.items()
+                },
+                "idle_us": [round(v * 1e6, 1) for v in window.idle_durations_s],
+            }
+        )
+    # Throughput: records per second CUPTI delivers for small kernels, and the drain's cost.
+    small = torch.ones(16, device=device)
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(20000):
+        small.add_(1)
+    torch.cuda.synchronize()
+    launch_s = time.perf_counter() - begin
+    source.on_step_end(len(work))
+    begin = time.perf_counter()
+    source._backend.flush()  # CUPTI's buffers to records (the callback converts them)
+    flush_s = time.perf_counter() - begin
+    begin = time.perf_counter()
+    window = source.drain()  # the records into histograms
+    drain_s = time.perf_counter() - begin
+    records = sum(len(d) for d in window.durations_s.values())
+    source.close()
+    return {
+        "active": source.active,
+        "dropped_records": source.dropped_records,
+        "steps": steps,
+        "small_kernels": {
+            "launched": 20000,
+            "records_drained": records,
+            "launch_s": round(launch_s, 4),
+            "flush_and_convert_s": round(flush_s, 4),
+            "summarise_s": round(drain_s, 4),
+        },
+    }
+
+
+def part_timer() -> dict[str, Any]:
+    import torch
+
+    from stepwatch.exporters._device import CudaEventTimer
+
+    timer = CudaEventTimer()
+    rate_khz = (
+        torch.cuda.get_device_properties(0).clock_rate
+        if hasattr(torch.cuda.get_device_properties(0), "clock_rate")
+        else None
+    )
+    results = []
+    for cycles in (10_000_000, 50_000_000):
+        torch.cuda.synchronize()
+        host_begin = time.perf_counter()
+        start = timer.mark()
+        torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+        end = timer.mark()
+        host_launch_s = time.perf_counter() - host_begin
+        ready_at_launch = timer.ready(end)
+        while not timer.ready(end):
+            time.sleep(0.0005)
+        host_done_s = time.perf_counter() - host_begin
+        results.append(
+            {
+                "cycles": cycles,
+                "device_s": round(timer.elapsed_s(start, end), 6),
+                "host_launch_s": round(host_launch_s, 6),
+                "host_until_ready_s": round(host_done_s, 6),
+                "ready_right_after_launch": ready_at_launch,
+            }
+        )
+    return {"clock_rate_khz": rate_khz, "sleeps": results}
+
+
+# --- the 2-rank job ---------------------------------------------------------------------------
+
+
+class _Capture(http.server.BaseHTTPRequestHandler):
+    store: ClassVar[list[dict[str, Any]]] = []
+    lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", "0"))
+        body = self.rfile.read(length)
+        with self.lock:
+            self.store.append(
+                {
+                    "t": time.time_ns(),
+                    "path": self.path,
+                    "content_type": self.headers.get("Content-Type", ""),
+                    "content_encoding": self.headers.get("Content-Encoding", ""),
+                    "body": base64.b64encode(body).decode(),
+                }
+            )
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _rank_main(
+    rank: int, world: int, port: int, endpoint: str, result_dir: str, fault: str
+) -> None:
+    logging.basicConfig(level=logging.INFO)
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from stepwatch.exporters import StepMonitor
+    from stepwatch.exporters.kernels import CuptiSource
+
+    torch.manual_seed(1234 + rank)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    device = torch.device("cuda", 0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, JOB_HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(JOB_HIDDEN, JOB_HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(JOB_HIDDEN, JOB_HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(JOB_HIDDEN, 10),
+    ).to(device)
+    burner = torch.randn(JOB_BURN, JOB_BURN, device=device)
+    slow = [False]
+
+    def straggle(_module: Any, _inputs: Any) -> None:
+        if slow[0]:
+            x = burner
+            for _ in range(3):
+                x = torch.mm(x, burner).clamp_(-1.0, 1.0)
+
+    model[0].register_forward_pre_hook(straggle)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    source = CuptiSource()
+    monitor = StepMonitor(
+        job_id=f"gpu-{fault}{world}",
+        rank=rank,
+        world_size=world,
+        host_name="gpu-node0",
+        local_rank=rank,
+        endpoint=endpoint,
+        protocol="http/protobuf",
+        export_interval_s=1.0,
+        kernel_source=source,
+        health=True,
+        device_timer="auto",
+    )
+    monitor.instrument(ddp, optimizer)
+    step_s: list[float] = []
+    for step in range(JOB_STEPS):
+        slow[0] = step >= JOB_FAULT_STEP and (fault == "regression" or rank == 1)
+        begin = time.perf_counter()
+        with monitor.step():
+            with monitor.phase("data"):
+                inputs = torch.randn(JOB_BATCH, 256).to(device, non_blocking=True)
+                targets = torch.randint(0, 10, (JOB_BATCH,)).to(device, non_blocking=True)
+            loss = loss_fn(ddp(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        step_s.append(time.perf_counter() - begin)
+    torch.cuda.synchronize()
+    monitor.close()
+    healthy = step_s[100:JOB_FAULT_STEP]
+    faulty = step_s[JOB_FAULT_STEP + 100 :]
+    summary = {
+        "rank": rank,
+        "device_timer": type(monitor._device_timer).__name__
+        if hasattr(monitor, "_device_timer")
+        else "?",
+        "cupti_active": source.active,
+        "cupti_dropped_records": source.dropped_records,
+        "median_step_ms_healthy": round(statistics.median(healthy) * 1e3, 3),
+        "median_step_ms_faulty": round(statistics.median(faulty) * 1e3, 3),
+    }
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as out:
+        json.dump(summary, out)
+    dist.destroy_process_group()
+
+
+def part_job(out_dir: str, fault: str, world: int = 2) -> dict[str, Any]:
+    from torch.multiprocessing.spawn import spawn
+
+    from stepwatch.core._net import free_port
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Capture)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    begin = time.monotonic()
+    _Capture.store.clear()
+    spawn(_rank_main, args=(world, free_port(), endpoint, out_dir, fault), nprocs=world, join=True)  # type: ignore[no-untyped-call]
+    wall_s = time.monotonic() - begin
+    time.sleep(0.5)
+    server.shutdown()
+    with _Capture.lock:
+        store = list(_Capture.store)
+    capture = os.path.join(out_dir, f"otlp_{fault}{world}.jsonl.gz")
+    with gzip.open(capture, "wt") as out:
+        for request in store:
+            out.write(json.dumps(request) + "\n")
+    ranks = []
+    for rank in range(world):
+        with open(os.path.join(out_dir, f"rank{rank}.json")) as handle:
+            ranks.append(json.load(handle))
+        os.remove(os.path.join(out_dir, f"rank{rank}.json"))
+    return {
+        "wall_s": round(wall_s, 1),
+        "requests": len(store),
+        "bytes": sum(len(base64.b64decode(r["body"])) for r in store),
+        "ranks": ranks,
+        "metric_names": sorted(_metric_names(store)),
+    }
+
+
+def _metric_names(store: list[dict[str, Any]]) -> set[str]:
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+
+    names: set[str] = set()
+    for request in store:
+        body = base64.b64decode(request["body"])
+        if request["content_encoding"] == "gzip":
+            body = gzip.decompress(body)
+        message = ExportMetricsServiceRequest()
+        message.ParseFromString(body)
+        for resource_metrics in message.resource_metrics:
+            for scope in resource_metrics.scope_metrics:
+                names.update(metric.name for metric in scope.metrics)
+    return names
+
+
+# --- overhead ---------------------------------------------------------------------------------
+
+OVERHEAD_CHILD = r"""
+import json, statistics, sys, time
+import torch
+arm = sys.argv[1]
+steps, hidden, batch = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.manual_seed(0)
+device = torch.device("cuda")
+layers = []
+for _ in range(4):
+    layers += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+model = torch.nn.Sequential(*layers).to(device)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+data = torch.randn(batch, hidden, device=device)
+monitor = None
+if arm != "off":
+    from stepwatch.exporters import StepMonitor
+    from stepwatch.exporters.kernels import CuptiSource
+    monitor = StepMonitor(
+        job_id="ovh", rank=0, world_size=1, endpoint=sys.argv[5],
+        kernel_source=None if arm == "no-cupti" else CuptiSource(), health=True,
+        device_timer="cpu" if arm == "host-phases" else "auto",
+        phase_sampling=1 if arm == "every-step" else "auto")
+    monitor.instrument(model, optimizer)
+def one():
+    loss = model(data).square().mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+for _ in range(30):
+    one()
+torch.cuda.synchronize()
+times = []
+for _ in range(steps):
+    begin = time.perf_counter()
+    one()
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - begin)
+if monitor is not None:
+    monitor.close()
+print(json.dumps({"median_ms": statistics.median(times) * 1e3,
+                  "mean_ms": statistics.fmean(times) * 1e3}))
+"""
+
+
+def part_overhead(runs: int, steps: int, hidden: int, batch: int) -> dict[str, Any]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Capture)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    # off: no monitor; on: the defaults (CUPTI, NVML, phases on the device, sampled);
+    # host-phases: phases on the host clock; no-cupti: no kernel source; every-step: phases
+    # timed on every step.
+    names = ("off", "on", "host-phases", "no-cupti", "every-step")
+    arms: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for _ in range(runs):
+        for arm in names:
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    OVERHEAD_CHILD,
+                    arm,
+                    str(steps),
+                    str(hidden),
+                    str(batch),
+                    endpoint,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"overhead child ({arm}) failed: {done.stderr[-2000:]}")
+            arms[arm].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    server.shutdown()
+    medians = {name: statistics.median(r["median_ms"] for r in arms[name]) for name in names}
+    return {
+        "hidden": hidden,
+        "batch": batch,
+        "steps_per_run": steps,
+        "runs": arms,
+        "median_of_medians_ms": {name: round(value, 4) for name, value in medians.items()},
+        "overhead_pct": {
+            name: round((medians[name] / medians["off"] - 1.0) * 100, 3) for name in names[1:]
+        },
+    }
+
+
+# --- replay (where the bridge runs) -----------------------------------------------------------
+
+
+def replay(capture: str, endpoint: str) -> int:
+    """POST every captured request to ``endpoint`` in order; returns the number refused."""
+    refused = 0
+    with gzip.open(capture, "rt") as lines:
+        for line in lines:
+            request = json.loads(line)
+            headers = {"Content-Type": request["content_type"] or "application/x-protobuf"}
+            if request["content_encoding"]:
+                headers["Content-Encoding"] = request["content_encoding"]
+            post = urllib.request.Request(
+                endpoint.rstrip("/") + request["path"],
+                data=base64.b64decode(request["body"]),
+                headers=headers,
+                method="POST",
+            )
+            try:
+                with urllib.request.urlopen(post, timeout=30) as answer:
+                    answer.read()
+            except Exception as exc:
+                refused += 1
+                print(f"refused: {exc}", file=sys.stderr)
+    return refused
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--parts", default="nvml,cupti,timer,straggler,regression,overhead")
+    parser.add_argument("--overhead-runs", type=int, default=2)
+    parser.add_argument("--overhead-steps", type=int, default=300)
+    parser.add_argument("--overhead-hidden", type=int, default=4096)
+    parser.add_argument("--overhead-batch", type=int, default=2048)
+    parser.add_argument("--replay", help="a capture to POST to --endpoint (no GPU needed)")
+    parser.add_argument("--endpoint", default="http://127.0.0.1:4318")
+    args = parser.parse_args()
+    if args.replay:
+        refused = replay(args.replay, args.endpoint)
+        print(f"replayed {args.replay} to {args.endpoint}: {refused} refused")
+        return 1 if refused else 0
+    os.makedirs(args.out, exist_ok=True)
+    results: dict[str, Any] = {"versions": _versions()}
+    print(json.dumps(results["versions"]), flush=True)
+    parts: dict[str, Callable[[], dict[str, Any]]] = {
+        "nvml": part_nvml,
+        "cupti": part_cupti,
+        "timer": part_timer,
+        "straggler": lambda: part_job(args.out, "straggler"),
+        "regression": lambda: part_job(args.out, "regression"),
+        "straggler4": lambda: part_job(args.out, "straggler", 4),
+        "overhead": lambda: part_overhead(
+            args.overhead_runs, args.overhead_steps, args.overhead_hidden, args.overhead_batch
+        ),
+    }
+    for name in args.parts.split(","):
+        begin = time.monotonic()
+        try:
+            results[name] = parts[name]()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        results[name + "_s"] = round(time.monotonic() - begin, 1)
+        print(
+            f"== {name} ({results[name + '_s']} s)\n{json.dumps(results[name], indent=1)}",
+            flush=True,
+        )
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as out:
+            json.dump(results, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
