@@ -65,6 +65,43 @@ def test_real_straggler_is_blamed_on_its_rank_and_forward_phase(
     assert report is not None and report.exists()
 
 
+def test_a_real_two_rank_straggler_is_named_against_its_own_level(
+    influxd: ManagedInfluxDB, tmp_path: Path
+) -> None:
+    """Two ranks are too few for the peers' statistics (``min_ranks`` 4): the rank that spent
+    the job's step shift in its own forward while the other waited is named
+    (``analysis/_few_ranks.py``); before, this read as a job regression "on every rank"."""
+    database = f"demo_{uuid.uuid4().hex[:8]}"
+    with LocalStack(tmp_path / "stack", influx_url=influxd.url, database=database) as stack:
+        assert stack.client is not None
+        config = DemoJobConfig(
+            job_id=f"straggler2-{uuid.uuid4().hex[:6]}",
+            world_size=2,
+            steps=1500,  # 2 ranks step ~2x faster than 4: more steps for as many windows
+            fault="straggler",
+            fault_rank=1,
+            fault_step=600,
+            endpoint=stack.otlp_http_endpoint,
+            collect_kernels=False,
+        )
+        run_demo_job(stack.client, config, progress=lambda _: None)
+        time_range = job_time_range(stack.client, config.job_id)
+        assert time_range is not None
+        diagnoses, _ = write_outputs(
+            stack.client,
+            config.job_id,
+            out_dir=tmp_path,
+            start_unix_nano=time_range[0] - 1_000_000_000,
+            end_unix_nano=time_range[1] + 1_000_000_000,
+        )
+    described = [(d.kind, d.ranks, d.phase) for d in diagnoses]
+    stragglers = [d for d in diagnoses if d.kind in STRAGGLER_KINDS]
+    assert stragglers and stragglers[0] is diagnoses[0], described
+    assert all(d.ranks == (1,) and d.phase == "forward" for d in stragglers), described
+    # Rank 0, which only waits, is blamed for nothing, and nothing is called job-wide.
+    assert all(d.ranks == (1,) for d in diagnoses), described
+
+
 # ---- the small-world statistics the real demo needs (fast, synthetic) ----------------------
 
 

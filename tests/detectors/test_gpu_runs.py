@@ -97,6 +97,19 @@ def test_a_gpu_compute_straggler_is_named_with_its_phase_and_kernel(
     assert found[0].slowdown >= 1.2
 
 
+def test_a_two_rank_gpu_straggler_is_named_against_its_own_level(
+    influx: InfluxClient, bridge: Bridge
+) -> None:
+    """2 ranks: too few for the peer statistics; rank 1 spent the shift in its forward while
+    rank 0 waited (``analysis/_few_ranks.py``)."""
+    job = replay(bridge, "straggler2")
+    found = diagnose(influx, job)
+    assert [(d.kind, d.ranks, d.phase, d.kernel_class) for d in found] == [
+        ("compute_straggler", (1,), "forward", "gemm")
+    ], found
+    assert "rank 0 waits for it" in found[0].summary
+
+
 def test_a_gpu_job_wide_regression_blames_no_rank(influx: InfluxClient, bridge: Bridge) -> None:
     job = replay(bridge, "regression2")
     found = diagnose(influx, job)

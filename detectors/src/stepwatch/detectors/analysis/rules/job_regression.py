@@ -4,8 +4,9 @@ A job rule, run after the others: change points (:func:`change_points`) of the j
 step, phase and kernel-class times per window; upward shifts of at least
 ``config.min_shift`` and ``config.min_step_fraction`` of a step, away from every earlier
 finding, grouped when within 3 windows. A group seen only in series that hold waiting in
-collectives is not a regression. Localisation: the phase and kernel class that moved most.
-Cost: the step's own shift, else the largest shift that holds no waiting over the step.
+collectives is not a regression. Localisation: the phase and kernel class that moved most;
+in a job too small for the cross-rank tests, the ranks whose own work carries it while the
+others wait (``_few_ranks``). Cost: the step's own shift, else the largest non-waiting one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.analysis._few_ranks import localise
 from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.stats._stats import FloatArray, change_points, nanmedian
@@ -52,12 +54,9 @@ def _job_series(context: Context) -> dict[str, FloatArray]:
 
 
 def _waiting_series(context: Context) -> set[str]:
-    """Job-level series that hold waiting in collectives (not evidence on their own).
-
-    Communication phases and kernels always, plus ``context.overlap_waiting``: a host
-    slowed by other work slows its collectives and with them those series, which is not
-    a regression of the job's code.
-    """
+    """Job-level series that hold waiting in collectives (not evidence on their own):
+    communication phases and kernels, plus ``context.overlap_waiting`` (a host slowed by
+    other work slows its collectives and those series: not a regression of the job's code)."""
     kernels = {f"kernel:{name}" for name in context.communication_classes()}
     return {f"phase:{COMMUNICATION_CATEGORY}"} | kernels | context.overlap_waiting
 
@@ -133,7 +132,7 @@ def _verdict(context: Context, group: list[_Shift], waiting: set[str]) -> Verdic
     summary = f"{head} since {context.since(index)} on every rank" + (
         f" ({', '.join(detail)})" if detail else ""
     )
-    description = Description(
+    description = localise(context, index) or Description(
         RULE.kind, summary, ratio, phase, kernel_class, slowdown=_cost(context, group, waiting)
     )
     return Verdict(
@@ -142,7 +141,7 @@ def _verdict(context: Context, group: list[_Shift], waiting: set[str]) -> Verdic
         last=frame.n_windows - 1,
         detected=min(index + 2, frame.n_windows - 1),
         open=True,
-        severity=severity_of(ratio),
+        severity=severity_of(description.ratio),
         score=float(max(s.ratio for s in group)),
     )
 
