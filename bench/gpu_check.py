@@ -148,32 +148,38 @@ def part_cupti() -> dict[str, Any]:
         )
     # Throughput: records per second CUPTI delivers for small kernels, and the drain's cost.
     small = torch.ones(16, device=device)
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    for _ in range(20000):
-        small.add_(1)
-    torch.cuda.synchronize()
-    launch_s = time.perf_counter() - begin
-    source.on_step_end(len(work))
-    begin = time.perf_counter()
-    source._backend.flush()  # CUPTI's buffers to records (the callback converts them)
-    flush_s = time.perf_counter() - begin
-    begin = time.perf_counter()
-    window = source.drain()  # the records into histograms
-    drain_s = time.perf_counter() - begin
-    records = sum(len(d) for d in window.durations_s.values())
+    runs: dict[str, dict[str, Any]] = {}
+    # The same 20,000 tiny kernels twice per path: summarised in bulk (numpy), then per event.
+    for label, bulk in (("bulk", True), ("per-event", False), ("bulk-2", True)):
+        source._bulk = bulk
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(20000):
+            small.add_(1)
+        torch.cuda.synchronize()
+        launch_s = time.perf_counter() - begin
+        source.on_step_end(len(work) + len(runs))
+        begin = time.perf_counter()
+        source._backend.flush()  # CUPTI's buffers to records (the callback converts them)
+        flush_s = time.perf_counter() - begin
+        begin = time.perf_counter()
+        window = source.drain()  # the records into histograms
+        drain_s = time.perf_counter() - begin
+        runs[label] = {
+            "launched": 20000,
+            "records_drained": sum(len(d) for d in window.durations_s.values()),
+            "classes": sorted(f"{name}/{category}" for name, category in window.durations_s),
+            "launch_us_per_kernel": round(launch_s / 20000 * 1e6, 3),
+            "flush_and_convert_us_per_record": round(flush_s / 20000 * 1e6, 3),
+            "summarise_us_per_record": round(drain_s / 20000 * 1e6, 3),
+        }
     source.close()
     return {
         "active": source.active,
+        "bulk_still_on": source._bulk,
         "dropped_records": source.dropped_records,
         "steps": steps,
-        "small_kernels": {
-            "launched": 20000,
-            "records_drained": records,
-            "launch_s": round(launch_s, 4),
-            "flush_and_convert_s": round(flush_s, 4),
-            "summarise_s": round(drain_s, 4),
-        },
+        "small_kernels": runs,
     }
 
 
@@ -394,20 +400,29 @@ model = torch.nn.Sequential(*layers).to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 data = torch.randn(batch, hidden, device=device)
 monitor = None
-if arm != "off":
+marks = int(arm.split("-")[1]) if arm.startswith("marks-") else 0
+held = []
+if arm != "off" and not marks:
     from stepwatch.exporters import StepMonitor
     from stepwatch.exporters.kernels import CuptiSource
     monitor = StepMonitor(
         job_id="ovh", rank=0, world_size=1, endpoint=sys.argv[5],
         kernel_source=None if arm == "no-cupti" else CuptiSource(), health=True,
         device_timer="cpu" if arm == "host-phases" else "auto",
-        phase_sampling=1 if arm == "every-step" else "auto")
+        phase_sampling=1 if arm == "every-step" else "auto",
+        export_interval_s=3600.0 if arm == "on-no-export" else None)
     monitor.instrument(model, optimizer)
 def one():
     loss = model(data).square().mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
+    for _ in range(marks):  # bare timing events, as a device timer's marks, kept till "export"
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        held.append(event)
+    if len(held) > 1000:
+        held.clear()
 for _ in range(30):
     one()
 torch.cuda.synchronize()
@@ -424,14 +439,15 @@ print(json.dumps({"median_ms": statistics.median(times) * 1e3,
 """
 
 
-def part_overhead(runs: int, steps: int, hidden: int, batch: int) -> dict[str, Any]:
+def part_overhead(runs: int, steps: int, hidden: int, batch: int, arms_text: str) -> dict[str, Any]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Capture)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     # off: no monitor; on: the defaults (CUPTI, NVML, phases on the device, sampled);
     # host-phases: phases on the host clock; no-cupti: no kernel source; every-step: phases
-    # timed on every step.
-    names = ("off", "on", "host-phases", "no-cupti", "every-step")
+    # timed on every step; on-no-export: no window during the run; marks-N: no monitor, N
+    # bare CUDA timing events recorded after each optimizer step.
+    names = tuple(arms_text.split(","))
     arms: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for _ in range(runs):
         for arm in names:
@@ -503,6 +519,11 @@ def main() -> int:
     parser.add_argument("--overhead-steps", type=int, default=300)
     parser.add_argument("--overhead-hidden", type=int, default=4096)
     parser.add_argument("--overhead-batch", type=int, default=2048)
+    parser.add_argument(
+        "--overhead-arms",
+        default="off,on,host-phases,no-cupti,every-step",
+        help="off first; also on-no-export, marks-N",
+    )
     parser.add_argument("--replay", help="a capture to POST to --endpoint (no GPU needed)")
     parser.add_argument("--endpoint", default="http://127.0.0.1:4318")
     args = parser.parse_args()
@@ -521,7 +542,11 @@ def main() -> int:
         "regression": lambda: part_job(args.out, "regression"),
         "straggler4": lambda: part_job(args.out, "straggler", 4),
         "overhead": lambda: part_overhead(
-            args.overhead_runs, args.overhead_steps, args.overhead_hidden, args.overhead_batch
+            args.overhead_runs,
+            args.overhead_steps,
+            args.overhead_hidden,
+            args.overhead_batch,
+            args.overhead_arms,
         ),
     }
     for name in args.parts.split(","):

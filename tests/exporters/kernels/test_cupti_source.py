@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,9 +171,9 @@ def test_without_cupti_the_source_is_a_quiet_no_op(caplog: pytest.LogCaptureFixt
 
 @dataclasses.dataclass
 class _Activity:
-    """Shaped like cupti-python's activity objects (``kind`` is an int)."""
+    """Shaped like cupti-python's activity objects (``kind``: an int, an enum member, ...)."""
 
-    kind: int
+    kind: Any
     start: int = 100
     end: int = 250
     device_id: int = 1

@@ -15,6 +15,11 @@ start after the last boundary wait for the next drain. Kernels of an asynchronou
 past the host-side boundary are attributed to the next step; histograms per window are
 unaffected, and device idle is computed per step on the device timeline.
 
+The callback keeps four fields of each record in flat lists (:class:`ActivityColumns`, no
+object per record); the export thread summarises them on numpy arrays
+(:func:`summarise_bulk`), or per event when numpy is missing or the bulk path fails (logged
+once); both give the same windows.
+
 CUPTI activity reference: https://docs.nvidia.com/cupti/api/group__CUPTI__ACTIVITY__API.html
 and the cupti-python bindings: https://docs.nvidia.com/cupti-python/
 """
@@ -23,12 +28,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from stepwatch.core._errors import ConfigError
 from stepwatch.exporters._window import KernelWindow
+from stepwatch.exporters.kernels._cupti_columns import ActivityColumns, summarise_bulk
 from stepwatch.exporters.kernels._summary import DEFAULT_TOP_K, KernelEvent, KernelSummariser
 
 _log = logging.getLogger(__name__)
@@ -74,10 +81,14 @@ class ActivityRecord(NamedTuple):
 class CuptiBackend(Protocol):
     """The CUPTI calls the source makes; :class:`CuptiPythonBackend` is the real one."""
 
-    def enable(self, on_records: Callable[[Sequence[ActivityRecord]], None]) -> None:
+    def enable(
+        self, on_records: Callable[[Sequence[ActivityRecord] | ActivityColumns], None]
+    ) -> None:
         """Register buffer callbacks and enable kernel / memcpy / memset activity.
 
-        ``on_records`` is called (on any thread) with the records of each completed buffer.
+        ``on_records`` is called (on any thread) with the records of each completed buffer:
+        :class:`ActivityRecord` objects, or :class:`ActivityColumns` (the real backend: no
+        object per record).
         """
 
     def flush(self) -> None:
@@ -114,18 +125,11 @@ def activity_to_record(
         kinds: ``CUpti_ActivityKind`` int → ``kernel``, ``memcpy``, ``memcpy2``, ``memset``.
     """
     kind = kinds.get(int(activity.kind))
-    if kind == "kernel":
-        name = str(activity.name)
-    elif kind == "memcpy":
-        name = MEMCPY_KIND_NAMES.get(int(activity.copy_kind), "Memcpy Unknown")
-    elif kind == "memcpy2":
-        kind, name = "memcpy", "Memcpy PtoP"
-    elif kind == "memset":
-        name = "Memset"
-    else:
+    name = _record_name(activity, kind)
+    if kind is None or name is None:
         return None
     return ActivityRecord(
-        kind,
+        "memcpy" if kind == "memcpy2" else kind,
         name,
         int(activity.start),
         int(activity.end),
@@ -133,6 +137,86 @@ def activity_to_record(
         int(activity.stream_id),
         int(activity.correlation_id),
     )
+
+
+def _record_name(activity: Any, kind: str | None) -> str | None:
+    """The name of a record of ``kind`` (``None``: a kind the source ignores)."""
+    if kind == "kernel":
+        return str(activity.name)
+    if kind == "memcpy":
+        return MEMCPY_KIND_NAMES.get(int(activity.copy_kind), "Memcpy Unknown")
+    if kind == "memcpy2":
+        return "Memcpy PtoP"
+    if kind == "memset":
+        return "Memset"
+    return None
+
+
+def activities_to_columns(
+    activities: Iterable[Any], *, kinds: Mapping[Any, str] = DEFAULT_ACTIVITY_KINDS
+) -> ActivityColumns:
+    """Convert a completed buffer's activity objects at once (the buffer callback's loop).
+
+    The records and fields :func:`activity_to_record` gives one by one, without an object per
+    record: a kernel costs five attribute reads and four list appends; values stay as
+    cupti-python reports them (the export thread converts them).
+
+    Args:
+        activities: The activity objects of one buffer.
+        kinds: ``CUpti_ActivityKind`` (int or enum member) → ``kernel``, ``memcpy``, ...
+    """
+    columns = ActivityColumns()
+    add_name = columns.names.append
+    add_start = columns.starts.append
+    add_end = columns.ends.append
+    add_device = columns.devices.append
+    kind_of = kinds.get
+    for activity in activities:
+        kind = kind_of(activity.kind)
+        if kind == "kernel":
+            add_name(activity.name)
+        else:
+            if kind is None:  # reported in another type than the table's keys
+                kind = kind_of(int(activity.kind))
+            name = _record_name(activity, kind)
+            if name is None:
+                continue
+            add_name(name)
+        add_start(activity.start)
+        add_end(activity.end)
+        add_device(activity.device_id)
+    return columns
+
+
+def _columns_of(records: Sequence[ActivityRecord]) -> ActivityColumns:
+    """:class:`ActivityRecord` objects (backends other than the real one) → columns."""
+    return ActivityColumns(
+        [record.name for record in records],
+        [record.start_ns for record in records],
+        [record.end_ns for record in records],
+        [record.device_id for record in records],
+    )
+
+
+def _rows(columns: ActivityColumns) -> list[tuple[int, int, int, Any]]:
+    """``(start, end, device, name)`` per record, as ints; a record with a value that is no
+    int (a field CUPTI did not fill) is left out rather than failing the whole drain."""
+    fields = (columns.starts, columns.ends, columns.devices, columns.names)
+    try:
+        starts, ends, devices = (map(int, values) for values in fields[:3])
+        return list(zip(starts, ends, devices, fields[3], strict=True))
+    except (TypeError, ValueError, OverflowError):
+        pass
+    rows = []
+    for start, end, device, name in zip(*fields, strict=True):
+        try:
+            rows.append((int(start), int(end), int(device), name))
+        except (TypeError, ValueError, OverflowError):
+            continue
+    return rows
+
+
+_START = operator.itemgetter(0)
 
 
 class CuptiPythonBackend:
@@ -148,29 +232,30 @@ class CuptiPythonBackend:
         self._buffer_size_bytes = buffer_size_bytes
         self._kinds: list[Any] = []
 
-    def enable(self, on_records: Callable[[Sequence[ActivityRecord]], None]) -> None:
-        """Register the buffer callbacks and enable the activity kinds."""
+    def enable(
+        self, on_records: Callable[[Sequence[ActivityRecord] | ActivityColumns], None]
+    ) -> None:
+        """Register the buffer callbacks and enable the activity kinds; each completed buffer
+        reaches ``on_records`` as :class:`ActivityColumns`."""
         from cupti import cupti
 
         def buffer_requested() -> tuple[int, int]:
             return self._buffer_size_bytes, 0
 
         activity_kind = cupti.ActivityKind
-        kinds = {
-            int(activity_kind.CONCURRENT_KERNEL): "kernel",
-            int(activity_kind.KERNEL): "kernel",
-            int(activity_kind.MEMCPY): "memcpy",
-            int(activity_kind.MEMCPY2): "memcpy2",
-            int(activity_kind.MEMSET): "memset",
-        }
+        kinds: dict[Any, str] = {}
+        for member, kind in (
+            (activity_kind.CONCURRENT_KERNEL, "kernel"),
+            (activity_kind.KERNEL, "kernel"),
+            (activity_kind.MEMCPY, "memcpy"),
+            (activity_kind.MEMCPY2, "memcpy2"),
+            (activity_kind.MEMSET, "memset"),
+        ):
+            # Keyed by the member and its int: ``activity.kind`` is found without int().
+            kinds[member] = kinds[int(member)] = kind
 
         def buffer_completed(activities: Sequence[Any]) -> None:
-            records = []
-            for activity in activities:
-                record = activity_to_record(activity, kinds=kinds)
-                if record is not None:
-                    records.append(record)
-            on_records(records)
+            on_records(activities_to_columns(activities, kinds=kinds))
 
         cupti.activity_register_callbacks(buffer_requested, buffer_completed)
         self._kinds = [
@@ -228,13 +313,14 @@ class CuptiSource:
         self._backend: CuptiBackend = backend if backend is not None else CuptiPythonBackend()
         self._summariser = KernelSummariser(top_k=top_k)
         self._max_buffered = max_buffered_records
-        self._records: list[ActivityRecord] = []
+        self._columns = ActivityColumns()
         self._records_lock = threading.Lock()
         self._drain_lock = threading.Lock()
         self._boundaries: collections.deque[tuple[int, int]] = collections.deque()
         self._last_boundary_ns: int | None = None
         self._enabled = False
         self._failed = False
+        self._bulk = True  # False once numpy was missing or the bulk path failed
         self.dropped_records = 0
         """Records discarded because the buffer bound was reached (cumulative)."""
 
@@ -265,13 +351,14 @@ class CuptiSource:
         self._enabled = True
         return True
 
-    def _on_records(self, records: Sequence[ActivityRecord]) -> None:
+    def _on_records(self, records: Sequence[ActivityRecord] | ActivityColumns) -> None:
+        columns = records if isinstance(records, ActivityColumns) else _columns_of(records)
         with self._records_lock:
-            room = self._max_buffered - len(self._records)
-            if room < len(records):
-                self.dropped_records += len(records) - max(room, 0)
-                records = records[: max(room, 0)]
-            self._records.extend(records)
+            room = self._max_buffered - len(self._columns)
+            if room < len(columns):
+                self.dropped_records += len(columns) - max(room, 0)
+                columns = columns.head(max(room, 0))
+            self._columns.extend(columns)
 
     def on_step_end(self, step_index: int) -> None:
         """Step boundary (training thread): one CUPTI timestamp and an append."""
@@ -299,32 +386,56 @@ class CuptiSource:
                 self._fail("activity_flush_all")
                 return self._summariser.drain()
             with self._records_lock:
-                records, self._records = self._records, []
-            carried = self._summarise(records, boundaries)
-            if carried:
+                columns, self._columns = self._columns, ActivityColumns()
+            carried = self._summarise(columns, boundaries)
+            if len(carried):
                 with self._records_lock:
-                    self._records[:0] = carried
+                    self._columns.prepend(carried)
             return self._summariser.drain()
 
     def _summarise(
-        self, records: list[ActivityRecord], boundaries: list[tuple[int, int]]
-    ) -> list[ActivityRecord]:
-        """Add whole steps to the summariser; return records of the step still running."""
-        records.sort(key=lambda record: record.start_ns)
+        self, columns: ActivityColumns, boundaries: list[tuple[int, int]]
+    ) -> ActivityColumns:
+        """Add whole steps to the summariser; return records of the step still running.
+
+        On numpy arrays (:func:`summarise_bulk`) when it can, else per event: the same result.
+        """
+        if self._bulk:
+            bounds = [boundary_ns for _, boundary_ns in boundaries]
+            try:
+                summary = summarise_bulk(
+                    columns, bounds, self._last_boundary_ns, self._summariser.classifier
+                )
+            except ImportError:
+                self._bulk = False
+                _log.debug("numpy is not installed: CUPTI records are summarised per event")
+            except Exception:
+                self._bulk = False
+                _log.warning(
+                    "bulk summary of CUPTI records failed; summarising them per event from now on",
+                    exc_info=True,
+                )
+            else:
+                if summary is not None:
+                    self._summariser.add_bulk(summary.durations_s, summary.idle_s)
+                    if bounds:
+                        self._last_boundary_ns = bounds[-1]
+                    return summary.carried
+        return self._summarise_events(columns, boundaries)
+
+    def _summarise_events(
+        self, columns: ActivityColumns, boundaries: list[tuple[int, int]]
+    ) -> ActivityColumns:
+        """:meth:`_summarise` one :class:`KernelEvent` at a time (Python ints throughout)."""
+        rows = _rows(columns)
+        rows.sort(key=_START)
         position = 0
         for _step_index, boundary_ns in boundaries:
             step_start = self._last_boundary_ns
             events: list[KernelEvent] = []
-            while position < len(records) and records[position].start_ns <= boundary_ns:
-                record = records[position]
-                events.append(
-                    KernelEvent(
-                        record.name,
-                        record.start_ns,
-                        max(0, record.end_ns - record.start_ns),
-                        record.device_id,
-                    )
-                )
+            while position < len(rows) and rows[position][0] <= boundary_ns:
+                start, end, device, name = rows[position]
+                events.append(KernelEvent(str(name), start, max(0, end - start), device))
                 position += 1
             if step_start is None:
                 # The first step's start is unknown (collection began inside it): its kernels
@@ -333,7 +444,13 @@ class CuptiSource:
             else:
                 self._summariser.add_step(events, start_ns=step_start, end_ns=boundary_ns)
             self._last_boundary_ns = boundary_ns
-        return records[position:]
+        rest = rows[position:]
+        return ActivityColumns(
+            [row[3] for row in rest],
+            [row[0] for row in rest],
+            [row[1] for row in rest],
+            [row[2] for row in rest],
+        )
 
     def close(self) -> None:
         """Disable CUPTI activity collection (records not yet drained are discarded)."""

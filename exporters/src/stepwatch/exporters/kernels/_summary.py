@@ -10,7 +10,7 @@ count is therefore at most ``top_k + 4`` whatever the workload does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from stepwatch.core._errors import ConfigError
@@ -206,6 +206,12 @@ class KernelSummariser:
         """The configured K."""
         return self._top_k
 
+    @property
+    def classifier(self) -> Callable[[str], KernelClass]:
+        """Raw name → :class:`KernelClass`, as :meth:`add_events` classifies (bulk sources
+        classify each distinct name once with it and hand over :meth:`add_bulk`)."""
+        return self._classify
+
     def add_events(self, events: Iterable[KernelEvent]) -> None:
         """Add kernel executions that belong to no particular step (no idle computed)."""
         durations = self._durations_s
@@ -246,6 +252,35 @@ class KernelSummariser:
             self._idle_s.extend(idle[device] for device in sorted(idle))
         else:
             self._idle_s.append(quantised_seconds(max(0, end_ns - start_ns)))
+
+    def add_bulk(
+        self,
+        durations_by_class: Mapping[tuple[str, str], Sequence[float]],
+        idle_s: Iterable[float],
+    ) -> None:
+        """Add pre-summarised steps: quantised durations per class and device-idle values.
+
+        What :meth:`add_events` and :meth:`add_step` would have appended, computed by the
+        caller in bulk (:class:`CuptiSource` on numpy arrays): the durations must already be on
+        the 2**-30 s grid (:func:`quantised_seconds`) and the keys come from
+        :attr:`classifier`. Folding, top K and totals are those of the other paths.
+
+        Args:
+            durations_by_class: ``(class, category)`` → durations in seconds, in event order.
+            idle_s: Idle seconds, in the order :meth:`add_step` would append them.
+        """
+        durations = self._durations_s
+        count = 0
+        for key, values in durations_by_class.items():
+            if not values:
+                continue
+            bucket = durations.get(key)
+            if bucket is None:
+                bucket = durations[key] = []
+            bucket.extend(values)
+            count += len(values)
+        self.events += count
+        self._idle_s.extend(idle_s)
 
     def kept_classes(self) -> frozenset[tuple[str, str]]:
         """The ``(class, category)`` keys currently kept by name (top K by total time)."""
