@@ -4,6 +4,7 @@ and the findings on ranks that only waited for a culprit of their own pipeline, 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -194,6 +195,8 @@ def narrow_to_late(context: Context, kind: str, group: EpisodeGroup) -> EpisodeG
     Needs data-parallel coordinates and communication data; otherwise the group as is.
     """
     groups = context.groups
+    if kind in DATA_PARALLEL_NARROWED and not (groups.replicas_known and groups.n_groups > 1):
+        return _narrow_data_parallel(context, group)
     if kind not in NARROWED or not groups.replicas_known or groups.n_groups < 2:
         return group
     wait = _wait(context)
@@ -209,3 +212,43 @@ def narrow_to_late(context: Context, kind: str, group: EpisodeGroup) -> EpisodeG
         lowest = min(value for value, _ in members)
         kept += [i for value, i in members if not value > WAITED_RATIO * lowest]
     return group.with_indices(sorted(kept)) if kept else group
+
+
+#: Kinds whose episodes in a data-parallel job may hold a rank slowed only a little beside
+#: the straggler (a neighbour sharing its CPU): it still waits for the straggler.
+DATA_PARALLEL_NARROWED = frozenset({"masked_straggler", "compute_straggler"})
+#: ... it is dropped when its wait is past this share of the way to the peers' wait.
+WAITER_SHARE = 0.75
+
+
+def _narrow_data_parallel(context: Context, group: EpisodeGroup) -> EpisodeGroup:
+    """Keep the ranks that waited like the straggler, not like its peers.
+
+    Every rank waits for the slowest in the all-reduce. A rank slowed less than the straggler
+    (on a shared host, the neighbour of a CPU-hungry rank) is flagged beside it, but it still
+    waits for it: its wait lies between the straggler's and the unflagged peers'. Ranks whose
+    mean wait over the episode is past ``WAITER_SHARE`` of the way from the group's least to
+    the peers' median (slowed by less than about a quarter of the straggler's excess) are
+    dropped; ranks slowed alike, or a second straggler half as slow, wait alike and stay.
+    Needs a communication series and peers.
+    """
+    if len(group.indices) < 2 or any(name.startswith("late:") for name in context.flagged(group)):
+        return group  # single-step arrival order names each collective's late ranks itself
+    wait = _wait(context)
+    if wait is None:
+        return group
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(np.where(context.present, wait, np.nan)[group.span], axis=0)
+    mine = np.zeros(mean.shape[0], dtype=bool)
+    mine[list(group.indices)] = True
+    peers = mean[~mine & np.isfinite(mean)]
+    own = mean[list(group.indices)]
+    if not peers.size or not np.isfinite(own).all():
+        return group
+    lowest, typical = float(own.min()), float(np.median(peers))
+    if not typical > lowest:
+        return group
+    bar = lowest + WAITER_SHARE * (typical - lowest)
+    kept = [i for i, value in zip(group.indices, own.tolist(), strict=True) if value <= bar]
+    return group.with_indices(kept) if kept else group
