@@ -16,7 +16,11 @@ Parts (each in its own try: one failing part does not hide the others):
    them too) or every rank's (a job-wide regression). Each capture (``otlp_FAULT.jsonl.gz``)
    replays into a bridge with ``--replay``, for the detectors where InfluxDB runs.
 5. ``overhead``: a single-GPU loop without and with the full monitor, in alternating
-   processes: median step times side by side.
+   processes: median step times side by side (``--baseline DIR`` adds ``old:ARM`` arms run
+   on another stepwatch tree, e.g. the previous commit's, in the same run).
+6. ``marks``: what one device mark costs the training thread, each way of making one.
+7. ``hostbound``: ``overhead`` on a model so small the host is the bottleneck (no
+   synchronisation per step): the microseconds each arm adds to the host's step.
 
 Usage (on the GPU machine; ``OUT`` is where results go)::
 
@@ -215,7 +219,60 @@ def part_timer() -> dict[str, Any]:
                 "ready_right_after_launch": ready_at_launch,
             }
         )
-    return {"clock_rate_khz": rate_khz, "sleeps": results}
+    return {"clock_rate_khz": rate_khz, "mark": timer.kind, "sleeps": results}
+
+
+def part_marks(count: int = 20_000, rounds: int = 3) -> dict[str, Any]:
+    """Training-thread cost of one device mark, each way of making one, interleaved rounds."""
+    import functools
+
+    import torch
+
+    from stepwatch.exporters import _fastrecord
+    from stepwatch.exporters._device import CudaEventTimer
+
+    def cuda_event() -> Any:
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
+    factory = functools.partial(torch.Event, "cuda", enable_timing=True)
+
+    def torch_event() -> Any:
+        event = factory()
+        event.record()
+        return event
+
+    timer = CudaEventTimer()
+    stamp = _fastrecord.MarkStamp(timer)
+    ways: dict[str, Callable[[], Any]] = {
+        "torch.cuda.Event + record (Python)": cuda_event,
+        "torch.Event + record (Python frame)": torch_event,
+        "EventMarker (C)": _fastrecord.EventMarker(factory),
+        "MarkStamp call (C, autograd's last-gradient stamp)": stamp,
+        "CudaEventTimer.mark (as configured)": timer.mark,
+    }
+    per_mark: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, way in ways.items():
+            held = []
+            torch.cuda.synchronize()
+            begin = time.perf_counter_ns()
+            for _ in range(count):
+                held.append(way())
+            per_mark[name].append((time.perf_counter_ns() - begin) / count / 1000)
+            torch.cuda.synchronize()
+            held.clear()
+    return {
+        "count": count,
+        "timer_kind": timer.kind,
+        "us_per_mark_median": {
+            name: round(statistics.median(values), 3) for name, values in per_mark.items()
+        },
+        "us_per_mark_rounds": {
+            name: [round(value, 3) for value in values] for name, values in per_mark.items()
+        },
+    }
 
 
 # --- the 2-rank job ---------------------------------------------------------------------------
@@ -391,6 +448,7 @@ import json, statistics, sys, time
 import torch
 arm = sys.argv[1]
 steps, hidden, batch = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+sync_every_step = sys.argv[6] == "sync"
 torch.manual_seed(0)
 device = torch.device("cuda")
 layers = []
@@ -401,8 +459,14 @@ optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 data = torch.randn(batch, hidden, device=device)
 monitor = None
 marks = int(arm.split("-")[1]) if arm.startswith("marks-") else 0
+inner = int(arm.split("-")[1]) if arm.startswith("inner-") else 0
 held = []
-if arm != "off" and not marks:
+def inner_mark(position):  # bare timing events between the step's kernels, as phases take
+    if position < inner:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        held.append(event)
+if arm != "off" and not marks and not inner:
     from stepwatch.exporters import StepMonitor
     from stepwatch.exporters.kernels import CuptiSource
     monitor = StepMonitor(
@@ -412,11 +476,18 @@ if arm != "off" and not marks:
         phase_sampling=1 if arm == "every-step" else "auto",
         export_interval_s=3600.0 if arm == "on-no-export" else None)
     monitor.instrument(model, optimizer)
+    kind = getattr(monitor._device_timer, "kind", None)
 def one():
-    loss = model(data).square().mean()
+    inner_mark(0)
+    output = model(data)
+    inner_mark(1)
+    loss = output.square().mean()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    inner_mark(2)
+    inner_mark(3)
     optimizer.step()
+    inner_mark(4)
     for _ in range(marks):  # bare timing events, as a device timer's marks, kept till "export"
         event = torch.cuda.Event(enable_timing=True)
         event.record()
@@ -427,45 +498,73 @@ for _ in range(30):
     one()
 torch.cuda.synchronize()
 times = []
-for _ in range(steps):
-    begin = time.perf_counter()
-    one()
+if sync_every_step:
+    for _ in range(steps):
+        begin = time.perf_counter()
+        one()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
+else:  # host-bound: blocks of 50 steps, the device never the bottleneck
+    for _ in range(steps // 50):
+        begin = time.perf_counter()
+        for _ in range(50):
+            one()
+        times.append((time.perf_counter() - begin) / 50)
     torch.cuda.synchronize()
-    times.append(time.perf_counter() - begin)
 if monitor is not None:
     monitor.close()
 print(json.dumps({"median_ms": statistics.median(times) * 1e3,
-                  "mean_ms": statistics.fmean(times) * 1e3}))
+                  "mean_ms": statistics.fmean(times) * 1e3,
+                  "mark": None if monitor is None else kind}))
 """
 
 
-def part_overhead(runs: int, steps: int, hidden: int, batch: int, arms_text: str) -> dict[str, Any]:
+def part_overhead(
+    runs: int,
+    steps: int,
+    hidden: int,
+    batch: int,
+    arms_text: str,
+    *,
+    sync: bool = True,
+    baseline: str | None = None,
+) -> dict[str, Any]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Capture)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     # off: no monitor; on: the defaults (CUPTI, NVML, phases on the device, sampled);
     # host-phases: phases on the host clock; no-cupti: no kernel source; every-step: phases
     # timed on every step; on-no-export: no window during the run; marks-N: no monitor, N
-    # bare CUDA timing events recorded after each optimizer step.
+    # bare CUDA timing events recorded after each optimizer step; inner-N: no monitor, N bare
+    # events inside the step (before and after the forward, after backward, ...), where a
+    # sampled step's phases put theirs.
     names = tuple(arms_text.split(","))
     arms: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for _ in range(runs):
         for arm in names:
+            env = dict(os.environ)
+            if arm.startswith("old:"):
+                if baseline is None:
+                    raise RuntimeError(f"arm {arm} needs --baseline")
+                paths = [os.path.join(baseline, part, "src") for part in ("core", "exporters")]
+                env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")])
             done = subprocess.run(
                 [
                     sys.executable,
                     "-c",
                     OVERHEAD_CHILD,
-                    arm,
+                    arm.removeprefix("old:"),
                     str(steps),
                     str(hidden),
                     str(batch),
                     endpoint,
+                    "sync" if sync else "host-bound",
                 ],
                 capture_output=True,
                 text=True,
                 timeout=300,
                 check=False,
+                env=env,
             )
             if done.returncode != 0:
                 raise RuntimeError(f"overhead child ({arm}) failed: {done.stderr[-2000:]}")
@@ -475,11 +574,15 @@ def part_overhead(runs: int, steps: int, hidden: int, batch: int, arms_text: str
     return {
         "hidden": hidden,
         "batch": batch,
+        "synchronised_every_step": sync,
         "steps_per_run": steps,
         "runs": arms,
         "median_of_medians_ms": {name: round(value, 4) for name, value in medians.items()},
         "overhead_pct": {
             name: round((medians[name] / medians["off"] - 1.0) * 100, 3) for name in names[1:]
+        },
+        "added_us_per_step": {
+            name: round((medians[name] - medians["off"]) * 1e3, 2) for name in names[1:]
         },
     }
 
@@ -524,6 +627,11 @@ def main() -> int:
         default="off,on,host-phases,no-cupti,every-step",
         help="off first; also on-no-export, marks-N",
     )
+    parser.add_argument("--host-bound-hidden", type=int, default=256)
+    parser.add_argument("--host-bound-batch", type=int, default=64)
+    parser.add_argument("--host-bound-steps", type=int, default=3000)
+    parser.add_argument("--host-bound-arms", default="off,host-phases,on,no-cupti")
+    parser.add_argument("--baseline", help="another stepwatch tree, for the 'old:ARM' arms")
     parser.add_argument("--replay", help="a capture to POST to --endpoint (no GPU needed)")
     parser.add_argument("--endpoint", default="http://127.0.0.1:4318")
     args = parser.parse_args()
@@ -538,6 +646,7 @@ def main() -> int:
         "nvml": part_nvml,
         "cupti": part_cupti,
         "timer": part_timer,
+        "marks": part_marks,
         "straggler": lambda: part_job(args.out, "straggler"),
         "regression": lambda: part_job(args.out, "regression"),
         "straggler4": lambda: part_job(args.out, "straggler", 4),
@@ -547,6 +656,16 @@ def main() -> int:
             args.overhead_hidden,
             args.overhead_batch,
             args.overhead_arms,
+            baseline=args.baseline,
+        ),
+        "hostbound": lambda: part_overhead(
+            args.overhead_runs,
+            args.host_bound_steps,
+            args.host_bound_hidden,
+            args.host_bound_batch,
+            args.host_bound_arms,
+            sync=False,
+            baseline=args.baseline,
         ),
     }
     for name in args.parts.split(","):

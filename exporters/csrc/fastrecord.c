@@ -11,11 +11,13 @@
  * - StepContext and PhaseContext: the contexts monitor.step() and monitor.phase() return;
  * - ClockStamp: a callable that takes the time (auto mode's last-gradient hook).
  *
- * The C code takes the common case only: no device timer, a step not already open (or, at its
- * end, the outermost one), a buffer with room, a clock that answers with an int. Anything else
- * (misuse, a device timer, a full buffer, a clock that raises, a sampler that is not a plain
- * PhaseSampler) is handed, before any state changes, to the Python methods, which log and
- * count it. So both paths leave the same records and counters; tests run the recorder's suite
+ * The C code takes the common case only: a step not already open (or, at its end, the
+ * outermost one), a buffer with room, a clock that answers with an int, a device timer (if
+ * any) whose mark() answers. Anything else (misuse, a full buffer, a clock or a mark() that
+ * raises, a sampler that is not a plain PhaseSampler) is handed, before any state changes, to
+ * the Python methods, which log and count it. With a device timer a step takes a mark at each
+ * end, as the Python path does (issue 15: on an H100 the Python step boundary was most of what
+ * device timing cost the training thread). So both paths leave the same records and counters; tests run the recorder's suite
  * on each (tests/exporters/test_fastrecord.py). configure() hands the module what it needs
  * from Python once at import.
  */
@@ -35,7 +37,7 @@ static PyTypeObject *sampler_type; /* _sampling.PhaseSampler (exact type) */
 static PyObject *perf_counter_ns;  /* time.perf_counter_ns: read with clock_gettime directly */
 
 static PyObject *str_stride, *str_on_step_end, *str_misuse, *str_append, *str_explicit;
-static PyObject *str_now_ns, *str_mark, *str_exc_info, *str_step_end_key, *str_step_end_msg;
+static PyObject *str_now_ns, *str_mark, *str_record, *str_exc_info, *str_step_end_key, *str_step_end_msg;
 static PyObject *str_clock_key, *str_clock_msg, *kwnames_explicit, *kwnames_explicit_now;
 static PyObject *kwnames_exc_info;
 
@@ -58,6 +60,8 @@ typedef struct {
     PyObject *device_timer;  /* DeviceTimer or None */
     PyObject *kernel_source; /* KernelSource or None */
     PyObject *device_phases; /* dict: phase name -> [(start mark, end mark)] */
+    PyObject *device_sampled; /* dict like device_phases (a sampled step's auto phases), or NULL */
+    PyObject *step_start_mark; /* the open step's device mark, or NULL */
     PyObject *clock_ns;      /* callable -> int */
     PyObject *weakrefs;
 } RecorderCore;
@@ -215,9 +219,19 @@ static void report_misuse(PyObject *owner, PyObject *key, PyObject *message, int
 
 /* ------------------------------------------------------------------ begin / end */
 
+/* device_timer.mark(): a new reference, or NULL with no exception set (the Python path then
+ * calls it again and reports what went wrong). */
+static PyObject *device_mark(RecorderCore *self) {
+    PyObject *mark = PyObject_CallMethodNoArgs(self->device_timer, str_mark);
+    if (mark == NULL) {
+        PyErr_Clear();
+    }
+    return mark;
+}
+
 static PyObject *do_begin(RecorderCore *self, int explicit_, PyObject *now_ns) {
     if (self->step_depth != 0 || (explicit_ && self->auto_step_open) ||
-        self->device_timer != Py_None) {
+        self->device_timer == NULL) {
         return slow_begin(self, explicit_, now_ns);
     }
     int sampled = 1;
@@ -230,6 +244,14 @@ static PyObject *do_begin(RecorderCore *self, int explicit_, PyObject *now_ns) {
     long long now;
     if (resolve_now(self, now_ns, &now) < 0) {
         return slow_begin(self, explicit_, now_ns);
+    }
+    if (self->device_timer != Py_None) {
+        /* After the clock, as in Python: the mark is the last thing the step boundary does. */
+        PyObject *mark = device_mark(self);
+        if (mark == NULL) {
+            return slow_begin(self, explicit_, now_ns);
+        }
+        Py_XSETREF(self->step_start_mark, mark);
     }
     if (explicit_) {
         self->explicit_steps = 1;
@@ -244,8 +266,49 @@ static PyObject *do_begin(RecorderCore *self, int explicit_, PyObject *now_ns) {
     Py_RETURN_NONE;
 }
 
+/* The step's DeviceMarks (start mark, end mark, device phases, sampled device phases or None)
+ * with a fresh dict in *fresh_phases for the next step; or Py_None (no timer, or no start mark)
+ * with *fresh_phases NULL. NULL with no exception set: take the Python path. */
+static PyObject *device_record(RecorderCore *self, PyObject **fresh_phases) {
+    *fresh_phases = NULL;
+    if (self->device_timer == Py_None) {
+        Py_RETURN_NONE;
+    }
+    if (self->device_phases == NULL || !PyDict_CheckExact(self->device_phases)) {
+        return NULL;
+    }
+    PyObject *start = self->step_start_mark;
+    if (start == NULL || start == Py_None) {
+        /* Python drops the step's device phases too (no start mark: no device time). */
+        *fresh_phases = PyDict_New();
+        if (*fresh_phases == NULL) {
+            PyErr_Clear();
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    PyObject *end = device_mark(self);
+    if (end == NULL) {
+        return NULL;
+    }
+    PyObject *sampled = Py_None;
+    if (self->watchers && self->sampled && self->device_sampled != NULL) {
+        sampled = self->device_sampled;
+    }
+    *fresh_phases = PyDict_New();
+    PyObject *marks = *fresh_phases == NULL
+                          ? NULL
+                          : PyTuple_Pack(4, start, end, self->device_phases, sampled);
+    Py_DECREF(end);
+    if (marks == NULL) {
+        Py_CLEAR(*fresh_phases);
+        PyErr_Clear();
+    }
+    return marks;
+}
+
 static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
-    if (self->step_depth != 1 || self->device_timer != Py_None || self->buffer == NULL ||
+    if (self->step_depth != 1 || self->device_timer == NULL || self->buffer == NULL ||
         self->phases_ns == NULL || self->sampled_ns == NULL || self->kernel_source == NULL) {
         return slow_end(self, explicit_, now_ns);
     }
@@ -259,6 +322,11 @@ static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
     }
     long long end;
     if (resolve_now(self, now_ns, &end) < 0) {
+        return slow_end(self, explicit_, now_ns);
+    }
+    PyObject *fresh_device = NULL;
+    PyObject *device = device_record(self, &fresh_device);
+    if (device == NULL) {
         return slow_end(self, explicit_, now_ns);
     }
     PyObject *fresh = PyDict_New();
@@ -293,15 +361,17 @@ static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
             PyTuple_SET_ITEM(record, 2, numbers[2]);
             Py_INCREF(phases);
             PyTuple_SET_ITEM(record, 3, phases);
-            Py_INCREF(Py_None);
-            PyTuple_SET_ITEM(record, 4, Py_None);
+            Py_INCREF(device);
+            PyTuple_SET_ITEM(record, 4, device);
             Py_INCREF(last);
             PyTuple_SET_ITEM(record, 5, last);
         }
     }
+    Py_DECREF(device);
     if (record == NULL) {
         Py_XDECREF(fresh);
         Py_XDECREF(fresh_sampled);
+        Py_XDECREF(fresh_device);
         PyErr_Clear();
         return slow_end(self, explicit_, now_ns);
     }
@@ -310,6 +380,7 @@ static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
     if (appended == NULL) {
         Py_DECREF(fresh);
         Py_XDECREF(fresh_sampled);
+        Py_XDECREF(fresh_device);
         PyErr_Clear();
         return slow_end(self, explicit_, now_ns);
     }
@@ -318,6 +389,11 @@ static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
     self->step_depth = 0;
     self->auto_step_open = 0;
     Py_SETREF(self->phases_ns, fresh);
+    if (fresh_device != NULL) {
+        Py_SETREF(self->device_phases, fresh_device);
+        Py_CLEAR(self->device_sampled);
+        Py_CLEAR(self->step_start_mark);
+    }
     if (swap_sampled) {
         Py_SETREF(self->sampled_ns, fresh_sampled);
     }
@@ -448,6 +524,75 @@ static PyObject *RecorderCore_add_sampled_phase_ns(RecorderCore *self, PyObject 
     return add_to(self->sampled_ns, args[0], args[1]);
 }
 
+/* (start, end) appended to intervals[name], the list made when missing. */
+static int append_interval(PyObject *intervals, PyObject *name, PyObject *start, PyObject *end) {
+    PyObject *list = PyDict_GetItemWithError(intervals, name);
+    if (list == NULL) {
+        if (PyErr_Occurred()) {
+            return -1;
+        }
+        PyObject *fresh = PyList_New(0);
+        if (fresh == NULL) {
+            return -1;
+        }
+        int failed = PyDict_SetItem(intervals, name, fresh);
+        Py_DECREF(fresh);
+        if (failed) {
+            return -1;
+        }
+        list = fresh; /* borrowed: the dict holds it */
+    }
+    PyObject *pair = PyTuple_Pack(2, start, end);
+    if (pair == NULL) {
+        return -1;
+    }
+    int failed = PyList_Check(list) ? PyList_Append(list, pair)
+                                    : (PyErr_SetString(PyExc_TypeError, "not a list"), -1);
+    Py_DECREF(pair);
+    return failed;
+}
+
+/* add_device_phase(name, start_mark, end_mark): the open step's device interval (every step). */
+static PyObject *RecorderCore_add_device_phase(RecorderCore *self, PyObject *const *args,
+                                               Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "add_device_phase(name, start_mark, end_mark)");
+        return NULL;
+    }
+    if (self->device_phases == NULL || !PyDict_Check(self->device_phases)) {
+        PyErr_SetString(PyExc_TypeError, "the recorder's device phases are not a dict");
+        return NULL;
+    }
+    if (append_interval(self->device_phases, args[0], args[1], args[2]) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* add_sampled_device_phase(name, start_mark, end_mark): an auto-mode phase of a sampled step. */
+static PyObject *RecorderCore_add_sampled_device_phase(RecorderCore *self, PyObject *const *args,
+                                                       Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "add_sampled_device_phase(name, start_mark, end_mark)");
+        return NULL;
+    }
+    if (self->device_sampled == NULL || self->device_sampled == Py_None) {
+        PyObject *fresh = PyDict_New();
+        if (fresh == NULL) {
+            return NULL;
+        }
+        Py_XSETREF(self->device_sampled, fresh);
+    }
+    if (!PyDict_Check(self->device_sampled)) {
+        PyErr_SetString(PyExc_TypeError, "the recorder's sampled device phases are not a dict");
+        return NULL;
+    }
+    if (append_interval(self->device_sampled, args[0], args[1], args[2]) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static int RecorderCore_traverse(RecorderCore *self, visitproc visit, void *arg) {
     /* A Python subclass's type is visited by subtype_traverse. */
     Py_VISIT(self->phases_ns);
@@ -457,6 +602,8 @@ static int RecorderCore_traverse(RecorderCore *self, visitproc visit, void *arg)
     Py_VISIT(self->device_timer);
     Py_VISIT(self->kernel_source);
     Py_VISIT(self->device_phases);
+    Py_VISIT(self->device_sampled);
+    Py_VISIT(self->step_start_mark);
     Py_VISIT(self->clock_ns);
     return 0;
 }
@@ -469,6 +616,8 @@ static int RecorderCore_clear(RecorderCore *self) {
     Py_CLEAR(self->device_timer);
     Py_CLEAR(self->kernel_source);
     Py_CLEAR(self->device_phases);
+    Py_CLEAR(self->device_sampled);
+    Py_CLEAR(self->step_start_mark);
     Py_CLEAR(self->clock_ns);
     return 0;
 }
@@ -520,6 +669,9 @@ static PyMemberDef RecorderCore_members[] = {
     MEMBER("device_timer", T_OBJECT_EX, device_timer, "Device timing, or None."),
     MEMBER("_kernel_source", T_OBJECT_EX, kernel_source, "Told each finished step, or None."),
     MEMBER("_device_phases", T_OBJECT_EX, device_phases, "Device marks of the open step."),
+    MEMBER("_device_sampled", T_OBJECT, device_sampled,
+           "Device marks of the open sampled step's auto phases, or None."),
+    MEMBER("_step_start_mark", T_OBJECT, step_start_mark, "The open step's device mark, or None."),
     MEMBER("clock_ns", T_OBJECT_EX, clock_ns, "The monotonic clock (ns)."),
     {NULL, 0, 0, 0, NULL},
 };
@@ -535,6 +687,11 @@ static PyMethodDef RecorderCore_methods[] = {
      "add_phase_ns(name, elapsed_ns): add to a phase of the current (or next) step."},
     {"add_sampled_phase_ns", (PyCFunction)(void (*)(void))RecorderCore_add_sampled_phase_ns,
      METH_FASTCALL, "add_sampled_phase_ns(name, elapsed_ns): add to an auto-mode phase."},
+    {"add_device_phase", (PyCFunction)(void (*)(void))RecorderCore_add_device_phase,
+     METH_FASTCALL, "add_device_phase(name, start_mark, end_mark): a device interval."},
+    {"add_sampled_device_phase",
+     (PyCFunction)(void (*)(void))RecorderCore_add_sampled_device_phase, METH_FASTCALL,
+     "add_sampled_device_phase(name, start_mark, end_mark): a sampled step's device interval."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -986,6 +1143,192 @@ static PyTypeObject ClockStampType = {
     .tp_members = ClockStamp_members,
 };
 
+/* ------------------------------------------------------------------ EventMarker, MarkStamp */
+
+/* EventMarker(factory): called, ``event = factory(); event.record(); return event``. A CUDA
+ * timer's mark() (_device.CudaEventTimer) without a Python frame: factory is
+ * functools.partial(torch.Event, "cuda", enable_timing=True), whose record() with no stream
+ * records on the current stream in C++. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *factory;
+} EventMarker;
+
+static PyObject *EventMarker_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                        PyObject *kwnames) {
+    (void)args;
+    if (PyVectorcall_NARGS(nargsf) != 0 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "mark() takes no arguments");
+        return NULL;
+    }
+    PyObject *event = PyObject_CallNoArgs(((EventMarker *)callable)->factory);
+    if (event == NULL) {
+        return NULL;
+    }
+    PyObject *recorded = PyObject_CallMethodNoArgs(event, str_record);
+    if (recorded == NULL) {
+        Py_DECREF(event);
+        return NULL;
+    }
+    Py_DECREF(recorded);
+    return event;
+}
+
+static PyObject *EventMarker_call(PyObject *self, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "mark() takes no arguments");
+        return NULL;
+    }
+    return EventMarker_vectorcall(self, NULL, 0, NULL);
+}
+
+static PyObject *EventMarker_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *factory;
+    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) ||
+        !PyArg_ParseTuple(args, "O:EventMarker", &factory)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "EventMarker(factory)");
+        }
+        return NULL;
+    }
+    EventMarker *self = (EventMarker *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->vectorcall = EventMarker_vectorcall;
+        Py_INCREF(factory);
+        self->factory = factory;
+    }
+    return (PyObject *)self;
+}
+
+static int EventMarker_traverse(EventMarker *self, visitproc visit, void *arg) {
+    Py_VISIT(self->factory);
+    return 0;
+}
+
+static int EventMarker_clear(EventMarker *self) {
+    Py_CLEAR(self->factory);
+    return 0;
+}
+
+static void EventMarker_dealloc(EventMarker *self) {
+    PyObject_GC_UnTrack(self);
+    EventMarker_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject EventMarkerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.EventMarker",
+    .tp_basicsize = sizeof(EventMarker),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "EventMarker(factory)(): factory() recorded (its record()) and returned.",
+    .tp_new = EventMarker_new,
+    .tp_call = EventMarker_call,
+    .tp_vectorcall_offset = offsetof(EventMarker, vectorcall),
+    .tp_dealloc = (destructor)EventMarker_dealloc,
+    .tp_traverse = (traverseproc)EventMarker_traverse,
+    .tp_clear = (inquiry)EventMarker_clear,
+};
+
+/* MarkStamp(device_timer): ClockStamp with a device mark. Called with anything (autograd's
+ * post-accumulate-grad hook, on its device thread): ``mark = device_timer.mark()``, then
+ * ``ns`` = CLOCK_MONOTONIC; where the mark or the clock fails, ns 0 and mark None. Never
+ * raises. (_auto_device.DeviceStamp in Python, for other clocks.) */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    long long ns;
+    PyObject *mark;
+    PyObject *device;
+} MarkStamp;
+
+static PyObject *MarkStamp_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                      PyObject *kwnames) {
+    (void)args;
+    (void)nargsf;
+    (void)kwnames;
+    MarkStamp *self = (MarkStamp *)callable;
+    PyObject *mark = PyObject_CallMethodNoArgs(self->device, str_mark);
+    long long now;
+    if (mark == NULL || monotonic_ns(&now) != 0) {
+        PyErr_Clear();
+        Py_XDECREF(mark);
+        self->ns = 0;
+        Py_INCREF(Py_None);
+        Py_XSETREF(self->mark, Py_None);
+        Py_RETURN_NONE;
+    }
+    Py_XSETREF(self->mark, mark);
+    self->ns = now;
+    Py_RETURN_NONE;
+}
+
+static PyObject *MarkStamp_call(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)args;
+    (void)kwargs;
+    return MarkStamp_vectorcall(self, NULL, 0, NULL);
+}
+
+static PyObject *MarkStamp_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *device;
+    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) ||
+        !PyArg_ParseTuple(args, "O:MarkStamp", &device)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "MarkStamp(device_timer)");
+        }
+        return NULL;
+    }
+    MarkStamp *self = (MarkStamp *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->vectorcall = MarkStamp_vectorcall;
+        self->ns = 0;
+        Py_INCREF(Py_None);
+        self->mark = Py_None;
+        Py_INCREF(device);
+        self->device = device;
+    }
+    return (PyObject *)self;
+}
+
+static int MarkStamp_traverse(MarkStamp *self, visitproc visit, void *arg) {
+    Py_VISIT(self->mark);
+    Py_VISIT(self->device);
+    return 0;
+}
+
+static int MarkStamp_clear(MarkStamp *self) {
+    Py_CLEAR(self->mark);
+    Py_CLEAR(self->device);
+    return 0;
+}
+
+static void MarkStamp_dealloc(MarkStamp *self) {
+    PyObject_GC_UnTrack(self);
+    MarkStamp_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef MarkStamp_members[] = {
+    {"ns", T_LONGLONG, offsetof(MarkStamp, ns), 0,
+     "CLOCK_MONOTONIC (ns) at the last call; 0 before it, once reset, or when it failed"},
+    {"mark", T_OBJECT, offsetof(MarkStamp, mark), 0, "The device mark of the last call, or None"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject MarkStampType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.MarkStamp",
+    .tp_basicsize = sizeof(MarkStamp),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Called with anything: mark = device_timer.mark(), ns = CLOCK_MONOTONIC (ns).",
+    .tp_new = MarkStamp_new,
+    .tp_call = MarkStamp_call,
+    .tp_vectorcall_offset = offsetof(MarkStamp, vectorcall),
+    .tp_dealloc = (destructor)MarkStamp_dealloc,
+    .tp_traverse = (traverseproc)MarkStamp_traverse,
+    .tp_clear = (inquiry)MarkStamp_clear,
+    .tp_members = MarkStamp_members,
+};
+
 /* ------------------------------------------------------------------ host_values */
 
 /* The export thread's pass over a batch of finished steps (_recorder.window_values) for steps
@@ -1136,7 +1479,7 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
     if (intern(&str_stride, "stride") || intern(&str_on_step_end, "on_step_end") ||
         intern(&str_misuse, "misuse") || intern(&str_append, "append") ||
         intern(&str_explicit, "explicit") || intern(&str_now_ns, "now_ns") ||
-        intern(&str_mark, "mark") || intern(&str_exc_info, "exc_info") ||
+        intern(&str_mark, "mark") || intern(&str_record, "record") || intern(&str_exc_info, "exc_info") ||
         intern(&str_step_end_key, "step-end") ||
         intern(&str_step_end_msg, "recording a step failed; step ignored") ||
         intern(&str_clock_key, "clock") || intern(&str_new_phase_context, "new_phase_context") ||
@@ -1151,7 +1494,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
     }
     if (PyType_Ready(&RecorderCoreType) < 0 || PyType_Ready(&StepContextType) < 0 ||
         PyType_Ready(&PhaseContextType) < 0 || PyType_Ready(&PhaseLookupType) < 0 ||
-        PyType_Ready(&ClockStampType) < 0) {
+        PyType_Ready(&ClockStampType) < 0 || PyType_Ready(&EventMarkerType) < 0 ||
+        PyType_Ready(&MarkStampType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&module_def);
@@ -1162,7 +1506,9 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         PyModule_AddType(module, &StepContextType) < 0 ||
         PyModule_AddType(module, &PhaseContextType) < 0 ||
         PyModule_AddType(module, &PhaseLookupType) < 0 ||
-        PyModule_AddType(module, &ClockStampType) < 0) {
+        PyModule_AddType(module, &ClockStampType) < 0 ||
+        PyModule_AddType(module, &EventMarkerType) < 0 ||
+        PyModule_AddType(module, &MarkStampType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

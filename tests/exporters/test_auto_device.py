@@ -8,6 +8,7 @@ H100 (bench/gpu_check.py; docs/exporters.md, "Auto mode on a GPU").
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters import InMemoryExporter, StepMonitor
 from stepwatch.exporters._auto_device import DeviceAutoState, DeviceStamp
 from stepwatch.exporters._recorder import _device_seconds
@@ -188,3 +190,68 @@ def test_the_device_stamp_never_raises_into_autograd() -> None:
     working = DeviceStamp(lambda: 5, VirtualDevice())
     working(torch.zeros(1))
     assert (working.ns, working.mark) == (5, 0)
+
+
+def test_with_the_system_clock_the_last_gradient_stamp_is_the_c_one() -> None:
+    """No Python frame from autograd for the stamp (``_fastrecord.MarkStamp``), where the
+    extension is built; the Python :class:`DeviceStamp` otherwise."""
+    from stepwatch.exporters import _recorder
+
+    recorder = _recorder.new_recorder(
+        clock=_recorder.SystemClock(),
+        device_timer=VirtualDevice(),
+        kernel_source=None,
+        buffer_steps=4,
+        log=RateLimitedLog(logging.getLogger("test-auto-device"), 0.0),
+    )
+    stamp = DeviceAutoState(recorder).gradient_stamp
+    if _recorder.FAST_RECORDER is None:
+        assert isinstance(stamp, DeviceStamp)
+    else:
+        assert type(stamp).__name__ == "MarkStamp"
+    stamp(torch.zeros(1))
+    assert stamp.ns > 0 and stamp.mark == 0
+
+
+class _TorchEvent:
+    """Shaped like ``torch.Event`` on a device: two marks 2.5 ms apart."""
+
+    clock_ms = 0.0
+    refuse = False
+
+    def __init__(self, device: str, *, enable_timing: bool) -> None:
+        assert (device, enable_timing) == ("cuda", True)
+        self.at_ms: float | None = None
+
+    def record(self) -> None:
+        if self.refuse:
+            raise RuntimeError("torch.Event is not supported here")
+        type(self).clock_ms += 2.5
+        self.at_ms = self.clock_ms
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.at_ms is not None
+
+    def elapsed_time(self, end: _TorchEvent) -> float:
+        assert self.at_ms is not None and end.at_ms is not None
+        return end.at_ms - self.at_ms
+
+
+def test_cuda_marks_are_torch_events_made_in_c_where_torch_has_them() -> None:
+    from stepwatch.exporters import _device
+
+    found = _device._event_marker(_TorchEvent)
+    assert found is not None
+    marker, kind = found
+    assert kind == ("torch.Event (C marker)" if _device._fastrecord is not None else "torch.Event")
+    first, second = marker(), marker()
+    assert second.at_ms - first.at_ms == 2.5
+    assert _device._event_marker(None) is None  # an older torch: torch.cuda.Event stays
+
+    class Refusing(_TorchEvent):
+        refuse = True
+
+    assert _device._event_marker(Refusing) is None

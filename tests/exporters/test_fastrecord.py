@@ -9,6 +9,8 @@ source that raises) and must end every call in the same observable state.
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import logging
 import os
 import subprocess
@@ -22,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.core._ratelog import RateLimitedLog
-from stepwatch.exporters import _recorder
+from stepwatch.exporters import _fastrecord, _recorder
 from stepwatch.exporters._recorder import FAST_RECORDER, StepRecorder, SystemClock
 from stepwatch.exporters._sampling import PhaseSampler
 
@@ -71,8 +73,11 @@ class _DeviceTimer:
 
     def __init__(self) -> None:
         self.marks = 0
+        self.broken = False
 
     def mark(self) -> int:
+        if self.broken:
+            raise RuntimeError("no device")
         self.marks += 1
         return self.marks
 
@@ -119,6 +124,9 @@ def _state(side: dict[str, Any]) -> dict[str, Any]:
         "phases": dict(recorder._phases_ns),
         "sampled_phases": dict(recorder._sampled_ns),
         "device_phases": {k: list(v) for k, v in recorder._device_phases.items()},
+        "device_sampled": recorder._device_sampled,
+        "step_start_mark": recorder._step_start_mark,
+        "marks": None if recorder.device_timer is None else recorder.device_timer.marks,
         "contexts": {k: c._depth for k, c in recorder.phase_contexts.items()},
         "open_phase": recorder.open_phase(),
         "source": list(side["source"].ends),
@@ -161,6 +169,12 @@ def _apply(side: dict[str, Any], op: tuple[Any, ...]) -> None:
         side["source"].fail = op[1]
     elif kind == "drain":
         recorder.buffer.clear()
+    elif kind == "add_device":
+        recorder.add_device_phase(PHASES[op[1]], op[2], op[2] + 1)
+    elif kind == "add_sampled_device":
+        recorder.add_sampled_device_phase(PHASES[op[1]], op[2], op[2] + 1)
+    elif kind == "mark_fails" and recorder.device_timer is not None:
+        recorder.device_timer.broken = op[1]
 
 
 _OPS = st.one_of(
@@ -175,12 +189,17 @@ _OPS = st.one_of(
     st.tuples(st.just("watchers"), st.integers(0, 2)),
     st.tuples(st.just("stride"), st.sampled_from([1, 2, 8, 1 << 62])),
     st.tuples(st.just("tick"), st.integers(0, 10**9)),
-    st.tuples(st.sampled_from(["break", "source_fails"]), st.booleans()),
+    st.tuples(st.sampled_from(["break", "source_fails", "mark_fails"]), st.booleans()),
     st.tuples(st.just("drain")),
+    st.tuples(
+        st.sampled_from(["add_device", "add_sampled_device"]),
+        st.integers(0, len(PHASES) - 1),
+        st.integers(-5, 5),
+    ),
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(ops=st.lists(_OPS, max_size=60), device=st.booleans(), buffer_steps=st.integers(1, 6))
 def test_c_recorder_matches_python(ops: list[tuple[Any, ...]], device: bool, buffer_steps: int):
     assert FAST_RECORDER is not None
@@ -216,6 +235,32 @@ def test_the_c_recorder_runs_the_hot_path_in_c():
         pass
     assert calls == [], calls  # no Python function ran (the system clock is C too)
     assert len(recorder.buffer) == 1
+
+
+def test_a_device_timed_step_runs_in_c_too():
+    """With a device timer the step boundary stays in C (issue 15: on an H100 the Python one
+    was most of what device timing cost): the records are the Python path's, marks included."""
+    assert FAST_RECORDER is not None
+
+    class _CTimer:  # a mark() that is C itself, so any Python frame would be the recorder's
+        def __init__(self) -> None:
+            self.mark = itertools.count(1).__next__
+
+    recorder = FAST_RECORDER(
+        clock=SystemClock(),
+        device_timer=_CTimer(),  # type: ignore[arg-type]
+        kernel_source=None,
+        buffer_steps=8,
+        log=RateLimitedLog(logging.getLogger("test-fastrecord"), 0.0),
+    )
+    recorder.watchers = 1
+    with _python_calls() as calls:
+        for _ in range(3):
+            recorder.begin_step(explicit=False)
+            recorder.end_step(explicit=False)
+    assert calls == [], calls
+    assert [record[4][:2] for record in recorder.buffer] == [(1, 2), (3, 4), (5, 6)]
+    assert all(record[4][2] == {} and record[4][3] is None for record in recorder.buffer)
 
 
 def test_the_c_clock_is_perf_counter_ns():
@@ -386,3 +431,57 @@ def test_the_python_paths_pass_the_monitor_suite_without_the_c_extensions():
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout
+
+
+class _Event:
+    """Shaped like ``torch.Event``: made, then recorded (no stream: the current one)."""
+
+    made = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        type(self).made += 1
+        self.args, self.kwargs, self.recorded = args, kwargs, 0
+
+    def record(self) -> None:
+        self.recorded += 1
+
+
+def test_the_event_marker_makes_records_and_returns_an_event_without_a_python_frame():
+    marker = _fastrecord.EventMarker(functools.partial(_Event, "cuda", enable_timing=True))
+    with _python_calls() as calls:  # frames of this file (the stand-in event) not counted
+        first, second = marker(), marker()
+    assert (first.args, first.kwargs, first.recorded) == (("cuda",), {"enable_timing": True}, 1)
+    assert second is not first and second.recorded == 1
+    with pytest.raises(TypeError):
+        marker(1)
+
+    class Refused(_Event):
+        def record(self) -> None:
+            raise RuntimeError("no CUDA")
+
+    with pytest.raises(RuntimeError, match="no CUDA"):
+        _fastrecord.EventMarker(Refused)()
+    assert calls == []
+
+
+def test_the_mark_stamp_takes_a_mark_and_the_time_and_never_raises():
+    class Timer:
+        def __init__(self) -> None:
+            self.mark = itertools.count(7).__next__
+
+    stamp = _fastrecord.MarkStamp(Timer())
+    assert (stamp.ns, stamp.mark) == (0, None)
+    before = time.perf_counter_ns()
+    stamp("any", grad=None)  # autograd calls it with the parameter
+    assert before <= stamp.ns <= time.perf_counter_ns() and stamp.mark == 7
+    stamp.ns = 0  # what the optimizer pre-hook does once the wait is recorded
+    stamp()
+    assert stamp.ns > 0 and stamp.mark == 8
+
+    class Broken:
+        def mark(self) -> Any:
+            raise RuntimeError("no device")
+
+    broken = _fastrecord.MarkStamp(Broken())
+    broken(None)
+    assert (broken.ns, broken.mark) == (0, None)

@@ -38,7 +38,7 @@ from typing import Any
 
 from stepwatch.exporters import _auto
 from stepwatch.exporters._auto import Instrumentation, _AutoState
-from stepwatch.exporters._recorder import StepRecorder
+from stepwatch.exporters._recorder import StepRecorder, new_mark_stamp
 
 __all__ = ["DeviceAutoState", "DeviceStamp", "Instrumentation", "install_hooks"]
 
@@ -80,8 +80,11 @@ class DeviceAutoState(_AutoState):
 
     def __init__(self, recorder: StepRecorder) -> None:
         super().__init__(recorder)
-        self.device: Any = recorder.device_timer
-        self.gradient_stamp = DeviceStamp(self.clock_ns, self.device)
+        device: Any = recorder.device_timer
+        self.device = device
+        self.mark: Any = device.mark  # bound once (a C callable for CUDA events)
+        stamp = new_mark_stamp(self.clock_ns, device)
+        self.gradient_stamp = stamp if stamp is not None else DeviceStamp(self.clock_ns, device)
         self.forward_mark: Any = None
         self.backward_mark: Any = None
         self.optimizer_mark: Any = None
@@ -90,28 +93,33 @@ class DeviceAutoState(_AutoState):
 
     def _mark(self) -> Any:
         try:
-            return self.device.mark()
+            return self.mark()
         except Exception:
             self.recorder.misuse("device-mark", "device timer mark() raised", exc_info=True)
             return None
-
-    def _sampled(self, name: str, start: Any, end: Any) -> None:
-        if start is not None and end is not None:
-            self.recorder.add_sampled_device_phase(name, start, end)
 
     def forward_pre(self, module: Any, args: Any) -> bool:
         had_data = self.data_start_ns is not None
         opened = super().forward_pre(module, args)
         if opened and self.forward_depth == 1:
             mark = self.forward_mark = self._mark()
-            if had_data and self.data_start_ns is None:  # the data phase was closed here
-                self._sampled("data", self.data_mark, mark)
+            data_mark = self.data_mark
+            if (
+                had_data
+                and self.data_start_ns is None
+                and data_mark is not None
+                and mark is not None
+            ):
+                self.recorder.add_sampled_device_phase("data", data_mark, mark)  # closed here
             self.data_mark = None
         return opened
 
     def forward_post(self, module: Any, args: Any, output: Any) -> None:
-        if self.enabled and self.forward_depth == 1 and self.forward_mark is not None:
-            self._sampled("forward", self.forward_mark, self._mark())
+        start = self.forward_mark
+        if start is not None and self.enabled and self.forward_depth == 1:
+            end = self._mark()
+            if end is not None:
+                self.recorder.add_sampled_device_phase("forward", start, end)
             self.forward_mark = None
         super().forward_post(module, args, output)
 
@@ -125,7 +133,9 @@ class DeviceAutoState(_AutoState):
         if self._end_mark is None and (self.in_backward or self.gradient_stamp.ns):
             self._end_mark = self._mark()
         if self.in_backward:
-            self._sampled("backward", self.backward_mark, self._end_mark)
+            start, end = self.backward_mark, self._end_mark
+            if start is not None and end is not None:
+                self.recorder.add_sampled_device_phase("backward", start, end)
             self.backward_mark = None
         super()._end_backward(now_ns)
 
@@ -147,8 +157,11 @@ class DeviceAutoState(_AutoState):
 
     def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         recorder = self.recorder
-        if self.enabled and self.optimizer_mark is not None:
-            self._sampled("optimizer", self.optimizer_mark, self._mark())
+        start = self.optimizer_mark
+        if start is not None and self.enabled:
+            end = self._mark()
+            if end is not None:
+                recorder.add_sampled_device_phase("optimizer", start, end)
             self.optimizer_mark = None
         super().optimizer_post(optimizer, args, kwargs)
         if self.enabled and not recorder.explicit_steps and self.data_start_ns is not None:

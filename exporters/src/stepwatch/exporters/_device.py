@@ -13,12 +13,22 @@ monitor samples once per window, :func:`with_health` adds its readings to the wi
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
+
+try:  # C helpers (exporters/csrc/fastrecord.c), off with STEPWATCH_EXPORTERS_NO_C=1
+    from stepwatch.exporters import _fastrecord
+except ImportError:  # pragma: no cover - built by the package's install
+    _fastrecord = None  # type: ignore[assignment]
+if os.environ.get("STEPWATCH_EXPORTERS_NO_C", "") not in ("", "0"):
+    _fastrecord = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricsData
@@ -39,11 +49,20 @@ class DeviceTimer(Protocol):
 
 
 class CudaEventTimer:
-    """A :class:`DeviceTimer` on ``torch.cuda.Event(enable_timing=True)`` in the current stream.
+    """A :class:`DeviceTimer` on CUDA timing events recorded in the current stream.
+
+    A mark is a ``torch.Event("cuda", enable_timing=True)`` recorded with no stream argument,
+    which records on the current stream in C++, made and recorded by
+    ``_fastrecord.EventMarker`` without a Python frame where the extension is built. Where
+    ``torch.Event`` is missing or refuses (older torch), ``torch.cuda.Event``, whose
+    ``record()`` builds a ``Stream`` object in Python for each mark.
 
     Raises:
         ConfigError: torch or CUDA is not available.
     """
+
+    mark: Callable[[], Any]
+    """Enqueue a timestamp at this point of the current stream (training thread)."""
 
     def __init__(self) -> None:
         try:
@@ -53,9 +72,13 @@ class CudaEventTimer:
         if not torch.cuda.is_available():
             raise ConfigError("device_timer='cuda' needs a CUDA device; none is available")
         self._event_type: Any = torch.cuda.Event
+        self.mark = self._cuda_event_mark
+        self.kind = "torch.cuda.Event"
+        marker = _event_marker(getattr(torch, "Event", None))
+        if marker is not None:
+            self.mark, self.kind = marker
 
-    def mark(self) -> Any:
-        """Record a timing event in the current CUDA stream."""
+    def _cuda_event_mark(self) -> Any:
         event = self._event_type(enable_timing=True)
         event.record()
         return event
@@ -67,6 +90,34 @@ class CudaEventTimer:
     def elapsed_s(self, start: Any, end: Any) -> float:
         """``start.elapsed_time(end)`` (milliseconds) in seconds."""
         return float(start.elapsed_time(end)) / 1000.0
+
+
+def _event_marker(event_type: Any) -> tuple[Callable[[], Any], str] | None:
+    """A mark() on ``torch.Event`` (C++ all the way) and its name, or None where it does not
+    work here: two marks are made, waited for and timed once, at set-up."""
+    if event_type is None:
+        return None
+    try:
+        factory = functools.partial(event_type, "cuda", enable_timing=True)
+        marker: Callable[[], Any]
+        if _fastrecord is not None:
+            marker = _fastrecord.EventMarker(factory)
+            kind = "torch.Event (C marker)"
+        else:
+
+            def marker() -> Any:
+                event = factory()
+                event.record()
+                return event
+
+            kind = "torch.Event"
+        first, second = marker(), marker()
+        second.synchronize()
+        if not (first.query() and float(first.elapsed_time(second)) >= 0.0):
+            return None
+        return marker, kind
+    except Exception:
+        return None
 
 
 def resolve_device_timer(device_timer: DeviceTimer | str | None) -> DeviceTimer | None:

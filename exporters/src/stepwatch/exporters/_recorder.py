@@ -575,6 +575,19 @@ def new_clock_stamp(clock_ns: Callable[[], int]) -> Any:
     return _ClockStamp(clock_ns)
 
 
+def new_mark_stamp(clock_ns: Callable[[], int], device: DeviceTimer) -> Any:
+    """The last-gradient stamp with a device mark (``ns`` and ``mark``) in C,
+    ``_fastrecord.MarkStamp`` (no Python frame of its own), where :func:`new_clock_stamp` would
+    be C; None elsewhere (the caller uses ``_auto_device.DeviceStamp``)."""
+    if (
+        FAST_RECORDER is not None
+        and clock_ns is time.perf_counter_ns
+        and sys.platform.startswith("linux")
+    ):
+        return _fastrecord.MarkStamp(device)
+    return None
+
+
 def new_recorder(**kwargs: Any) -> StepRecorder:
     """A :class:`StepRecorder` (:data:`FAST_RECORDER` where there is one) made with ``kwargs``."""
     cls = FAST_RECORDER if FAST_RECORDER is not None else StepRecorder
