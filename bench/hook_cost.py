@@ -226,6 +226,8 @@ class Bench:
         instrumentation: Any = None
         recorder = monitor._recorder
         sampler = recorder.sampler
+        if arm in ("all", "all@base"):  # every step timed, whatever "auto" would pick
+            recorder.sampler = PhaseSampler(1)
         if arm == "all":
             instrumentation = _install(_auto, recorder, model, optimizer)
         elif arm in ("all_unsampled", "all_unsampled@base"):

@@ -26,6 +26,7 @@
 #include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <structmember.h>
 #include <time.h>
 
@@ -1329,6 +1330,353 @@ static PyTypeObject MarkStampType = {
     .tp_members = MarkStamp_members,
 };
 
+/* ------------------------------------------------------------------ OptimizerGate */
+
+/* Auto mode's optimizer step hooks (_auto._AutoState.optimizer_pre / optimizer_post) with their
+ * path for a step whose phases are not timed in C, so that such a step enters no Python frame
+ * of stepwatch's in optimizer.step() (issue 15):
+ *
+ * - pre: the exposed wait since the last gradient's ClockStamp is added to the step's
+ *   "communication" (add_phase_ns) and the stamp reset, as _AutoState._close_wait does;
+ * - post: nothing when the loop marks its steps and no collective was timed.
+ *
+ * A sampled step, or anything else, calls the Python hook (slow). ``active`` is cleared when
+ * the instrumentation is removed (the state's ``enabled``); a copy (copy.deepcopy of an
+ * optimizer) is inert, as the state's copy is. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    RecorderCore *recorder; /* NULL: inert */
+    ClockStamp *stamp;      /* pre: the last-gradient stamp */
+    PyObject *slow;         /* the Python hook */
+    PyObject *comm_starts;  /* post: the state's list of issued collectives */
+    PyObject *name;         /* pre: "communication" */
+    char is_pre;
+    char active;
+} OptimizerGate;
+
+static PyTypeObject OptimizerGateType;
+
+static PyObject *str_auto_key, *str_pre_failed;
+
+static PyObject *OptimizerGate_vectorcall(PyObject *callable, PyObject *const *args,
+                                          size_t nargsf, PyObject *kwnames) {
+    OptimizerGate *self = (OptimizerGate *)callable;
+    RecorderCore *recorder = self->recorder;
+    if (!self->active || recorder == NULL) {
+        Py_RETURN_NONE;
+    }
+    if (self->is_pre) {
+        if (recorder->sampled || self->stamp == NULL) {
+            return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+        }
+        long long last = self->stamp->ns;
+        if (last == 0) {
+            Py_RETURN_NONE;
+        }
+        long long now;
+        if (monotonic_ns(&now) != 0) {
+            return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+        }
+        self->stamp->ns = 0;
+        if (now > last) {
+            PyObject *elapsed = PyLong_FromLongLong(now - last);
+            PyObject *added = elapsed == NULL ? NULL
+                                              : add_to(recorder->phases_ns, self->name, elapsed);
+            Py_XDECREF(elapsed);
+            if (added == NULL) {
+                report_misuse((PyObject *)recorder, str_auto_key, str_pre_failed, 1);
+            } else {
+                Py_DECREF(added);
+            }
+        }
+        Py_RETURN_NONE;
+    }
+    if (!recorder->sampled && recorder->explicit_steps && self->comm_starts != NULL &&
+        PyList_CheckExact(self->comm_starts) && PyList_GET_SIZE(self->comm_starts) == 0) {
+        Py_RETURN_NONE;
+    }
+    return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+}
+
+static PyObject *OptimizerGate_call(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return PyVectorcall_Call(self, args, kwargs);
+}
+
+/* OptimizerGate(kind, recorder, slow, stamp_or_comm_starts): kind "pre" (a ClockStamp) or
+ * "post" (the list of issued collectives). */
+static PyObject *OptimizerGate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    const char *kind;
+    PyObject *recorder, *slow, *extra;
+    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) ||
+        !PyArg_ParseTuple(args, "sO!OO:OptimizerGate", &kind, &RecorderCoreType, &recorder, &slow,
+                          &extra)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "OptimizerGate(kind, recorder, slow, extra)");
+        }
+        return NULL;
+    }
+    int is_pre = strcmp(kind, "pre") == 0;
+    if (!is_pre && strcmp(kind, "post") != 0) {
+        PyErr_SetString(PyExc_ValueError, "kind must be 'pre' or 'post'");
+        return NULL;
+    }
+    if (is_pre ? !PyObject_TypeCheck(extra, &ClockStampType) : !PyList_CheckExact(extra)) {
+        PyErr_SetString(PyExc_TypeError, is_pre ? "a pre gate needs the ClockStamp"
+                                                : "a post gate needs the list of collectives");
+        return NULL;
+    }
+    if (!PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "slow must be callable");
+        return NULL;
+    }
+    OptimizerGate *self = (OptimizerGate *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->vectorcall = OptimizerGate_vectorcall;
+    self->is_pre = (char)is_pre;
+    self->active = 1;
+    Py_INCREF(recorder);
+    self->recorder = (RecorderCore *)recorder;
+    Py_INCREF(slow);
+    self->slow = slow;
+    Py_INCREF(extra);
+    if (is_pre) {
+        self->stamp = (ClockStamp *)extra;
+        self->name = PyUnicode_InternFromString("communication");
+        if (self->name == NULL) {
+            Py_DECREF(self);
+            return NULL;
+        }
+    } else {
+        self->comm_starts = extra;
+    }
+    return (PyObject *)self;
+}
+
+static int OptimizerGate_traverse(OptimizerGate *self, visitproc visit, void *arg) {
+    Py_VISIT(self->recorder);
+    Py_VISIT(self->stamp);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->comm_starts);
+    return 0;
+}
+
+static int OptimizerGate_clear(OptimizerGate *self) {
+    Py_CLEAR(self->recorder);
+    Py_CLEAR(self->stamp);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->comm_starts);
+    Py_CLEAR(self->name);
+    return 0;
+}
+
+static void OptimizerGate_dealloc(OptimizerGate *self) {
+    PyObject_GC_UnTrack(self);
+    OptimizerGate_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A copy is inert (no recorder): the copy of an instrumented optimizer is not instrumented. */
+static PyObject *OptimizerGate_copy(OptimizerGate *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)args;
+    (void)nargs;
+    OptimizerGate *copy = (OptimizerGate *)OptimizerGateType.tp_alloc(&OptimizerGateType, 0);
+    if (copy != NULL) {
+        copy->vectorcall = OptimizerGate_vectorcall;
+        copy->is_pre = self->is_pre;
+        copy->active = 0;
+    }
+    return (PyObject *)copy;
+}
+
+static PyMethodDef OptimizerGate_methods[] = {
+    {"__copy__", (PyCFunction)(void (*)(void))OptimizerGate_copy, METH_FASTCALL,
+     "An inert gate."},
+    {"__deepcopy__", (PyCFunction)(void (*)(void))OptimizerGate_copy, METH_FASTCALL,
+     "An inert gate."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef OptimizerGate_members[] = {
+    {"active", T_BOOL, offsetof(OptimizerGate, active), 0,
+     "False once the instrumentation is removed: the gate does nothing"},
+    {"slow", T_OBJECT, offsetof(OptimizerGate, slow), READONLY, "The Python hook"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject OptimizerGateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.OptimizerGate",
+    .tp_basicsize = sizeof(OptimizerGate),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "An auto-mode optimizer hook whose untimed-step path is C (see the comment).",
+    .tp_new = OptimizerGate_new,
+    .tp_call = OptimizerGate_call,
+    .tp_vectorcall_offset = offsetof(OptimizerGate, vectorcall),
+    .tp_dealloc = (destructor)OptimizerGate_dealloc,
+    .tp_traverse = (traverseproc)OptimizerGate_traverse,
+    .tp_clear = (inquiry)OptimizerGate_clear,
+    .tp_methods = OptimizerGate_methods,
+    .tp_members = OptimizerGate_members,
+};
+
+/* ------------------------------------------------------------------ ForwardGate */
+
+/* The instrumented model's ``forward`` (_forward's class swap) with the path of a step whose
+ * phases are not timed in C: there it calls the original forward directly, so such a step
+ * enters no Python frame of stepwatch's in the forward (issue 15). Everything else goes to the
+ * Python wrapper (slow): another instance of the class, a removed instrumentation, a timed
+ * step, a step whose backward is still open, or a last gradient already come (gradients
+ * accumulate: the wrapper ends that wait). A descriptor: the class attribute binds to the
+ * instance as a function does; functools.update_wrapper fills its __dict__ (__wrapped__ keeps
+ * inspect.signature and _stack's code lookup on the original). */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *target;       /* the instrumented model */
+    PyObject *state;        /* _auto._AutoState: its enabled and in_backward */
+    RecorderCore *recorder;
+    ClockStamp *stamp;      /* the last-gradient stamp */
+    PyObject *forward;      /* the original forward (a function) */
+    PyObject *slow;         /* the Python wrapper (a function) */
+    PyObject *dict;
+} ForwardGate;
+
+static PyObject *str_enabled, *str_in_backward;
+
+/* attribute ``name`` of ``object`` as a truth value; -1 with an exception set. */
+static int attribute_true(PyObject *object, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(object, name);
+    if (value == NULL) {
+        return -1;
+    }
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+static PyObject *ForwardGate_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                        PyObject *kwnames) {
+    ForwardGate *self = (ForwardGate *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (self->forward == NULL || self->slow == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ForwardGate is not initialised");
+        return NULL;
+    }
+    if (nargs < 1 || args[0] != self->target || self->recorder == NULL || self->stamp == NULL) {
+        return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    }
+    RecorderCore *recorder = self->recorder;
+    if (recorder->step_depth && !recorder->sampled && self->stamp->ns == 0) {
+        int enabled = attribute_true(self->state, str_enabled);
+        int in_backward = enabled == 1 ? attribute_true(self->state, str_in_backward) : 0;
+        if (enabled < 0 || in_backward < 0) {
+            PyErr_Clear();  /* the wrapper decides (and never raises) */
+        } else if (enabled == 1 && in_backward == 0) {
+            return PyObject_Vectorcall(self->forward, args, nargsf, kwnames);
+        }
+    }
+    return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+}
+
+static PyObject *ForwardGate_call(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return PyVectorcall_Call(self, args, kwargs);
+}
+
+static PyObject *ForwardGate_get(PyObject *self, PyObject *instance, PyObject *owner) {
+    (void)owner;
+    if (instance == NULL || instance == Py_None) {
+        Py_INCREF(self);
+        return self;
+    }
+    return PyMethod_New(self, instance);
+}
+
+/* ForwardGate(target, state, recorder, stamp, forward, slow) */
+static PyObject *ForwardGate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *target, *state, *recorder, *stamp, *forward, *slow;
+    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) ||
+        !PyArg_ParseTuple(args, "OOO!O!OO:ForwardGate", &target, &state, &RecorderCoreType,
+                          &recorder, &ClockStampType, &stamp, &forward, &slow)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError,
+                            "ForwardGate(target, state, recorder, stamp, forward, slow)");
+        }
+        return NULL;
+    }
+    if (!PyCallable_Check(forward) || !PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "forward and slow must be callable");
+        return NULL;
+    }
+    ForwardGate *self = (ForwardGate *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->vectorcall = ForwardGate_vectorcall;
+    PyObject *fields[6] = {target, state, recorder, stamp, forward, slow};
+    for (int i = 0; i < 6; i++) {
+        Py_INCREF(fields[i]);
+    }
+    self->target = target;
+    self->state = state;
+    self->recorder = (RecorderCore *)recorder;
+    self->stamp = (ClockStamp *)stamp;
+    self->forward = forward;
+    self->slow = slow;
+    return (PyObject *)self;
+}
+
+static int ForwardGate_traverse(ForwardGate *self, visitproc visit, void *arg) {
+    Py_VISIT(self->target);
+    Py_VISIT(self->state);
+    Py_VISIT(self->recorder);
+    Py_VISIT(self->stamp);
+    Py_VISIT(self->forward);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int ForwardGate_clear(ForwardGate *self) {
+    Py_CLEAR(self->target);
+    Py_CLEAR(self->state);
+    Py_CLEAR(self->recorder);
+    Py_CLEAR(self->stamp);
+    Py_CLEAR(self->forward);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void ForwardGate_dealloc(ForwardGate *self) {
+    PyObject_GC_UnTrack(self);
+    ForwardGate_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyGetSetDef ForwardGate_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ForwardGateType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.ForwardGate",
+    .tp_basicsize = sizeof(ForwardGate),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = "The instrumented model's forward: an untimed step's path in C (see the comment).",
+    .tp_new = ForwardGate_new,
+    .tp_call = ForwardGate_call,
+    .tp_vectorcall_offset = offsetof(ForwardGate, vectorcall),
+    .tp_descr_get = ForwardGate_get,
+    .tp_dictoffset = offsetof(ForwardGate, dict),
+    .tp_getset = ForwardGate_getset,
+    .tp_dealloc = (destructor)ForwardGate_dealloc,
+    .tp_traverse = (traverseproc)ForwardGate_traverse,
+    .tp_clear = (inquiry)ForwardGate_clear,
+};
+
 /* ------------------------------------------------------------------ host_values */
 
 /* The export thread's pass over a batch of finished steps (_recorder.window_values) for steps
@@ -1482,7 +1830,9 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_mark, "mark") || intern(&str_record, "record") || intern(&str_exc_info, "exc_info") ||
         intern(&str_step_end_key, "step-end") ||
         intern(&str_step_end_msg, "recording a step failed; step ignored") ||
-        intern(&str_clock_key, "clock") || intern(&str_new_phase_context, "new_phase_context") ||
+        intern(&str_clock_key, "clock") || intern(&str_auto_key, "auto") ||
+        intern(&str_enabled, "enabled") || intern(&str_in_backward, "in_backward") ||
+        intern(&str_pre_failed, "auto-mode optimizer pre-hook failed") || intern(&str_new_phase_context, "new_phase_context") ||
         intern(&str_clock_msg, "the clock raised in phase(); phase ignored")) {
         return NULL;
     }
@@ -1495,7 +1845,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
     if (PyType_Ready(&RecorderCoreType) < 0 || PyType_Ready(&StepContextType) < 0 ||
         PyType_Ready(&PhaseContextType) < 0 || PyType_Ready(&PhaseLookupType) < 0 ||
         PyType_Ready(&ClockStampType) < 0 || PyType_Ready(&EventMarkerType) < 0 ||
-        PyType_Ready(&MarkStampType) < 0) {
+        PyType_Ready(&MarkStampType) < 0 || PyType_Ready(&OptimizerGateType) < 0 ||
+        PyType_Ready(&ForwardGateType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&module_def);
@@ -1508,7 +1859,9 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         PyModule_AddType(module, &PhaseLookupType) < 0 ||
         PyModule_AddType(module, &ClockStampType) < 0 ||
         PyModule_AddType(module, &EventMarkerType) < 0 ||
-        PyModule_AddType(module, &MarkStampType) < 0) {
+        PyModule_AddType(module, &MarkStampType) < 0 ||
+        PyModule_AddType(module, &OptimizerGateType) < 0 ||
+        PyModule_AddType(module, &ForwardGateType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -334,8 +334,8 @@ def _kwargs(side: dict[str, Any]) -> dict[str, Any]:
 
 def test_an_unsampled_auto_step_enters_only_the_hooks_themselves():
     """With the C recorder, a step whose phases are not timed (explicit steps, auto mode
-    installed, nothing sampled) enters only the hooks torch calls, each returning early: no
-    Python frame of the recorder, the step or the phase."""
+    installed, nothing sampled) enters no Python frame of stepwatch's: not the recorder, the
+    step, the phase, the forward wrapper or the optimizer hooks (C gates)."""
     torch = pytest.importorskip("torch")
     from pathlib import Path
 
@@ -363,8 +363,7 @@ def test_an_unsampled_auto_step_enters_only_the_hooks_themselves():
             step()
             step()
         assert monitor._recorder.sampled is False
-        assert sorted(set(entered)) == ["optimizer_post", "optimizer_pre", "timed_forward"]
-        assert len(entered) == 6  # each once a step
+        assert entered == []
         assert len(monitor._recorder.buffer) == 4
     finally:
         instrumentation.remove()

@@ -18,8 +18,11 @@ from stepwatch.exporters._histogram import ExponentialHistogram
 from stepwatch.exporters._recorder import UNSAMPLED, StepRecord, sampled_steps, window_values
 from stepwatch.exporters._sampling import (
     MAX_STRIDE,
+    SAMPLE_INTERVAL_S,
+    SAMPLES_PER_WINDOW,
     PhaseSampler,
     ideal_stride,
+    sample_interval,
     share_out,
     step_hash,
 )
@@ -254,18 +257,47 @@ def test_an_unsampled_step_registers_no_backward_hook() -> None:
     monitor.close()
 
 
-def test_the_default_samples_steps_50_ms_apart() -> None:
+def test_the_default_samples_64_steps_a_window_at_least_50_ms_apart() -> None:
     # Since issue 15's seventh round the collective wait is timed on every step, so a
     # one-off stall on an untimed step is still placed; phases are then sampled by default.
+    # Since its tenth, sampled steps are a 64th of a window apart where that is more than
+    # 50 ms: at the default 10 s windows 0.156 s, 1 in 8 at 20 ms.
     monitor = StepMonitor(
         job_id="s", rank=0, world_size=1, exporter=InMemoryExporter(), start=False
     )
     assert monitor.phase_sample_stride == 1  # every step until the first window's median
     monitor._sampler.observe([0.020] * 10)
-    assert monitor.phase_sample_stride == 4
+    assert monitor.phase_sample_stride == 8
     monitor._sampler.observe([0.001] * 10)
-    assert monitor.phase_sample_stride == 64
+    assert monitor.phase_sample_stride == 256
+    monitor._sampler.observe([0.2] * 10)
+    assert monitor.phase_sample_stride == 1
     monitor.close()
+    for interval_s, stride_at_20_ms, stride_at_1_ms in (
+        (1.0, 4, 64),
+        (0.25, 4, 64),
+        (60.0, 64, 256),
+    ):
+        short = StepMonitor(
+            job_id="s",
+            rank=0,
+            world_size=1,
+            exporter=InMemoryExporter(),
+            start=False,
+            export_interval_s=interval_s,
+        )
+        short._sampler.observe([0.020] * 10)
+        assert short.phase_sample_stride == stride_at_20_ms
+        short._sampler.observe([0.001] * 10)
+        assert short.phase_sample_stride == stride_at_1_ms
+        short.close()
+
+
+def test_the_sample_interval_follows_the_window() -> None:
+    assert sample_interval(None) == SAMPLE_INTERVAL_S == sample_interval(1.0)
+    assert sample_interval(10.0) == 10.0 / SAMPLES_PER_WINDOW
+    assert sample_interval(float("inf")) == SAMPLE_INTERVAL_S
+    assert ideal_stride(0.02, sample_interval(10.0)) == 8
 
 
 def test_phase_sampling_1_times_every_step() -> None:

@@ -80,8 +80,13 @@ from stepwatch.exporters._forward import (
     first_grad_tensor,
     time_forward,
 )
-from stepwatch.exporters._recorder import StepRecorder, new_clock_stamp
+from stepwatch.exporters._recorder import FAST_RECORDER, StepRecorder, new_clock_stamp
 from stepwatch.exporters._stack import phase_codes, stack_phase
+
+try:  # the C gates of the optimizer hooks (exporters/csrc/fastrecord.c)
+    from stepwatch.exporters import _fastrecord
+except ImportError:  # pragma: no cover - built by the package's install
+    _fastrecord = None  # type: ignore[assignment]
 
 logger = logging.getLogger("stepwatch.exporters")
 
@@ -112,6 +117,8 @@ class Instrumentation:
         if state.enabled:
             state.recorder.watchers -= 1
         state.enabled = False
+        for gate in state.gates:
+            gate.active = False
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -162,6 +169,7 @@ class _AutoState:
         # when gradients accumulate) records the wait since then as ``communication`` on every
         # step, sampled or not, and resets it.
         self.gradient_stamp: Any = new_clock_stamp(self.clock_ns)
+        self.gates: tuple[Any, ...] = ()  # the optimizer hooks' C gates (_optimizer_hooks)
         # Where a stack of the training thread is, for a rank stuck in a step whose phases
         # are not timed (``_sampling``): code object -> phase (set by install_hooks).
         self.phase_codes: dict[Any, str] = {}
@@ -491,6 +499,28 @@ def _union_ns(starts_ns: list[int], ends_ns: list[int]) -> int:
     return total
 
 
+def _optimizer_hooks(state: _AutoState) -> tuple[Any, Any]:
+    """The optimizer's pre- and post-hooks: ``state``'s methods behind C gates
+    (``_fastrecord.OptimizerGate``: a step whose phases are not timed enters no Python frame
+    in ``optimizer.step()``) where the recorder, the last-gradient stamp and the state are
+    the plain C-backed ones; the methods themselves elsewhere (a device timer, no extension).
+    """
+    stamp = state.gradient_stamp
+    if (
+        FAST_RECORDER is None
+        or type(state) is not _AutoState
+        or not isinstance(state.recorder, FAST_RECORDER)
+        or type(stamp) is not getattr(_fastrecord, "ClockStamp", None)
+    ):
+        return state.optimizer_pre, state.optimizer_post
+    gate = _fastrecord.OptimizerGate
+    state.gates = (
+        gate("pre", state.recorder, state.optimizer_pre, stamp),
+        gate("post", state.recorder, state.optimizer_post, state.comm_starts_ns),
+    )
+    return state.gates
+
+
 def install_hooks(
     recorder: StepRecorder,
     model: Any,
@@ -521,10 +551,11 @@ def install_hooks(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     state = state_type(recorder)
+    pre, post = _optimizer_hooks(state)
     handles: list[Any] = [
         time_forward(state, model),
-        optimizer.register_step_pre_hook(state.optimizer_pre),
-        optimizer.register_step_post_hook(state.optimizer_post),
+        optimizer.register_step_pre_hook(pre),
+        optimizer.register_step_post_hook(post),
     ]
     state.phase_codes = phase_codes(torch, model, optimizer)
     recorder.watchers += 1

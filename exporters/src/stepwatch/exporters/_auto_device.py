@@ -15,8 +15,9 @@ host clock, so each phase is the device time between the marks of its start and 
 - backward: a mark in the output's gradient hook (autograd's device thread, whose current
   stream is the forward's) to the mark at its end (the next ``optimizer.step()`` or forward);
 - communication (the exposed wait): the last parameter's post-accumulate-grad hook takes a
-  device mark with its clock reading (a Python stamp, :class:`DeviceStamp`, instead of the C
-  one), to the same end mark as backward. DDP over NCCL makes the compute stream wait for its
+  device mark with its clock reading (``_fastrecord.MarkStamp``, no Python frame; the Python
+  :class:`DeviceStamp` without the extension or with another clock), to the same end mark as
+  backward. DDP over NCCL makes the compute stream wait for its
   allreduces without blocking the host, so the host sees no wait at all: the device does.
   Taken on every step, as on the host (``stepwatch.phase.every_step``);
 - optimizer: the optimizer's pre- and post-hooks;
@@ -28,8 +29,9 @@ Phases are added to the step's record as intervals of marks (``StepRecorder.add_
 passed the step's end (``_recorder.window_values``); where a mark cannot be read the host
 time stays. Host timing is unchanged underneath (the stuck-rank view reads it).
 
-Cost: a mark is a ``torch.cuda.Event`` created and recorded, a few microseconds; a sampled step
-takes seven, another step two (the exposed wait) plus the step's own two.
+Cost: a mark is a ``torch.Event`` made and recorded in C (``_device.CudaEventTimer``: 3.8 µs
+on an H200, against 13.7 µs for ``torch.cuda.Event``); a sampled step takes seven, another step
+two (the exposed wait) plus the step's own two, which the C recorder takes.
 """
 
 from __future__ import annotations

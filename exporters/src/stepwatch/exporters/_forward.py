@@ -6,7 +6,8 @@ before and ``state.forward_post(model, args, output)`` after (also when it raise
 ``nn.Module._call_impl`` off its fast path (a closure, a set, ``torch.compiler.is_compiling``
 and the hook loops per call: ~10-11 k instructions per step under callgrind with empty hooks,
 whose cache misses cost more on a large model, as its kernels evict that code from L2 between
-calls; docs/exporters.md). The swap adds one Python frame. Module hooks remain the fallback.
+calls; docs/exporters.md). The swap adds one Python frame, none on a step whose phases are
+not timed where the C gate applies (``_forward_gate``). Module hooks remain the fallback.
 
 Also the output's backward-start hook mechanics ``_auto`` uses: the probe of torch's tensor-hook
 internals, the hook dict and keys, and the output tensor a forward's gradient reaches first.
@@ -20,6 +21,13 @@ import itertools
 import logging
 import types
 from typing import Any, Final
+
+from stepwatch.exporters._recorder import FAST_RECORDER
+
+try:  # the forward's C gate (exporters/csrc/fastrecord.c)
+    from stepwatch.exporters import _fastrecord
+except ImportError:  # pragma: no cover - built by the package's install
+    _fastrecord = None  # type: ignore[assignment]
 
 logger = logging.getLogger("stepwatch.exporters")
 
@@ -127,7 +135,7 @@ def _swap_class(state: Any, model: Any) -> _ClassSwap | None:
 
     namespace = {
         "__slots__": (),
-        "forward": timed_forward,
+        "forward": _forward_gate(state, target, forward, timed_forward),
         "__reduce_ex__": __reduce_ex__,
         "__module__": original.__module__,
         "__qualname__": original.__qualname__,
@@ -137,6 +145,21 @@ def _swap_class(state: Any, model: Any) -> _ClassSwap | None:
     timed = metaclass(original.__name__, (original,), namespace)
     object.__setattr__(model, "__class__", timed)
     return _ClassSwap(model, original, timed)
+
+
+def _forward_gate(state: Any, target: Any, forward: Any, timed_forward: Any) -> Any:
+    """``timed_forward`` behind a C gate (``_fastrecord.ForwardGate``: a step whose phases are
+    not timed calls the original forward without a Python frame of ours) where the recorder
+    and the last-gradient stamp are the C ones; ``timed_forward`` itself elsewhere."""
+    recorder, stamp = state.recorder, state.gradient_stamp
+    if (
+        FAST_RECORDER is None
+        or not isinstance(recorder, FAST_RECORDER)
+        or type(stamp) is not getattr(_fastrecord, "ClockStamp", None)
+    ):
+        return timed_forward
+    gate = _fastrecord.ForwardGate(target, state, recorder, stamp, forward, timed_forward)
+    return functools.update_wrapper(gate, forward)  # __wrapped__: signature, _stack's codes
 
 
 # Keys of stepwatch's hooks in an output's tensor-hook dict, one per instrumentation (several

@@ -227,8 +227,8 @@ class StepMonitor:
         self._log = RateLimitedLog(logger, _LOG_INTERVAL_S)
 
         # Training-thread state: the recorder (handed to auto-mode hooks too), its contexts.
-        self._sampler = PhaseSampler(phase_sampling)  # and the steps waiting for a sampled one:
-        self._unsampled_carry = 0
+        self._sampler = PhaseSampler(phase_sampling, export_interval_s=self._interval_s)
+        self._unsampled_carry = 0  # the steps waiting for a sampled one
         self._recorder = new_recorder(
             clock=self._clock,
             device_timer=self._device_timer,

@@ -17,10 +17,14 @@ says what they rest on (``stepwatch.step.sampled`` and ``stepwatch.step.sampled.
 :func:`~stepwatch.exporters._recorder.sampled_steps`), and the detectors pool and pair on it
 (docs/diagnosis.md); what sampling still loses is a one-off stall on a step whose phases were
 not timed (docs/exporters.md). ``phase_sampling="auto"`` picks the smallest power of two that
-keeps sampled steps at least :data:`SAMPLE_INTERVAL_S` apart, from the median step of the
-last exported window: every step at 50 ms and longer, 1 in 4 at 20 ms, at most 1 in
-:data:`MAX_STRIDE`: 10-20 timed steps in a 1 s window. The stride changes only when the ideal
-one moves 25 % past a power of two (no flapping between ranks whose steps differ by a hair).
+keeps sampled steps at least :func:`sample_interval` apart, from the median step of the
+last exported window, at most 1 in :data:`MAX_STRIDE`. The interval is
+:data:`SAMPLE_INTERVAL_S` (10-20 timed steps in a 1 s window: every step at 50 ms and longer,
+1 in 4 at 20 ms), or longer where a window holds more than :data:`SAMPLES_PER_WINDOW` such
+samples: at the default 10 s windows 0.156 s, 1 in 8 at 20 ms, 64-128 timed steps a window
+(issue 15: a timed step costs the training thread ~26 k instructions more than another). The
+stride changes only when the ideal one moves 25 % past a power of two (no flapping between
+ranks whose steps differ by a hair).
 Until the first window, every step is sampled.
 
 A step whose phases are not timed costs auto mode one early return in the forward wrapper,
@@ -46,6 +50,7 @@ from typing import Final
 from stepwatch.core._errors import ConfigError
 
 SAMPLE_INTERVAL_S: Final = 0.05
+SAMPLES_PER_WINDOW: Final = 64
 MAX_STRIDE: Final = 256
 _HYSTERESIS: Final = 1.25
 _MASK64: Final = (1 << 64) - 1
@@ -59,11 +64,19 @@ def step_hash(index: int) -> int:
     return z ^ (z >> 31)
 
 
-def ideal_stride(step_s: float) -> int:
-    """The smallest power of two keeping sampled steps ``SAMPLE_INTERVAL_S`` apart."""
+def sample_interval(export_interval_s: float | None) -> float:
+    """How far apart ``auto``'s sampled steps are: :data:`SAMPLE_INTERVAL_S`, or a window's
+    :data:`SAMPLES_PER_WINDOW`-th part where that is longer (None: the former)."""
+    if export_interval_s is None or not math.isfinite(export_interval_s):
+        return SAMPLE_INTERVAL_S
+    return max(SAMPLE_INTERVAL_S, export_interval_s / SAMPLES_PER_WINDOW)
+
+
+def ideal_stride(step_s: float, interval_s: float = SAMPLE_INTERVAL_S) -> int:
+    """The smallest power of two keeping sampled steps ``interval_s`` apart."""
     if not step_s > 0.0 or not math.isfinite(step_s):
         return 1
-    ideal = SAMPLE_INTERVAL_S / step_s
+    ideal = interval_s / step_s
     if ideal <= 1.0:
         return 1
     return min(1 << math.ceil(math.log2(ideal)), MAX_STRIDE)
@@ -77,14 +90,16 @@ class PhaseSampler:
     attribute: the training thread reads it, the export thread writes it.
 
     Args:
-        every: ``"auto"`` (the stride follows the step time) or a fixed stride ``>= 1`` (1,
-            the monitor's default: every step).
+        every: ``"auto"`` (the stride follows the step time) or a fixed stride ``>= 1`` (1:
+            every step).
+        export_interval_s: The monitor's window, for ``auto``'s :func:`sample_interval`.
 
     Raises:
         ConfigError: ``every`` is neither ``"auto"`` nor a positive integer.
     """
 
-    def __init__(self, every: int | str = 1) -> None:
+    def __init__(self, every: int | str = 1, *, export_interval_s: float | None = None) -> None:
+        self.interval_s = sample_interval(export_interval_s)
         if every == "auto":
             self.adaptive = True
             self.stride = 1
@@ -113,9 +128,11 @@ class PhaseSampler:
         if not median > 0.0 or not math.isfinite(median):
             return
         current = self.stride
-        low, high = ideal_stride(median * _HYSTERESIS), ideal_stride(median / _HYSTERESIS)
+        interval = self.interval_s
+        low = ideal_stride(median * _HYSTERESIS, interval)
+        high = ideal_stride(median / _HYSTERESIS, interval)
         if not low <= current <= high:
-            self.stride = ideal_stride(median)
+            self.stride = ideal_stride(median, interval)
 
 
 def share_out(steps: int, samples: int) -> list[int]:

@@ -214,6 +214,8 @@ class ProfilerDutyCycle(NamedTuple):
             the inflation of its profiled steps over the baseline).
         drain_cost_s: Last cycle's export-thread CPU time (reading and summarising its ops).
         spent_s: Total cost charged so far (both threads), the warm-up excluded.
+        drain_spent_s: The export thread's part of ``spent_s`` (a measurement of that
+            thread's CPU clock also holds it).
         warmup_cost_s: What the adaptive mode's first, one-step cycle cost (training thread
             and export thread), or ``None`` before it ran: the profiler's one-time set-up.
         expected_overhead: ``cycle_cost_s / (period_steps * baseline_step_s)``, the amortised
@@ -239,6 +241,7 @@ class ProfilerDutyCycle(NamedTuple):
     within_budget: bool
     warmup_cost_s: float | None = None
     interrupted_cycles: int = 0
+    drain_spent_s: float = 0.0
 
 
 class _Cycle(NamedTuple):
@@ -527,6 +530,7 @@ class TorchProfilerSource:
             within_budget=not self._forced,
             warmup_cost_s=_seconds(self._warmup_ns),
             interrupted_cycles=self._interrupted,
+            drain_spent_s=self._drain_spent_ns / 1e9,
         )
 
     def close(self) -> None:
