@@ -155,7 +155,16 @@ static int sampled_now(RecorderCore *self) {
         self->step_index < 0) {
         return -1;
     }
-    PyObject *stride_object = PyObject_GetAttr(sampler, str_stride);
+    /* PhaseSampler's stride is a plain attribute (the export thread writes it): its __dict__. */
+    PyObject **dict = _PyObject_GetDictPtr(sampler);
+    PyObject *stride_object = dict == NULL || *dict == NULL
+                                  ? NULL
+                                  : PyDict_GetItemWithError(*dict, str_stride); /* borrowed */
+    if (stride_object != NULL) {
+        Py_INCREF(stride_object);
+    } else if (!PyErr_Occurred()) {
+        stride_object = PyObject_GetAttr(sampler, str_stride);
+    }
     if (stride_object == NULL) {
         PyErr_Clear();
         return -1;
@@ -1545,8 +1554,19 @@ typedef struct {
 
 static PyObject *str_enabled, *str_in_backward;
 
-/* attribute ``name`` of ``object`` as a truth value; -1 with an exception set. */
+/* attribute ``name`` of ``object`` as a truth value; -1 with an exception set. Read from the
+ * instance's __dict__ when it is there (the state's plain attributes: no type lookup). */
 static int attribute_true(PyObject *object, PyObject *name) {
+    PyObject **dict = _PyObject_GetDictPtr(object);
+    if (dict != NULL && *dict != NULL) {
+        PyObject *found = PyDict_GetItemWithError(*dict, name); /* borrowed */
+        if (found != NULL) {
+            return PyObject_IsTrue(found);
+        }
+        if (PyErr_Occurred()) {
+            return -1;
+        }
+    }
     PyObject *value = PyObject_GetAttr(object, name);
     if (value == NULL) {
         return -1;
