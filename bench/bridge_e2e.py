@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=8, help="client connections")
     parser.add_argument("--baseline-rev", default="", help="git rev measured as 'before'")
     parser.add_argument("--seed", type=int, default=15)
+    parser.add_argument(
+        "--protocols", default=",".join(PROTOCOLS), help="comma-separated: http, grpc"
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             versions = {"before": before, **versions}
         results: dict[tuple[str, str], list[dict[str, float]]] = {}
         for _ in range(args.rounds):
-            for protocol in PROTOCOLS:
+            for protocol in args.protocols.split(","):
                 for version, tree in versions.items():
                     run = one_run(
                         tree, protocol, bodies if protocol == "http" else raw, points,

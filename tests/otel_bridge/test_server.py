@@ -253,12 +253,26 @@ def test_backpressure_answers_429_and_resource_exhausted() -> None:
         status = status_pb2.Status.FromString(details)
         info = error_details_pb2.RetryInfo()
         assert status.details[0].Unpack(info) and info.retry_delay.seconds == 2
+        with pytest.raises(grpc.RpcError) as again:  # answered from the built statuses
+            export(body, timeout=5)
+        assert dict(again.value.trailing_metadata())["grpc-status-details-bin"] == details
         channel.close()
         assert bridge.forwarder.queued_lines <= 6
         writer.gate.set()
         assert bridge.forwarder.wait_idle(10)
         accepted = codes.count(200) * 3
         assert wait_until(lambda: len(writer.lines) == accepted, timeout_s=10)
+
+
+def test_grpc_handler_threads_follow_the_spool(tmp_path: Path) -> None:
+    # A memory spool never blocks a handler: two threads (more only contend for the GIL);
+    # a disk spool's handler waits for its fsync'd group commit: eight.
+    memory = Bridge(RecordingWriter())
+    disk = Bridge(RecordingWriter(), spool_dir=tmp_path / "spool")
+    chosen = Bridge(RecordingWriter(), grpc_workers=3)
+    assert (memory._grpc.workers, disk._grpc.workers, chosen._grpc.workers) == (2, 8, 3)
+    with pytest.raises(ConfigError, match="grpc_workers"):
+        Bridge(RecordingWriter(), grpc_workers=0)
 
 
 def test_cardinality_guard_caps_series_per_measurement_per_job() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from stepwatch.core import _schema
 from stepwatch.exporters.kernels import (
     ActivityRecord,
     CuptiSource,
@@ -211,3 +212,77 @@ def test_ignored_kinds_and_memcpy_names() -> None:
         "memcpy_dtod",
         "memcpy_ptop",
     }
+
+
+class EnabledFromCupti(RecordedCupti):
+    """As real CUPTI: activities that began before ``enable`` are never recorded."""
+
+    def enable(self, on_records: Callable[[Sequence[ActivityRecord]], None]) -> None:
+        super().enable(on_records)
+        self.pending = [record for record in self.pending if record.start_ns >= self.now_ns]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now_ns = 1_000_000_000
+
+    def monotonic_ns(self) -> int:
+        return self.now_ns
+
+    def time_ns(self) -> int:
+        return self.now_ns
+
+
+def test_the_first_steps_kernels_are_recorded_from_the_monitors_start(dlrm_rank0: Path) -> None:
+    # The source used to enable CUPTI at the first step's end, so that step's kernels were
+    # never recorded (seen on an H100). Made with the monitor, it records them: they count in
+    # the first window, and that step's idle time (its start unknown to CUPTI) does not.
+    from stepwatch.exporters import InMemoryExporter, StepMonitor
+
+    records, ((_, start, end),) = recorded_activity(dlrm_rank0)
+    backend = EnabledFromCupti(records)
+    backend.now_ns = start - 1
+    source = CuptiSource(backend=backend)
+    exporter = InMemoryExporter()
+    monitor = StepMonitor(
+        job_id="cupti", rank=0, world_size=1, exporter=exporter, kernel_source=source,
+        clock=_Clock(), start=False,
+    )  # fmt: skip
+    assert backend.enabled
+    with monitor.step():
+        backend.now_ns = end
+    backend.now_ns = end + 10**9
+    monitor.close()
+    metrics = {
+        metric.name: metric.data
+        for window in exporter.exported
+        for metric in window.resource_metrics[0].scope_metrics[0].metrics
+    }
+    kernels = metrics[_schema.KERNEL_DURATION].data_points
+    expected = sum(1 for record in records if start <= record.start_ns <= end)
+    assert expected > 100
+    assert sum(point.count for point in kernels) == expected
+    assert _schema.DEVICE_IDLE_DURATION not in metrics
+    assert not backend.enabled
+
+
+def test_a_source_that_fails_to_start_leaves_the_monitor_working(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from stepwatch.exporters import InMemoryExporter, StepMonitor
+
+    class Broken(RecordedCupti):
+        def enable(self, on_records: Callable[[Sequence[ActivityRecord]], None]) -> None:
+            raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    exporter = InMemoryExporter()
+    with caplog.at_level(logging.WARNING):
+        monitor = StepMonitor(
+            job_id="cupti", rank=0, world_size=1, exporter=exporter,
+            kernel_source=CuptiSource(backend=Broken([])), clock=_Clock(), start=False,
+        )  # fmt: skip
+        with monitor.step():
+            pass
+        monitor.close()
+    assert monitor.stats.steps_recorded == 1
+    assert sum("CUPTI enable failed" in record.message for record in caplog.records) == 1

@@ -28,7 +28,7 @@ from typing import Any, Final, Protocol
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters._device import DeviceTimer
 from stepwatch.exporters._sampling import PhaseSampler, share_out
-from stepwatch.exporters._window import KernelSource
+from stepwatch.exporters._window import KernelSource, start_kernel_source
 
 MAX_PHASE_NAME_LENGTH: Final = 64
 MAX_PHASE_NAMES: Final = 256
@@ -591,4 +591,5 @@ def new_mark_stamp(clock_ns: Callable[[], int], device: DeviceTimer) -> Any:
 def new_recorder(**kwargs: Any) -> StepRecorder:
     """A :class:`StepRecorder` (:data:`FAST_RECORDER` where there is one) made with ``kwargs``."""
     cls = FAST_RECORDER if FAST_RECORDER is not None else StepRecorder
+    start_kernel_source(kwargs.get("kernel_source"))  # CUPTI from here: the first step counts
     return cls(**kwargs)

@@ -53,6 +53,7 @@ class GrpcReceiver:
         self._server: Any = None
         self._ok: Any = None  # requests{protocol="grpc", code="OK"}, looked up once
         self._grpc: Any = None  # the grpc module, imported at start
+        self._statuses: dict[tuple[Any, str], bytes] = {}  # _retry_status's answers
 
     def start(self, address: str) -> int:
         """Listen on ``address`` (``host:port``, IPv6 hosts in brackets); the bound port.
@@ -151,7 +152,19 @@ class GrpcReceiver:
         return outcome.response_bytes()
 
     def _retry_status(self, code: Any, message: str) -> bytes:
-        """A google.rpc.Status with RetryInfo: makes RESOURCE_EXHAUSTED retryable (OTLP)."""
+        """A google.rpc.Status with RetryInfo: makes RESOURCE_EXHAUSTED retryable (OTLP).
+
+        Refusals come in bursts with a handful of messages: each is built once.
+        """
+        key = (code, message)
+        status = self._statuses.get(key)
+        if status is None:
+            if len(self._statuses) >= 64:
+                self._statuses.clear()
+            status = self._statuses[key] = self._build_status(code, message)
+        return status
+
+    def _build_status(self, code: Any, message: str) -> bytes:
         from google.rpc import (  # type: ignore[import-untyped]
             error_details_pb2,
             status_pb2,

@@ -360,6 +360,14 @@ class CuptiSource:
                 columns = columns.head(max(room, 0))
             self._columns.extend(columns)
 
+    def on_monitor_start(self) -> None:
+        """Enable CUPTI when the monitor is made, so the first step's kernels are recorded.
+
+        That step's start is unknown to CUPTI: its kernels count and its idle time does not,
+        and kernels launched between the monitor's creation and the first step count in it.
+        """
+        self._ensure_enabled()
+
     def on_step_end(self, step_index: int) -> None:
         """Step boundary (training thread): one CUPTI timestamp and an append."""
         if self._failed:
