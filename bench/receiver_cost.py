@@ -1,14 +1,16 @@
 """What one request costs the bridge's servers themselves: OTLP/HTTP against OTLP/gRPC.
 
-Run: ``.venv/bin/python bench/receiver_cost.py [--requests 16000] [--handler-us 80]``
+Run: ``.venv/bin/python bench/receiver_cost.py [--requests 16000] [--handler-us 80]
+[--baseline-rev REV]``
 
 ``bench/bridge_e2e.py`` measures the whole bridge per stored point; this bench isolates the
 part that does not depend on the points: the server around the handler. Each arm is a fresh
 server process whose handler answers at once after burning ``--handler-us`` of CPU in Python
 (the intake's share of a 28-point request is ~90 us; 0 gives the servers alone):
 
-- ``http``: the bridge's own ``AsyncHttpServer`` (asyncio streams, handled on the loop as the
-  bridge does with a memory spool), 1.1 kB bodies over keep-alive connections;
+- ``http``: the bridge's own ``AsyncHttpServer`` (handled on the loop as the bridge does with
+  a memory spool), 1.1 kB bodies over keep-alive connections; with ``--baseline-rev`` also
+  ``http@before``, that revision's server (``git archive``) in the same rounds;
 - ``grpc:N``: grpcio's synchronous server with N handler threads (the bridge's receiver);
 - ``grpc-aio``: grpcio's asyncio server, handler on its loop.
 
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
 
 
@@ -38,10 +41,10 @@ def _burn(seconds: float) -> None:
         pass
 
 
-def serve(arm: str, handler_s: float) -> None:
+def serve(arm: str, handler_s: float, tree: Path) -> None:
     """Child: one server on a free port; prints it, then its CPU when told (stdin lines)."""
     for part in ("core/src", "otel_bridge/src"):
-        sys.path.insert(0, str(REPO / part))
+        sys.path.insert(0, str(tree / part))
     if arm == "http":
         from stepwatch.otel_bridge._http_server import AsyncHttpServer, HttpResponse
 
@@ -141,10 +144,15 @@ def _client(arm: str, port: int, body: bytes, count: int) -> None:
             export(body, timeout=60)
 
 
-def one_run(arm: str, handler_us: float, requests: int, connections: int) -> float:
+def one_run(
+    arm: str, handler_us: float, requests: int, connections: int, tree: Path = REPO
+) -> float:
     """Server CPU per request (us) for one fresh server process."""
     child = subprocess.Popen(
-        [sys.executable, __file__, "--serve", arm, "--handler-us", str(handler_us)],
+        [
+            sys.executable, __file__, "--serve", arm, "--handler-us", str(handler_us),
+            "--tree", str(tree),
+        ],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert child.stdin is not None and child.stdout is not None
@@ -182,16 +190,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--handler-us", type=float, default=80.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline-rev", default="", help="git rev whose HTTP server is 'before'")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--tree", default=str(REPO), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        serve(args.serve, args.handler_us / 1e6)
+        serve(args.serve, args.handler_us / 1e6, Path(args.tree))
         return 0
+    import tempfile
+
+    from bench.bridge_cpu import source_tree
+
     arms = args.arms.split(",")
-    results: dict[str, list[float]] = {arm: [] for arm in arms}
-    for _ in range(args.rounds):
-        for arm in arms:
-            results[arm].append(one_run(arm, args.handler_us, args.requests, args.connections))
+    with tempfile.TemporaryDirectory(prefix="receiver-cost-") as directory:
+        trees = {arm: REPO for arm in arms}
+        if args.baseline_rev and "http" in arms:
+            trees["http@before"] = source_tree(args.baseline_rev, Path(directory))
+        results: dict[str, list[float]] = {arm: [] for arm in trees}
+        for _ in range(args.rounds):
+            for arm, tree in trees.items():
+                results[arm].append(
+                    one_run(
+                        arm.split("@")[0], args.handler_us, args.requests, args.connections, tree
+                    )
+                )
     print(
         f"{args.requests} requests over {args.connections} connections, handler "
         f"{args.handler_us:.0f} us of CPU; server process CPU per request, median of "
@@ -200,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     for arm, values in results.items():
         median = statistics.median(values)
         print(
-            f"  {arm:9} {median:6.0f} us ({min(values):.0f}-{max(values):.0f})   around the "
+            f"  {arm:11} {median:6.0f} us ({min(values):.0f}-{max(values):.0f})   around the "
             f"handler {median - args.handler_us:6.0f} us"
         )
     return 0

@@ -28,7 +28,7 @@ from typing import Any, Final, Protocol
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters._device import DeviceTimer
 from stepwatch.exporters._sampling import PhaseSampler, share_out
-from stepwatch.exporters._window import KernelSource, start_kernel_source
+from stepwatch.exporters._window import KernelSource
 
 MAX_PHASE_NAME_LENGTH: Final = 64
 MAX_PHASE_NAMES: Final = 256
@@ -589,7 +589,9 @@ def new_mark_stamp(clock_ns: Callable[[], int], device: DeviceTimer) -> Any:
 
 
 def new_recorder(**kwargs: Any) -> StepRecorder:
-    """A :class:`StepRecorder` (:data:`FAST_RECORDER` where there is one) made with ``kwargs``."""
+    """A :class:`StepRecorder` (:data:`FAST_RECORDER` where there is one) made with ``kwargs``,
+    after its kernel source's ``on_monitor_start`` (CUPTI from here: the first step counts)."""
     cls = FAST_RECORDER if FAST_RECORDER is not None else StepRecorder
-    start_kernel_source(kwargs.get("kernel_source"))  # CUPTI from here: the first step counts
+    if (start := getattr(kwargs.get("kernel_source"), "on_monitor_start", None)) is not None:
+        start()
     return cls(**kwargs)

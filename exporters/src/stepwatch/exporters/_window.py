@@ -27,7 +27,6 @@ exact, and step, phase and idle histograms are sent exactly, ``min`` and ``max``
 from __future__ import annotations
 
 import dataclasses
-import logging
 import socket
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, TypedDict
@@ -118,7 +117,10 @@ class Progress(NamedTuple):
 
 
 class KernelSource(Protocol):
-    """A producer of kernel events (CUPTI, torch.profiler, a trace file) for a StepMonitor."""
+    """A producer of kernel events (CUPTI, torch.profiler, a trace file) for a StepMonitor.
+
+    It may also have ``on_monitor_start()`` (never raises), called when the monitor is made.
+    """
 
     def on_step_end(self, step_index: int) -> None:
         """Mark a step boundary. Called on the training thread: O(1), never raises."""
@@ -128,26 +130,6 @@ class KernelSource(Protocol):
 
     def close(self) -> None:
         """Stop collecting and release resources."""
-
-
-def start_kernel_source(source: KernelSource | None) -> KernelSource | None:
-    """``source``, told the monitor has started where it has an ``on_monitor_start`` hook.
-
-    :class:`~stepwatch.exporters.kernels.CuptiSource` enables CUPTI there, so the first step's
-    kernels are recorded (they were lost when collection began at the first step's end). A
-    hook that raises is logged: a kernel source never stops the monitor.
-    """
-    hook = getattr(source, "on_monitor_start", None)
-    if hook is not None:
-        try:
-            hook()
-        except Exception:
-            logging.getLogger("stepwatch.exporters").warning(
-                "kernel source %r failed to start; it starts at the first step's end",
-                source,
-                exc_info=True,
-            )
-    return source
 
 
 STAMP_NS: Final = 1_000_000
