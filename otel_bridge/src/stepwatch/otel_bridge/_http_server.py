@@ -444,13 +444,17 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self.state = _IDLE
-        if self.transport is not None and not self.paused:
-            self.transport.resume_reading()
-        self._answer(done.result(), method, keep_alive)
-        if self.eof and self.state < _LINGERING:
-            self._close()
-        elif self.state in (_IDLE, _READING):
-            self._advance()
+        try:
+            if self.transport is not None and not self.paused:
+                self.transport.resume_reading()
+            self._answer(done.result(), method, keep_alive)
+            if self.eof and self.state < _LINGERING:
+                self._close()
+            elif self.state in (_IDLE, _READING):
+                self._advance()
+        except Exception:  # never let a connection's failure reach the loop
+            _log.debug("bridge HTTP connection failed", exc_info=True)
+            self.abort()
 
     def _answer(self, response: HttpResponse, method: str, keep_alive: bool) -> None:
         """Send ``response``; then wait for the next request or close (lingering)."""
