@@ -26,7 +26,7 @@ import time
 import torch
 
 from stepwatch.exporters.kernels import TorchProfilerSource
-from stepwatch.exporters.kernels._torch_source import read_kineto_ops
+from stepwatch.exporters.kernels._torch_backend import read_kineto_ops
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -51,6 +52,7 @@ typedef struct {
     long long step_index;
     long long steps_recorded;
     long long buffer_dropped;
+    long long kernel_skip;   /* step ends the kernel source asked not to be told of */
     char sampled;
     char explicit_steps;
     char auto_step_open;
@@ -317,6 +319,24 @@ static PyObject *device_record(RecorderCore *self, PyObject **fresh_phases) {
     return marks;
 }
 
+/* What a kernel source's on_step_end returned, as step ends to skip: a positive int (as
+ * StepRecorder._skip_count), anything else 0; an int too large for C, all of them. */
+static long long skip_count(PyObject *told) {
+    if (!PyLong_CheckExact(told)) {
+        return 0;
+    }
+    int overflow = 0;
+    long long skip = PyLong_AsLongLongAndOverflow(told, &overflow);
+    if (overflow > 0) {
+        return LLONG_MAX;
+    }
+    if (skip == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return skip > 0 ? skip : 0;
+}
+
 static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
     if (self->step_depth != 1 || self->device_timer == NULL || self->buffer == NULL ||
         self->phases_ns == NULL || self->sampled_ns == NULL || self->kernel_source == NULL) {
@@ -410,15 +430,21 @@ static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
     self->step_index = index + 1;
     self->steps_recorded += 1;
     if (self->kernel_source != Py_None) {
-        PyObject *number = PyLong_FromLongLong(index);
-        PyObject *told = number == NULL ? NULL
-                                        : PyObject_CallMethodOneArg(self->kernel_source,
-                                                                    str_on_step_end, number);
-        Py_XDECREF(number);
-        if (told == NULL) {
-            report_misuse((PyObject *)self, str_step_end_key, str_step_end_msg, 1);
+        if (self->kernel_skip > 0) {
+            self->kernel_skip -= 1; /* the source asked not to be told of this one */
         } else {
-            Py_DECREF(told);
+            PyObject *number = PyLong_FromLongLong(index);
+            PyObject *told = number == NULL
+                                 ? NULL
+                                 : PyObject_CallMethodOneArg(self->kernel_source,
+                                                             str_on_step_end, number);
+            Py_XDECREF(number);
+            if (told == NULL) {
+                report_misuse((PyObject *)self, str_step_end_key, str_step_end_msg, 1);
+            } else {
+                self->kernel_skip = skip_count(told);
+                Py_DECREF(told);
+            }
         }
     }
     (void)explicit_;
@@ -669,6 +695,7 @@ static PyMemberDef RecorderCore_members[] = {
     MEMBER("_step_index", T_LONGLONG, step_index, "Index of the open (or next) step."),
     MEMBER("steps_recorded", T_LONGLONG, steps_recorded, "Steps finished and buffered."),
     MEMBER("buffer_dropped", T_LONGLONG, buffer_dropped, "Steps dropped: the buffer was full."),
+    MEMBER("_kernel_skip", T_LONGLONG, kernel_skip, "Step ends the kernel source skips."),
     MEMBER("sampled", T_BOOL, sampled, "Auto mode times this step's phases."),
     MEMBER("explicit_steps", T_BOOL, explicit_steps, "The loop marks steps with step()."),
     MEMBER("_auto_step_open", T_BOOL, auto_step_open, "Auto mode opened the open step."),

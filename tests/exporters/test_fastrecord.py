@@ -86,14 +86,18 @@ class _DeviceTimer:
 
 
 class _Source:
+    """Records the step ends it is told of; answers ``answer`` (step ends to skip, or not)."""
+
     def __init__(self) -> None:
         self.ends: list[int] = []
         self.fail = False
+        self.answer: Any = None
 
-    def on_step_end(self, index: int) -> None:
+    def on_step_end(self, index: int) -> Any:
         self.ends.append(index)
         if self.fail:
             raise RuntimeError("source failed")
+        return self.answer
 
 
 def _pair(cls: type[StepRecorder], device: bool, buffer_steps: int) -> dict[str, Any]:
@@ -130,6 +134,7 @@ def _state(side: dict[str, Any]) -> dict[str, Any]:
         "contexts": {k: c._depth for k, c in recorder.phase_contexts.items()},
         "open_phase": recorder.open_phase(),
         "source": list(side["source"].ends),
+        "source_skip": recorder._kernel_skip,
     }
 
 
@@ -167,6 +172,8 @@ def _apply(side: dict[str, Any], op: tuple[Any, ...]) -> None:
         clock.broken = op[1]
     elif kind == "source_fails":
         side["source"].fail = op[1]
+    elif kind == "source_answers":
+        side["source"].answer = op[1]
     elif kind == "drain":
         recorder.buffer.clear()
     elif kind == "add_device":
@@ -191,6 +198,8 @@ _OPS = st.one_of(
     st.tuples(st.just("tick"), st.integers(0, 10**9)),
     st.tuples(st.sampled_from(["break", "source_fails", "mark_fails"]), st.booleans()),
     st.tuples(st.just("drain")),
+    # What on_step_end returns: step ends to skip, or values that mean none (or all of them).
+    st.tuples(st.just("source_answers"), st.sampled_from([None, 0, 1, 3, -2, True, 2.0, 10**30])),
     st.tuples(
         st.sampled_from(["add_device", "add_sampled_device"]),
         st.integers(0, len(PHASES) - 1),
@@ -370,6 +379,48 @@ def test_an_unsampled_auto_step_enters_only_the_hooks_themselves():
         monitor.close(timeout_s=0.1)
 
 
+class _CostlyStart:
+    """A profiler backend whose start takes 50 ms and that records nothing: each cycle costs
+    enough that the default budget spaces cycles out to the ceiling (10,000 steps)."""
+
+    def start(self) -> None:
+        time.sleep(0.05)
+
+    def stop(self) -> Any:
+        return list
+
+
+def test_between_profiler_cycles_a_step_enters_no_python_frame():
+    """Op histograms on (``TorchProfilerSource``): past its warm-up and probe cycles the source
+    asks not to be told of the steps before its next cycle, so a step (explicit, with a phase)
+    enters no Python frame of stepwatch's, the source's included."""
+    from pathlib import Path
+
+    from stepwatch.exporters import StepMonitor
+    from stepwatch.exporters.kernels import TorchProfilerSource
+
+    source = TorchProfilerSource(backend=_CostlyStart())
+    monitor = StepMonitor(
+        job_id="j", rank=0, world_size=1, start=False, health=False, kernel_source=source
+    )
+    package = str(Path(_recorder.__file__).parent)
+    try:
+        for _ in range(150):  # the warm-up cycle after 50 steps, the probe after 100
+            with monitor.step(), monitor.phase("data"):
+                time.sleep(0.001)  # steps of ~1 ms: a scheduling hiccup is no pause
+        duty = source.duty_cycle
+        assert duty.cycles == 2 and duty.interrupted_cycles == 0 and duty.cycle_cost_s
+        with _python_calls(package) as entered:
+            for _ in range(20):
+                with monitor.step(), monitor.phase("data"):
+                    pass
+        assert entered == []
+        assert monitor._recorder._kernel_skip > 1000
+        assert monitor._recorder.steps_recorded == 170
+    finally:
+        monitor.close(timeout_s=0.1)
+
+
 _NS = st.integers(0, 10**13)
 _RECORD = st.tuples(
     st.integers(0, 10**6),
@@ -484,3 +535,31 @@ def test_the_mark_stamp_takes_a_mark_and_the_time_and_never_raises():
     broken = _fastrecord.MarkStamp(Broken())
     broken(None)
     assert (broken.ns, broken.mark) == (0, None)
+
+
+@pytest.mark.parametrize("python", [True, False], ids=["python", "c"])
+@pytest.mark.parametrize(
+    ("answer", "told"),
+    [
+        (2, [0, 3, 6, 9]),  # two step ends skipped after each one told
+        (0, list(range(10))),
+        (None, list(range(10))),
+        (-1, list(range(10))),
+        (True, list(range(10))),  # not an int: bool, float and the like mean none skipped
+        (2.0, list(range(10))),
+        (10**30, [0]),  # more than the counter holds: never told again
+    ],
+)
+def test_a_kernel_source_is_told_only_the_step_ends_it_asked_for(
+    python: bool, answer: Any, told: list[int]
+):
+    """``on_step_end`` may answer how many of the following step ends it need not see."""
+    assert FAST_RECORDER is not None
+    side = _pair(StepRecorder if python else FAST_RECORDER, False, 64)
+    side["source"].answer = answer
+    recorder = side["recorder"]
+    for _ in range(10):
+        recorder.begin_step(explicit=True)
+        recorder.end_step(explicit=True)
+    assert side["source"].ends == told
+    assert [record[0] for record in recorder.buffer] == list(range(10))  # every step recorded

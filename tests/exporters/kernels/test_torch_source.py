@@ -237,6 +237,7 @@ class SimulatedTraining:
         read_ns: int = 600_000,
         jitter: float = 0.05,
         seed: int = 0,
+        honour_skips: bool = True,
     ) -> None:
         self.step_ns, self.inflation, self.jitter = step_ns, inflation, jitter
         self.start_ns, self.stop_ns, self.read_ns = start_ns, stop_ns, read_ns
@@ -251,6 +252,9 @@ class SimulatedTraining:
         self.cost_ns = 0.0  # what the profiler added (both threads)
         self._profiled = 0
         self._ops: list[OpRecord] = []  # one op in the middle of each profiled step
+        self.honour_skips = honour_skips  # skip the step ends the source says it need not see
+        self.skip = 0
+        self.told = 0  # step ends the source was told of
 
     # Clocks.
     def clock_ns(self) -> int:
@@ -299,7 +303,12 @@ class SimulatedTraining:
             self.base_ns += base
             self.cost_ns += extra
             self.steps += 1
-            source.on_step_end(self.steps - 1)
+            if self.skip > 0:  # as the recorder does: the source asked not to be told
+                self.skip -= 1
+            else:
+                self.told += 1
+                answer = source.on_step_end(self.steps - 1)
+                self.skip = answer if self.honour_skips and answer else 0
             if drain_every is not None and self.steps % drain_every == 0:
                 source.drain()
         if drain_every is not None:
@@ -558,23 +567,73 @@ def test_an_interrupted_cycle_is_dropped_unread() -> None:
     assert after.drain_cost_s == before.drain_cost_s
 
 
-def test_a_pause_between_cycles_earns_at_most_eight_steps_of_budget() -> None:
-    sim = SimulatedTraining(seed=5, jitter=0.0)
+@pytest.mark.parametrize("honour_skips", [False, True], ids=["told-every-step", "skipping"])
+def test_a_pause_between_cycles_earns_at_most_eight_steps_of_budget(honour_skips: bool) -> None:
+    sim = SimulatedTraining(seed=5, jitter=0.0, honour_skips=honour_skips)
     source = _adaptive(sim, active_steps=5, overhead_budget=0.002)
     sim.run(source, 5_000)
-    while sim.running:
+    for _ in range(10_000):  # on to a step end told past any cycle (skipping: one that skips)
+        told = sim.told
         sim.run(source, 1)
+        if sim.told > told and not sim.running and (sim.skip > 0 or not honour_skips):
+            break
+    # Skipping, the source is told of the next sim.skip + 1 steps at once; one was a pause.
+    steps = sim.skip + 1
+    assert (steps > 1) == honour_skips
     credit = source._credit_ns
     sim.now_ns += 10 * 60 * 10**9  # a 10-minute evaluation between two steps
-    sim.run(source, 1)
+    sim.run(source, steps)
     if not sim.running:  # no cycle started at that boundary: nothing else moved the credit
         earned = source._credit_ns - credit
-        assert earned == pytest.approx(0.002 * 8 * sim.step_ns, rel=0.01)
+        assert earned == pytest.approx(0.002 * (steps - 1 + 8) * sim.step_ns, rel=0.01)
     # A 10-minute pause at 0.2 % would have paid for 1.2 s of profiling: dozens of cycles in a
     # row. Capped, the next cycles keep their usual spacing.
     sim.run(source, 5_000)
     gaps = [b - a for a, b in itertools.pairwise(sim.started_after[-6:])]
     assert min(gaps) >= 0.5 * source.duty_cycle.period_steps
+
+
+@pytest.mark.parametrize("jitter", [0.0, 0.05])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        {},  # the op-dense 4 ms step
+        {"step_ns": 20_000_000, "inflation": 0.66},
+        {"inflation": 3.0, "start_ns": 50_000_000},  # the ceiling decides
+    ],
+)
+def test_between_cycles_the_source_is_told_of_few_step_ends(
+    kind: dict[str, Any], jitter: float
+) -> None:
+    """Each step end told costs the training thread a Python call; the source asks for those
+    near the next cycle only, and its cycles come as if it were told of every step."""
+    runs = {}
+    for honour in (False, True):
+        sim = SimulatedTraining(seed=3, jitter=jitter, honour_skips=honour, **kind)
+        source = _adaptive(sim, active_steps=5)
+        sim.run(source, 40_000)
+        runs[honour] = (sim, source.duty_cycle)
+    (every, every_duty), (skipping, duty) = runs[False], runs[True]
+    assert every.told == 40_000
+    assert skipping.told < 0.05 * 40_000  # ~2 % in these runs
+    if not jitter:  # the very same cycles
+        assert skipping.started_after == every.started_after
+        assert duty == every_duty
+    else:
+        # Jittered, cycles that start a step apart profile other steps, whose jitter makes
+        # their measured costs, and the spacing those buy, drift apart: the same budget still.
+        assert abs(duty.cycles - every_duty.cycles) <= 1
+        assert duty.spent_s == pytest.approx(every_duty.spent_s, rel=0.05)
+
+
+def test_a_fixed_period_is_kept_to_the_step_while_skipping() -> None:
+    sim = SimulatedTraining(jitter=0.0)
+    source = _adaptive(sim, active_steps=2, period_steps=1_000)
+    sim.run(source, 10_000)
+    assert sim.started_after == [1 + 1_000 * cycle for cycle in range(10)]
+    # Per period: the cycle's two steps, then the 64 steps before the next reported one by one
+    # (a fresh baseline for its cost), and a handful in between.
+    assert sim.told < 10 * (2 + 64 + 8)
 
 
 @pytest.mark.parametrize("preset", [None, "2"])

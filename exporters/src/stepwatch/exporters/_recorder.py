@@ -72,11 +72,9 @@ def window_values(
     weighted: WeightedPhases = {}
     for auto, weight in zip(sampled, share_out(watched, len(sampled)), strict=True):
         for name, ns in auto.items():
-            entry = weighted.get(name)
-            if entry is None:
-                entry = weighted[name] = ([], [])
-            entry[0].append(ns * 1e-9)
-            entry[1].append(weight)
+            seconds, weights = weighted.setdefault(name, ([], []))
+            seconds.append(ns * 1e-9)
+            weights.append(weight)
     return durations, phases, weighted, 0
 
 
@@ -145,10 +143,7 @@ def _values(
         else:
             durations.append((end_ns - start_ns) * 1e-9)
             for name, ns in step_phases.items():
-                values = phases.get(name)
-                if values is None:
-                    values = phases[name] = []
-                values.append(ns * 1e-9)
+                _append(phases, name, ns * 1e-9)
     return durations, phases, sampled, watched
 
 
@@ -176,10 +171,7 @@ def _fast_host_values(
 
 
 def _append(phases: dict[str, list[float]], name: str, seconds: float) -> None:
-    values = phases.get(name)
-    if values is None:
-        values = phases[name] = []
-    values.append(seconds)
+    phases.setdefault(name, []).append(seconds)
 
 
 class Clock(Protocol):
@@ -327,6 +319,7 @@ class StepRecorder:
         self.clock_ns: Callable[[], int] = fast_monotonic_ns(clock)
         self.device_timer = device_timer
         self._kernel_source = kernel_source
+        self._kernel_skip = 0  # step ends the kernel source asked not to be told of
         self._log = log
         self.buffer: collections.deque[StepRecord] = collections.deque()
         self._buffer_steps = buffer_steps
@@ -469,7 +462,10 @@ class StepRecorder:
                 )
             source = self._kernel_source
             if source is not None:
-                source.on_step_end(index)
+                if self._kernel_skip > 0:
+                    self._kernel_skip -= 1  # the source asked not to be told of this one
+                else:
+                    self._kernel_skip = _skip_count(source.on_step_end(index))
         except Exception:
             self.misuse("step-end", "recording a step failed; step ignored", exc_info=True)
 
@@ -509,6 +505,11 @@ class StepRecorder:
         self.misuse_count += 1
         with contextlib.suppress(Exception):
             self._log.warning(key, message, *args, exc_info=exc_info)
+
+
+def _skip_count(told: object) -> int:
+    """A kernel source's ``on_step_end`` result as step ends to skip (0 unless a positive int)."""
+    return min(told, (1 << 63) - 1) if type(told) is int and told > 0 else 0
 
 
 FAST_RECORDER: type[StepRecorder] | None = None

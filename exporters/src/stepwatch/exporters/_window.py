@@ -122,8 +122,9 @@ class KernelSource(Protocol):
     It may also have ``on_monitor_start()`` (never raises), called when the monitor is made.
     """
 
-    def on_step_end(self, step_index: int) -> None:
-        """Mark a step boundary. Called on the training thread: O(1), never raises."""
+    def on_step_end(self, step_index: int) -> int | None:
+        """Mark a step boundary (training thread: O(1), never raises). An int ``n > 0`` back:
+        the next ``n`` step ends go unreported (the next ``step_index`` says how many)."""
 
     def drain(self) -> KernelWindow:
         """Kernel events since the previous drain. Called on the export thread."""

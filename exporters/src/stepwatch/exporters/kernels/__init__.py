@@ -38,13 +38,12 @@ from stepwatch.exporters.kernels._ingest import (
 from stepwatch.exporters.kernels._names import KernelClass, classify_kernel
 from stepwatch.exporters.kernels._nvml import GpuReading, HealthSampler, NvmlBackend, XidEvent
 from stepwatch.exporters.kernels._summary import KernelEvent, KernelSummariser
-from stepwatch.exporters.kernels._torch_source import (
+from stepwatch.exporters.kernels._torch_backend import (
     OpRecord,
     ProfilerBackend,
-    ProfilerDutyCycle,
     TorchProfilerBackend,
-    TorchProfilerSource,
 )
+from stepwatch.exporters.kernels._torch_source import ProfilerDutyCycle, TorchProfilerSource
 from stepwatch.exporters.kernels._trace import KinetoTrace, TraceStep, parse_trace, read_trace
 
 __all__ = [

@@ -46,14 +46,12 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import os
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
-from stepwatch.core import settings
 from stepwatch.core._errors import ConfigError
 from stepwatch.exporters._window import KernelWindow
 from stepwatch.exporters.kernels._summary import (
@@ -61,6 +59,11 @@ from stepwatch.exporters.kernels._summary import (
     KernelEvent,
     KernelSummariser,
     self_time_events,
+)
+from stepwatch.exporters.kernels._torch_backend import (
+    OpRecord,
+    ProfilerBackend,
+    TorchProfilerBackend,
 )
 
 _log = logging.getLogger(__name__)
@@ -76,112 +79,12 @@ DEFAULT_MAX_PERIOD_STEPS = 10_000
 _BASELINE_STEPS = 64  # unprofiled step durations kept for the baseline median
 _BASELINE_MIN_STEPS = 8  # fewer known steps: no cycle starts (nothing to compare against)
 _COST_SMOOTHING = 0.5  # weight of the newest cycle in the cost estimate
+_NEVER = 1 << 62
+"""Step ends a disabled or closed source asks the recorder not to report (all of them)."""
 _PAUSE_FACTOR = 8.0
 """A step longer than this many baseline steps is a pause of the training loop (evaluation,
 a checkpoint, a stall, a loop that stopped calling ``step()``), not training: no profiler makes
 a step 8x slower, and a pause must neither pay for cycles nor be charged to one."""
-
-
-class OpRecord(NamedTuple):
-    """One CPU op as the profiler recorded it (Unix-epoch nanoseconds)."""
-
-    name: str
-    start_ns: int
-    end_ns: int
-    thread_id: int
-
-
-class ProfilerBackend(Protocol):
-    """Starts and stops one profiling cycle (both on the training thread).
-
-    ``stop`` must be cheap beyond what the profiler itself costs: it returns a reader that the
-    export thread calls later to get the cycle's ops.
-    """
-
-    def start(self) -> None:
-        """Begin recording ops."""
-
-    def stop(self) -> Callable[[], Sequence[OpRecord]]:
-        """Stop recording; the returned callable yields the cycle's ops."""
-
-
-KINETO_LOG_LEVEL_QUIET = "6"
-"""Above every Kineto severity (VERBOSE 0 … ERROR 4, USDT 5): Kineto prints nothing."""
-
-
-class TorchProfilerBackend:
-    """:class:`ProfilerBackend` on ``torch.profiler.profile(activities=[CPU])``.
-
-    Args:
-        quiet_kineto: torch 2.13's Kineto writes two lines to stderr at every profiler start
-            and stop (``USDT:… profiler_start`` / ``profiler_stop``): from an always-on source,
-            two lines per cycle on every rank, forever. When ``KINETO_LOG_LEVEL`` is unset,
-            the first start sets it to :data:`KINETO_LOG_LEVEL_QUIET` (Kineto reads it once,
-            when the profiler first runs in the process, so it has no effect if something
-            profiled before). That also silences Kineto's own warnings and errors for the
-            process; this source reports its failures through ``logging`` itself. Set
-            ``KINETO_LOG_LEVEL`` yourself (or pass ``False``) to keep Kineto's output.
-    """
-
-    def __init__(self, *, quiet_kineto: bool = True) -> None:
-        self._profile: Any = None
-        self._quiet_kineto = quiet_kineto
-
-    def start(self) -> None:
-        """Start a fresh CPU-activity profile."""
-        from torch.profiler import ProfilerActivity, profile
-
-        if self._quiet_kineto:
-            self._quiet_kineto = False  # once: never touch the environment again
-            variable = settings.KINETO_LOG_LEVEL.variable
-            if variable not in os.environ:  # set, even empty, it is the user's choice
-                os.environ[variable] = KINETO_LOG_LEVEL_QUIET
-                _log.info(
-                    "%s=%s: Kineto's per-cycle log lines silenced (set %s to keep them)",
-                    variable,
-                    KINETO_LOG_LEVEL_QUIET,
-                    variable,
-                )
-
-        self._profile = profile(activities=[ProfilerActivity.CPU])
-        self._profile.start()
-
-    def stop(self) -> Callable[[], Sequence[OpRecord]]:
-        """Stop the profile; read its raw Kineto results later."""
-        current, self._profile = self._profile, None
-        if current is None:
-            return list
-        current.stop()
-        results = current.profiler.kineto_results
-        return lambda: read_kineto_ops(results)
-
-
-def read_kineto_ops(results: Any) -> list[OpRecord]:
-    """CPU ops of a ``torch._C._autograd._ProfilerResult`` via ``events()`` (the cheap path).
-
-    Skips user annotations (``record_function`` ranges, ``ProfilerStep#N``), Python function
-    events and non-CPU activity.
-    """
-    from torch._C._autograd import DeviceType
-
-    ops: list[OpRecord] = []
-    append = ops.append
-    cpu = DeviceType.CPU
-    events = results.events()
-    # Older torch builds may lack is_user_annotation / is_python_function; then only
-    # ProfilerStep#N is recognised (by name) and every other CPU event counts as an op.
-    sample = events[0] if events else None
-    has_flags = hasattr(sample, "is_user_annotation") and hasattr(sample, "is_python_function")
-    for event in events:
-        if event.device_type() != cpu:
-            continue
-        if has_flags and (event.is_user_annotation() or event.is_python_function()):
-            continue
-        name = event.name()
-        if name.startswith("ProfilerStep#"):
-            continue
-        append(OpRecord(name, event.start_ns(), event.end_ns(), event.start_thread_id()))
-    return ops
 
 
 def _take_until(
@@ -329,6 +232,7 @@ class TorchProfilerSource:
         self._closed = False
         # Training-thread state.
         self._last_boundary_ns: int | None = None
+        self._last_index: int | None = None  # the step index last reported
         self._recent_ns: collections.deque[int] = collections.deque(maxlen=_BASELINE_STEPS)
         self._baseline_ns: float | None = None
         self._steps_since_start = 0  # step boundaries since the last cycle started
@@ -348,38 +252,83 @@ class TorchProfilerSource:
         """Finished cycles discarded because drain() fell behind (cumulative)."""
 
     # ------------------------------------------------------------------ training thread
-    def on_step_end(self, step_index: int) -> None:
-        """Step boundary (training thread): O(1) except when a cycle starts or stops."""
-        if self._disabled:
-            return
+    def on_step_end(self, step_index: int) -> int | None:
+        """Step boundary (training thread): O(1) except when a cycle starts or stops.
+
+        Returns how many of the following step ends need not be reported (the recorder skips
+        them; the next call's ``step_index`` says how many there were): between cycles the
+        source needs a call only near the next one (:meth:`_skip_ahead`), not on every step.
+        """
+        if self._disabled or self._closed:
+            return _NEVER
         try:
             now = self._clock_ns()
+            last_index, self._last_index = self._last_index, step_index
+            steps = step_index - last_index if last_index is not None else 1
+            if steps < 1:  # a caller that restarted its count: one step
+                steps = 1
             running = self._running
             if running is not None:
                 running.boundaries.append((step_index, now))
-                self._steps_since_start += 1
+                self._steps_since_start += steps
                 if len(running.boundaries) >= running.active_steps:
                     stopped = self._finish_cycle(running)
                     if self._fixed_period is not None and not self._closed and self._due():
                         self._start_cycle(stopped)  # period == active_steps: back to back
-                return
+                return None
             last = self._last_boundary_ns
             self._last_boundary_ns = now
-            self._steps_since_start += 1
+            self._steps_since_start += steps
             if last is not None and now > last:
                 elapsed = now - last
-                self._recent_ns.append(elapsed)
+                if steps == 1:
+                    self._recent_ns.append(elapsed)
                 baseline = self._baseline_ns
-                if baseline:  # a pause earns no budget: only training time does
-                    elapsed = min(elapsed, round(_PAUSE_FACTOR * baseline))
+                if baseline:
+                    # A pause earns no budget, only training time does: a step earns at most
+                    # 8 baseline steps, and several steps reported at once at most as many
+                    # baseline steps plus 7 (one of them may have been a pause).
+                    elapsed = min(elapsed, round((steps - 1 + _PAUSE_FACTOR) * baseline))
                 self._credit_ns += self._budget * elapsed
-            if self._closed or not self._due():
-                return
+            if self._closed:
+                return _NEVER
+            if not self._due():
+                return self._skip_ahead()
             self._start_cycle(now)
         except Exception:  # never raise into the training loop
             _log.exception("torch.profiler kernel source failed; kernel collection disabled")
             self._disabled = True
             self._running = None
+            return _NEVER
+        return None
+
+    def _skip_ahead(self) -> int:
+        """Step ends that can go unreported before the next cycle could be due (0: none).
+
+        Reporting a step costs the training thread a Python call (~1 % of the 0.1 % goal
+        at a 20 ms step, docs/exporters.md); between cycles nothing happens but the budget
+        growing. The next cycle is due at the fixed period, at the ceiling, or when the
+        credit covers the predicted cycle: at the baseline step's pace that is ``until``
+        steps away. Half of it is skipped (a step twice as slow earns twice the credit and
+        still finds the call on time), less the last :data:`_BASELINE_STEPS`, which are
+        reported one by one so the baseline median is fresh when the cycle starts. Cheap
+        cycles (periods of a few hundred steps) skip little or nothing.
+        """
+        since = self._steps_since_start
+        if self._fixed_period is not None:
+            if self._cycles == 0:
+                return 0
+            return max(0, self._fixed_period - since - 1 - _BASELINE_STEPS)
+        baseline = self._baseline_ns
+        predicted = self._predicted_cycle_ns()
+        if not baseline or predicted is None:
+            return 0
+        # Drained cycles only add to what is spent, so this available credit is an upper
+        # bound, and the steps until the cycle a lower one.
+        available = self._credit_ns - self._drain_spent_ns
+        by_credit = max(0.0, (predicted - available) / (self._budget * baseline))
+        until = min(self._max_period - since, max(self._min_period - since, by_credit))
+        return max(0, int(until / 2) - _BASELINE_STEPS)
 
     def _due(self) -> bool:
         """Whether a cycle starts at this boundary."""
