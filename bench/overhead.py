@@ -200,6 +200,39 @@ class HookSwitch:
                 self.parameter_hooks.clear()
 
 
+def mlp(hidden: int) -> Any:
+    """The bench's model, seeded: 128 -> ``hidden`` -> ``hidden`` -> 10 with ReLUs (also
+    bench/step_split.py's)."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(128, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
+
+
+def train_step(
+    monitor: Any, model: Any, optimizer: Any, loss_fn: Any, generator: Any, batch: int
+) -> None:
+    """One step of the bench's loop: a random batch drawn in a ``data`` phase, the forward,
+    backward and optimizer, all inside ``monitor.step()`` (None: no monitor). Also
+    bench/step_split.py's."""
+    import torch
+
+    with monitor.step() if monitor is not None else contextlib.nullcontext():
+        with monitor.phase("data") if monitor is not None else contextlib.nullcontext():
+            inputs = torch.randn(batch, 128, generator=generator)
+            targets = torch.randint(0, 10, (batch,), generator=generator)
+        loss = loss_fn(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+
 def _rank_main(rank: int, options: dict[str, Any]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -219,17 +252,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
     )
 
     def make_model() -> Any:
-        torch.manual_seed(0)
-        hidden = options["hidden"]
-        return DistributedDataParallel(
-            torch.nn.Sequential(
-                torch.nn.Linear(128, hidden),
-                torch.nn.ReLU(),
-                torch.nn.Linear(hidden, hidden),
-                torch.nn.ReLU(),
-                torch.nn.Linear(hidden, 10),
-            )
-        )
+        return DistributedDataParallel(mlp(options["hidden"]))
 
     try:
         toggle = options["design"] in ("toggle", "alternate")
@@ -312,16 +335,7 @@ def _rank_main(rank: int, options: dict[str, Any]) -> None:
 
         def step(model: Any, optimizer: Any, arm_on: bool) -> None:
             active = instrumented and arm_on and options["mode"] != "plain-python-hook"
-            step_context = monitor.step() if active else contextlib.nullcontext()
-            data_context = monitor.phase("data") if active else contextlib.nullcontext()
-            with step_context:
-                with data_context:
-                    inputs = torch.randn(batch, 128, generator=generator)
-                    targets = torch.randint(0, 10, (batch,), generator=generator)
-                loss = loss_fn(model(inputs), targets)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+            train_step(monitor if active else None, model, optimizer, loss_fn, generator, batch)
 
         order_rng = random.Random(options["seed"])  # same on every rank: blocks stay aligned
 

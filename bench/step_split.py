@@ -1,0 +1,186 @@
+"""Training-thread cost of a timed and of an untimed step, arms alternating every step (CPU DDP).
+
+``bench/overhead.py`` gives the whole (a fully instrumented step against a plain one, with
+auto's sampling mixing timed and untimed steps); this bench splits it. One DDP replica
+(``--ranks`` processes, gloo over loopback; bench/overhead.py's MLP, ``--hidden`` wide) trains
+with three arms taking turns every step, in a random order per round (seeded, the same on
+every rank):
+
+- ``plain``: no stepwatch hook (``overhead.HookSwitch`` off), no ``monitor.step()``;
+- ``untimed``: ``monitor.step()``, a ``data`` phase and auto mode installed, the step not
+  sampled for phase timing (what most steps cost with ``phase_sampling="auto"``);
+- ``timed``: the same, the step's phases timed (one step in ``stride``).
+
+Each step's training-thread CPU time (``time.thread_time_ns``) is compared with the plain
+step of its round. Printed per rank: the mean difference of each arm with a 95 % bootstrap
+CI over rounds, the median difference, and what ``auto`` pays per step on average at this
+step time with the default 10 s windows, ``(timed + (stride - 1) * untimed) / stride``, as a
+share of the step. ``--profiler`` attaches a ``TorchProfilerSource`` (the defaults) and sets
+apart the rounds one of its cycles covered (its cost is its budget, reported separately by
+bench/overhead.py).
+
+Run: ``.venv/bin/python bench/step_split.py [--ranks 1] [--rounds 2000] [--hidden 1024]
+[--batch 96] [--profiler]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ARMS = ("plain", "untimed", "timed")
+
+
+def _rank(rank: int, port: int, options: dict[str, Any]) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import time
+
+    import hook_cost
+    import overhead
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from stepwatch.exporters import StepMonitor
+    from stepwatch.exporters._sampling import PhaseSampler, ideal_stride, sample_interval
+    from stepwatch.exporters.kernels import TorchProfilerSource
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=options["ranks"]
+    )
+    model = DistributedDataParallel(overhead.mlp(options["hidden"]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    source = TorchProfilerSource() if options["profiler"] else None
+    monitor = StepMonitor(
+        job_id="step-split",
+        rank=rank,
+        world_size=options["ranks"],
+        exporter=hook_cost.NullExporter(),
+        health=False,
+        kernel_source=source,
+    )
+    monitor.instrument(model, optimizer)
+    recorder = monitor._recorder
+    samplers = {"timed": PhaseSampler(1), "untimed": PhaseSampler(1 << 62)}
+    loss_fn = torch.nn.CrossEntropyLoss()
+    generator = torch.Generator().manual_seed(rank)
+    batch = options["batch"]
+
+    def step(arm: str) -> None:
+        chosen = monitor if arm != "plain" else None
+        overhead.train_step(chosen, model, optimizer, loss_fn, generator, batch)
+
+    for _ in range(options["warmup"]):  # the profiler's warm-up and probe cycles included
+        step("timed")
+    switch = overhead.HookSwitch(model, optimizer)
+    switch.set(False)
+    order = random.Random(options["seed"])
+    cpu_ns: dict[str, list[int]] = {arm: [] for arm in ARMS}
+    step_ns: list[int] = []
+    kept = 0
+    for _ in range(options["rounds"]):
+        arms = list(ARMS)
+        order.shuffle(arms)
+        profiled = source is not None and source._running is not None
+        measured: dict[str, int] = {}
+        for arm in arms:
+            if arm != "plain":
+                switch.set(True)
+                recorder.sampler = samplers[arm]
+            started, wall = time.thread_time_ns(), time.perf_counter_ns()
+            step(arm)
+            measured[arm] = time.thread_time_ns() - started
+            if arm == "plain":
+                step_ns.append(time.perf_counter_ns() - wall)
+            else:
+                switch.set(False)
+        profiled = profiled or (source is not None and source._running is not None)
+        if profiled:  # a profiling cycle covered the round: its cost is the profiler's
+            continue
+        kept += 1
+        for arm in ARMS:
+            cpu_ns[arm].append(measured[arm])
+    monitor.close(timeout_s=1.0)
+    _report(rank, cpu_ns, step_ns, kept, options, ideal_stride, sample_interval)
+
+
+def _report(
+    rank: int,
+    cpu_ns: dict[str, list[int]],
+    step_ns: list[int],
+    kept: int,
+    options: dict[str, Any],
+    ideal_stride: Any,
+    sample_interval: Any,
+) -> None:
+    plain = cpu_ns["plain"]
+    step_s = statistics.median(step_ns) / 1e9
+    stride = ideal_stride(step_s, sample_interval(10.0))
+    diffs = {
+        arm: [(a - b) / 1e3 for a, b in zip(cpu_ns[arm], plain, strict=True)]
+        for arm in ("untimed", "timed")
+    }
+    rng = random.Random(options["seed"] + rank)
+    rounds = len(plain)
+    boot: dict[str, list[float]] = {"untimed": [], "timed": [], "auto": []}
+    for _ in range(1000):
+        picks = [rng.randrange(rounds) for _ in range(rounds)]
+        untimed = statistics.fmean(diffs["untimed"][i] for i in picks)
+        timed = statistics.fmean(diffs["timed"][i] for i in picks)
+        boot["untimed"].append(untimed)
+        boot["timed"].append(timed)
+        boot["auto"].append((timed + (stride - 1) * untimed) / stride)
+    untimed, timed = statistics.fmean(diffs["untimed"]), statistics.fmean(diffs["timed"])
+    auto = (timed + (stride - 1) * untimed) / stride
+    ci = {arm: sorted(values)[25::949] for arm, values in boot.items()}
+    lines = [
+        f"rank {rank}: {kept} of {options['rounds']} rounds kept (the rest covered by a "
+        f"profiling cycle); plain step {step_s * 1e3:.1f} ms wall, "
+        f"{statistics.median(plain) / 1e6:.1f} ms training-thread CPU",
+    ]
+    for arm, value in (("untimed", untimed), ("timed", timed)):
+        low, high = ci[arm]
+        lines.append(
+            f"rank {rank}: {arm:<8} {value:+7.1f} µs/step (95% CI {low:+.1f} .. {high:+.1f}; "
+            f"median {statistics.median(diffs[arm]):+.1f})"
+        )
+    low, high = ci["auto"]
+    lines.append(
+        f"rank {rank}: auto at this step (1 in {stride} timed, 10 s windows): {auto:+.1f} µs/step "
+        f"(95% CI {low:+.1f} .. {high:+.1f}) = {auto / (step_s * 1e6) * 100:.3f} % of the step"
+    )
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=150)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=96)
+    parser.add_argument("--profiler", action="store_true")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    import hook_cost
+
+    options = vars(args)
+    port = hook_cost._free_port()
+    if args.ranks == 1:
+        _rank(0, port, options)
+        return
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank, args=(port, options), nprocs=args.ranks)
+
+
+if __name__ == "__main__":
+    main()
