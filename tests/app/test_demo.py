@@ -71,6 +71,11 @@ def _rank_alone(diagnoses: list[Diagnosis], rank: int) -> bool:
     )
 
 
+# A rerun on an overloaded host is reported in pytest's warnings summary, not an error (the
+# project turns warnings into errors: without this the first miss failed the test, no rerun).
+RERUN_REPORTED = pytest.mark.filterwarnings("always:.-rank demo straggler missed:UserWarning")
+
+
 def _rerun_warning(what: str, diagnoses: list[Diagnosis]) -> None:
     load, cores = os.getloadavg()[0], os.cpu_count()
     warnings.warn(
@@ -80,6 +85,7 @@ def _rerun_warning(what: str, diagnoses: list[Diagnosis]) -> None:
     )
 
 
+@RERUN_REPORTED
 def test_real_straggler_is_blamed_on_its_rank_and_forward_phase(
     influxd: ManagedInfluxDB, tmp_path: Path
 ) -> None:
@@ -126,6 +132,7 @@ def _two_rank_straggler(influxd: ManagedInfluxDB, tmp_path: Path) -> list[Diagno
     return list(diagnoses)
 
 
+@RERUN_REPORTED
 def test_a_real_two_rank_straggler_is_named_against_its_own_level(
     influxd: ManagedInfluxDB, tmp_path: Path
 ) -> None:
