@@ -11,7 +11,10 @@ server process whose handler answers at once after burning ``--handler-us`` of C
 - ``http``: the bridge's own ``AsyncHttpServer`` (handled on the loop as the bridge does with
   a memory spool), 1.1 kB bodies over keep-alive connections; with ``--baseline-rev`` also
   ``http@before``, that revision's server (``git archive``) in the same rounds;
-- ``grpc:N``: grpcio's synchronous server with N handler threads (the bridge's receiver);
+- ``grpc-own``: the bridge's own gRPC server (``_h2_server.GrpcServer``, the receiver's
+  default), handled on its loop as the bridge does with a memory spool;
+- ``grpc:N``: grpcio's synchronous server with N handler threads (the receiver's
+  ``grpc_server="grpcio"``);
 - ``grpc-aio``: grpcio's asyncio server, handler on its loop.
 
 ``--connections`` client threads in this process send the requests; the server process's CPU
@@ -29,6 +32,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -39,6 +43,16 @@ def _burn(seconds: float) -> None:
     until = time.thread_time() + seconds
     while time.thread_time() < until:
         pass
+
+
+# the bridge's limits, handled on the loop as with a memory spool: both of the bridge's servers
+_LOOP_LIMITS: dict[str, Any] = {
+    "max_connections": 1024,
+    "max_concurrent_requests": 64,
+    "request_timeout_s": 30.0,
+    "idle_timeout_s": 120.0,
+    "inline": lambda: True,
+}
 
 
 def serve(arm: str, handler_s: float, tree: Path) -> None:
@@ -58,15 +72,32 @@ def serve(arm: str, handler_s: float, tree: Path) -> None:
             handle,
             early=lambda _m, _p, headers: int(headers.get("Content-Length", "0")),
             busy=lambda _request: ok,
-            max_connections=1024,
-            max_concurrent_requests=64,
-            request_timeout_s=30.0,
-            idle_timeout_s=120.0,
-            inline=lambda: True,
+            **_LOOP_LIMITS,
         )
         print(server.start("127.0.0.1", 0), flush=True)
         _report()
         server.stop(timeout_s=5.0)
+        return
+    if arm == "grpc-own":
+        from stepwatch.otel_bridge._h2_frames import GrpcAnswer
+        from stepwatch.otel_bridge._h2_server import GrpcServer
+
+        answer = GrpcAnswer(0)
+
+        def call(_call: object) -> GrpcAnswer:
+            _burn(handler_s)
+            return answer
+
+        own = GrpcServer(
+            call,
+            early=lambda _path, _metadata: None,
+            busy=lambda: answer,
+            max_message_bytes=16 << 20,
+            **_LOOP_LIMITS,
+        )
+        print(own.start("127.0.0.1", 0), flush=True)
+        _report()
+        own.stop(timeout_s=5.0)
         return
     import grpc
 
@@ -185,7 +216,7 @@ def one_run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arms", default="http,grpc:2,grpc:8,grpc-aio")
+    parser.add_argument("--arms", default="http,grpc-own,grpc:2,grpc:8,grpc-aio")
     parser.add_argument("--requests", type=int, default=16000)
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--handler-us", type=float, default=80.0)

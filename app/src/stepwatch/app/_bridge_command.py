@@ -45,6 +45,7 @@ OPTIONS: tuple[tuple[Setting[Any], str], ...] = (
     (settings.BRIDGE_MAX_DURATION_S, ""),
     (settings.BRIDGE_DUPLICATE_RANK_TAKEOVER_S, ""),
     (settings.BRIDGE_HISTOGRAM_LAYOUT, ""),
+    (settings.BRIDGE_GRPC_SERVER, ""),
 )
 
 
@@ -172,6 +173,7 @@ def run_bridge(args: argparse.Namespace) -> int:
         max_duration_s=_limit(options, settings.BRIDGE_MAX_DURATION_S),
         duplicate_rank_takeover_s=_limit(options, settings.BRIDGE_DUPLICATE_RANK_TAKEOVER_S),
         histogram_layout=_layout(options[settings.BRIDGE_HISTOGRAM_LAYOUT.name]),
+        grpc_server=options[settings.BRIDGE_GRPC_SERVER.name],
     )
     stop = threading.Event()
 

@@ -252,6 +252,15 @@ BRIDGE_HISTOGRAM_LAYOUT = Setting[str](
     "bucket bound, as a Collector's influxdb exporter writes)",
 )
 
+# ---- the bridge: which server speaks OTLP/gRPC (issue 15; docs/deployment.md) -------------
+BRIDGE_GRPC_SERVER = Setting[str](
+    "grpc_server",
+    "STEPWATCH_BRIDGE_GRPC_SERVER",
+    "stepwatch",
+    _text,
+    "stepwatch (the bridge's own HTTP/2 server, ~3x less CPU a call) or grpcio",
+)
+
 # ---- detectors' sinks ----------------------------------------------------------------------
 ALERTMANAGER_URL = Setting[str](
     "alertmanager_url",

@@ -87,13 +87,18 @@ class Bridge:
         tls_cert_file: PEM certificate; with ``tls_key_file`` both receivers use TLS.
         tls_key_file: PEM private key.
         reuse_port: set SO_REUSEPORT so several bridge processes can share the ports.
-        grpc_workers: gRPC handler threads; by default 2 with a memory spool (a handler never
-            blocks there, and more threads only contend for the GIL: −20 % of the bridge's
-            CPU per point over gRPC against 8, bench/bridge_e2e.py) and 8 with a disk spool
-            (a handler waits for its fsync'd group commit).
-        grpc_max_concurrent_rpcs: RPCs admitted at once (running or waiting for a worker);
-            beyond it gRPC itself answers RESOURCE_EXHAUSTED *without* RetryInfo, which
-            OTLP clients do not retry, so keep it above the number of concurrent exporters.
+        grpc_workers: grpcio's handler threads (``grpc_server="grpcio"``); by default 2 with
+            a memory spool (a handler never blocks there, and more threads only contend for
+            the GIL: −20 % of the bridge's CPU per point over gRPC against 8,
+            bench/bridge_e2e.py) and 8 with a disk spool (a handler waits for its fsync'd
+            group commit).
+        grpc_server: ``"stepwatch"`` (the default): the bridge's own gRPC server
+            (``_h2_server``: HTTP/2 on the event loop, ~3x less CPU around a call than
+            grpcio's, ``bench/receiver_cost.py``); ``"grpcio"``: grpcio's server.
+        grpc_max_concurrent_rpcs: calls handled at once; beyond it RESOURCE_EXHAUSTED. The
+            bridge's own server adds RetryInfo, so OTLP clients retry; grpcio answers
+            *without* it, which OTLP clients do not retry, so with ``grpc_server="grpcio"``
+            keep it above the number of concurrent exporters.
         max_concurrent_requests: OTLP/HTTP requests processed at once (each fully read
             first); beyond it 503 + ``Retry-After`` (with the queue bound this bounds the
             bridge's memory).
@@ -155,6 +160,7 @@ class Bridge:
         tls_key_file: str | os.PathLike[str] | None = None,
         reuse_port: bool = False,
         grpc_workers: int | None = None,
+        grpc_server: str = "stepwatch",
         grpc_max_concurrent_rpcs: int = 256,
         max_concurrent_requests: int = 64,
         max_connections: int = 4096,
@@ -265,7 +271,15 @@ class Bridge:
         if grpc_workers is None:
             grpc_workers = 8 if self.forwarder.spool.durable else 2
         self._grpc = GrpcReceiver(
-            context, workers=grpc_workers, max_concurrent_rpcs=grpc_max_concurrent_rpcs, tls=tls
+            context,
+            workers=grpc_workers,
+            max_concurrent_rpcs=grpc_max_concurrent_rpcs,
+            tls=tls,
+            tls_files=tls_files,
+            server=grpc_server,
+            request_timeout_s=request_timeout_s,
+            idle_timeout_s=idle_timeout_s,
+            max_connections=max_connections,
         )
         self._http = HttpReceiver(
             context,

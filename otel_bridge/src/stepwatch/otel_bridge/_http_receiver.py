@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import ssl
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -38,6 +37,7 @@ from stepwatch.otel_bridge._http_server import (
     HttpResponse,
 )
 from stepwatch.otel_bridge._intake import Outcome, ReceiverContext
+from stepwatch.otel_bridge._loop_server import tls_context
 
 _log = logging.getLogger("stepwatch.otel_bridge")
 
@@ -101,13 +101,7 @@ class HttpReceiver:
             ServerStartError: the address cannot be bound.
             ConfigError: the TLS certificate or key cannot be loaded.
         """
-        tls_context = None
-        if self._tls_files is not None:
-            tls_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            try:
-                tls_context.load_cert_chain(str(self._tls_files[0]), str(self._tls_files[1]))
-            except (OSError, ssl.SSLError) as exc:
-                raise ConfigError(f"tls_cert_file, tls_key_file: {exc}") from exc
+        tls = None if self._tls_files is None else tls_context(self._tls_files)
         server = AsyncHttpServer(
             self._handle,
             early=self._early,
@@ -116,7 +110,7 @@ class HttpReceiver:
             max_concurrent_requests=self.max_concurrent_requests,
             request_timeout_s=self.request_timeout_s,
             idle_timeout_s=self.idle_timeout_s,
-            ssl_context=tls_context,
+            ssl_context=tls,
             reuse_port=self.context.reuse_port,
             # a memory spool never waits: handled on the loop; a disk spool's fsync'd group
             # commit is waited for in a worker, never on the loop

@@ -24,15 +24,11 @@ import asyncio
 import contextlib
 import logging
 import re
-import socket
-import ssl
-import threading
 from collections.abc import Callable
-from concurrent import futures
 from http import HTTPStatus
-from typing import NamedTuple, cast, overload
+from typing import Any, NamedTuple, overload
 
-from stepwatch.core._errors import ServerStartError
+from stepwatch.otel_bridge._loop_server import NEVER, LoopConnection, LoopServer
 
 _log = logging.getLogger("stepwatch.otel_bridge")
 
@@ -126,32 +122,22 @@ def _plain(status: int, message: str, *, close: bool = True) -> HttpResponse:
     )
 
 
-class AsyncHttpServer:
+class AsyncHttpServer(LoopServer):
     """Serves ``handler`` on ``host:port`` from an event-loop thread and a worker pool.
 
     Each connection is an :class:`asyncio.Protocol` (:class:`_Connection`) that parses what
-    arrives as it arrives: no stream reader, coroutine or timer per request. Deadlines are
-    checked by one sweep of the connections a tick (:attr:`tick_s`: an eighth of the shorter
-    timeout, between 50 ms and 1 s), so a timeout fires up to a tick late. Against asyncio's
-    streams with a timer per wait this took the server's CPU around a request from ~100 to
-    ~45 us (``bench/receiver_cost.py``).
+    arrives as it arrives: no stream reader, coroutine or timer per request (deadlines are
+    :class:`LoopServer`'s sweep). Against asyncio's streams with a timer per wait this took the
+    server's CPU around a request from ~100 to ~45 us (``bench/receiver_cost.py``).
 
     Args:
-        handler: answers a complete request (runs in a worker thread).
+        handler: answers a complete request (runs in a worker thread, or on the loop when
+            ``inline`` says so).
         early: checks method, path and headers before the body is read (runs in the loop;
             must be cheap): returns a response to refuse with, or the body length to read.
         busy: the answer when every request slot is taken (runs in the loop).
-        max_connections: open connections at once.
-        max_concurrent_requests: complete requests being handled at once (worker threads).
-        request_timeout_s: deadline for one request's headers and body.
-        idle_timeout_s: how long a keep-alive connection may wait for its next request.
         max_header_bytes: request line and headers together.
-        ssl_context: serve TLS when set (handshake bounded by ``request_timeout_s``).
-        reuse_port: set SO_REUSEPORT.
-        inline: asked for each complete request: True runs ``handler`` on the loop thread
-            (when it cannot block: a bridge with a memory spool never waits for a disk),
-            saving the hand-off to a worker and back (~20 % of the bridge's CPU per request
-            over OTLP/HTTP, ``bench/bridge_e2e.py``); False (the default) uses a worker.
+        **limits: :class:`LoopServer`'s connection and request limits, TLS and ``inline``.
     """
 
     def __init__(
@@ -160,114 +146,17 @@ class AsyncHttpServer:
         *,
         early: EarlyCheck,
         busy: Busy,
-        max_connections: int,
-        max_concurrent_requests: int,
-        request_timeout_s: float,
-        idle_timeout_s: float,
         max_header_bytes: int = 64 * 1024,
-        ssl_context: ssl.SSLContext | None = None,
-        reuse_port: bool = False,
-        inline: Callable[[], bool] = lambda: False,
+        **limits: Any,
     ) -> None:
+        super().__init__(**limits)
         self.handler = handler
-        self.inline = inline
         self.early = early
         self.busy = busy
-        self.max_connections = max_connections
-        self.max_concurrent_requests = max_concurrent_requests
-        self.request_timeout_s = request_timeout_s
-        self.idle_timeout_s = idle_timeout_s
         self.max_header_bytes = max_header_bytes
-        self.ssl_context = ssl_context
-        self.reuse_port = reuse_port
-        self.tick_s = min(1.0, max(0.05, min(request_timeout_s, idle_timeout_s) / 8))
-        self.in_flight = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._workers: futures.ThreadPoolExecutor | None = None
-        self._sweep: asyncio.TimerHandle | None = None
-        self._connections: set[_Connection] = set()
 
-    @property
-    def connections(self) -> int:
-        return len(self._connections)
-
-    def start(self, host: str, port: int) -> int:
-        """Bind, start the loop thread; the bound port.
-
-        Raises:
-            ServerStartError: the address cannot be bound.
-        """
-        loop = asyncio.new_event_loop()
-        self._workers = futures.ThreadPoolExecutor(
-            max_workers=self.max_concurrent_requests + 2, thread_name_prefix="stepwatch-bridge-http"
-        )
-        try:
-            server = loop.run_until_complete(
-                loop.create_server(
-                    lambda: _Connection(self),
-                    host,
-                    port,
-                    ssl=self.ssl_context,
-                    ssl_handshake_timeout=self.request_timeout_s if self.ssl_context else None,
-                    reuse_address=True,
-                    reuse_port=self.reuse_port or None,
-                    backlog=1024,
-                )
-            )
-        except OSError as exc:
-            loop.close()
-            self._workers.shutdown(wait=False)
-            raise ServerStartError(f"bridge HTTP cannot listen on {host}:{port}: {exc}") from exc
-        self._loop, self._server = loop, server
-        self._sweep = loop.call_later(self.tick_s, self._expire)
-        self._thread = threading.Thread(
-            target=loop.run_forever, name="stepwatch-bridge-http-loop", daemon=True
-        )
-        self._thread.start()
-        return int(server.sockets[0].getsockname()[1])
-
-    def stop(self, *, timeout_s: float) -> None:
-        """Stop accepting, close every connection, let handlers finish, stop the loop."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-
-        async def shut() -> None:
-            if self._sweep is not None:
-                self._sweep.cancel()
-            if self._server is not None:
-                self._server.close()
-            for connection in list(self._connections):
-                connection.abort()
-            if self._server is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._server.wait_closed(), timeout_s)
-
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(shut(), loop).result(timeout_s)
-        if self._workers is not None:
-            self._workers.shutdown(wait=True, cancel_futures=True)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout_s)
-        if not thread.is_alive():
-            loop.close()
-        self._loop = self._thread = self._server = self._workers = self._sweep = None
-
-    def _expire(self) -> None:
-        """The tick: every connection past its deadline is timed out; the next tick."""
-        loop = self._loop
-        if loop is None:
-            return
-        now = loop.time()
-        for connection in [c for c in self._connections if c.deadline <= now]:
-            try:
-                connection.expire()
-            except Exception:  # never let one connection stop the sweep
-                _log.debug("bridge HTTP connection failed to time out", exc_info=True)
-                connection.abort()
-        self._sweep = loop.call_later(self.tick_s, self._expire)
+    def _new_connection(self) -> asyncio.Protocol:
+        return _Connection(self)
 
     def _handle(self, request: HttpRequest) -> HttpResponse:
         try:
@@ -278,10 +167,9 @@ class AsyncHttpServer:
 
 
 _IDLE, _READING, _HANDLING, _LINGERING, _CLOSED = range(5)
-_NEVER = float("inf")
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(LoopConnection):
     """One client connection: reads requests as bytes arrive, answers them in order.
 
     States: idle (waiting for a request's first byte; closed after ``idle_timeout_s``),
@@ -290,33 +178,25 @@ class _Connection(asyncio.Protocol):
     read and dropped until the client closes, for at most :data:`LINGER_S`), closed.
     """
 
+    server: AsyncHttpServer
+
     def __init__(self, server: AsyncHttpServer) -> None:
-        self.server = server
-        self.loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
+        super().__init__(server)
         self.buffer = bytearray()
         self.state = _IDLE
-        self.deadline = _NEVER
         self.request: tuple[str, str, str, Headers, bool] | None = None  # the head read
         self.length = 0  # of the body being read
-        self.paused = False  # the client is not reading its answers
         self.eof = False
 
     # ---- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-        server = self.server
-        if len(server._connections) >= server.max_connections:
+        if not self._admit(transport):
             self.state = _CLOSED
+            assert self.transport is not None
             self.transport.write(_encode(_plain(503, "too many connections")))
             self.transport.close()
             return
-        server._connections.add(self)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.deadline = self.loop.time() + server.idle_timeout_s
+        self.deadline = self.loop.time() + self.server.idle_timeout_s
 
     def data_received(self, data: bytes) -> None:
         if self.state >= _LINGERING:
@@ -337,16 +217,12 @@ class _Connection(asyncio.Protocol):
         self._close()
         return False
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.state = _CLOSED
-        self.deadline = _NEVER
-        self.server._connections.discard(self)
+    def _serving(self) -> bool:
+        return self.state < _LINGERING
 
-    def pause_writing(self) -> None:
-        self.paused = True
-        if self.transport is not None and self.state < _LINGERING:
-            self.transport.pause_reading()
-            self.deadline = min(self.deadline, self.loop.time() + self.server.request_timeout_s)
+    def _closed(self) -> None:
+        self.state = _CLOSED
+        super()._closed()
 
     def resume_writing(self) -> None:
         self.paused = False
@@ -421,7 +297,7 @@ class _Connection(asyncio.Protocol):
             self._answer(response, request.method, keep_alive)
             return
         self.state = _HANDLING
-        self.deadline = _NEVER  # a handler is not timed out; the client waits for it
+        self.deadline = NEVER  # a handler is not timed out; the client waits for it
         assert self.transport is not None
         self.transport.pause_reading()
         try:
@@ -515,9 +391,7 @@ class _Connection(asyncio.Protocol):
                 transport.write_eof()
 
     def _close(self, *, reset: bool = False) -> None:
-        self.state = _CLOSED
-        self.deadline = _NEVER
-        self.server._connections.discard(self)
+        self._closed()
         if self.transport is not None:
             (self.transport.abort if reset else self.transport.close)()
 
