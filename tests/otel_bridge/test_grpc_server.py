@@ -230,7 +230,10 @@ class RawClient:
                         stream, block)  # fmt: skip
         if message is not None:
             data = b"\x00" + struct.pack(">L", len(message)) + message
-            frames += _frame(DATA, END_STREAM if end else 0, stream, data)
+            pieces = [data[at : at + 16_384] for at in range(0, len(data), 16_384)]
+            for piece in pieces[:-1]:
+                frames += _frame(DATA, 0, stream, piece)
+            frames += _frame(DATA, END_STREAM if end else 0, stream, pieces[-1])
         self.sock.sendall(frames)
 
     def frame(self) -> tuple[int, int, int, bytes]:
@@ -475,3 +478,21 @@ def test_nodes_http2_client_nghttp2_gets_the_same_answers() -> None:
         digest = hashlib.sha256(message).digest()
         assert (str(result["status"]), result["grpc"]) == ("200", "0")
         assert bytes.fromhex(result["body"]) == b"\x00" + struct.pack(">L", 32) + digest
+
+
+def test_unfinished_calls_cannot_pile_up_memory_on_one_connection() -> None:
+    """Streams that send without ending: beyond four full messages' worth held on one
+    connection the next one is refused (retryably); the others still complete."""
+    with own_server(max_message_bytes=100_000) as port:
+        client = RawClient(port)
+        chunk = bytes(90_000)
+        for stream in (1, 3, 5, 7, 9):  # the fifth brings 450 kB unfinished > 4 x 100 kB
+            client.call(stream, chunk, end=False)
+        refused = client.headers(9)
+        assert refused["grpc-status"] == "8" and refused["grpc-message"] == "busy"
+        assert refused["grpc-status-details-bin"] == "CAg"  # the busy answer's details
+        client.sock.sendall(_frame(DATA, END_STREAM, 1, b""))  # the first call ends
+        assert client.headers(1)[":status"] == "200"
+        _, data, _ = client.until(DATA, 1)
+        assert data[5:] == hashlib.sha256(chunk).digest()
+        client.close()

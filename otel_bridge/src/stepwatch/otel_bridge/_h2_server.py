@@ -22,7 +22,8 @@ prior knowledge, as gRPC clients connect) or TLS with ALPN ``h2``:
   ``grpc-message``, ``grpc-status-details-bin``), a refusal as a Trailers-Only response;
 - limits: ``max_concurrent_streams`` per connection (beyond: RST_STREAM REFUSED_STREAM,
   which clients retry), calls handled at once (RESOURCE_EXHAUSTED), header lists up to
-  ``max_header_bytes``, a call's headers and message within ``request_timeout_s``
+  ``max_header_bytes``, unfinished calls on a connection holding at most four full messages
+  (beyond: the busy answer), a call's headers and message within ``request_timeout_s``
   (DEADLINE_EXCEEDED), an idle connection closed with GOAWAY after ``idle_timeout_s``;
   a protocol error closes the connection with GOAWAY and its code. The server keeps
   serving every other connection.
@@ -172,6 +173,7 @@ class _Connection(LoopConnection):
         self.last_stream = 0
         self.continued: tuple[int, int, bytearray] | None = None  # stream, flags, block
         self.window = CONNECTION_WINDOW  # what the client may still send on the connection
+        self.buffered = 0  # message bytes of calls still being received
         self.unacked = 0
         self.sender = AnswerSender(self._write)
         self.closed = False
@@ -420,11 +422,17 @@ class _Connection(LoopConnection):
             self._reset(stream_id, FLOW_CONTROL_ERROR)
             return
         stream.body += payload
+        self.buffered += len(payload)
         if len(stream.body) > self.server.max_message_bytes + 5:
             limit = self.server.max_message_bytes
             self._refuse(
                 stream, self._own(GrpcAnswer(RESOURCE_EXHAUSTED, f"message above {limit} bytes"))
             )
+            return
+        if self.buffered > 4 * (self.server.max_message_bytes + 5):
+            # unfinished calls on this connection hold four full messages' worth: refused,
+            # retryably, so one connection's memory stays bounded whatever its streams send
+            self._refuse(stream, self.server.busy())
             return
         if flags & END_STREAM:
             self._complete(stream)
@@ -439,6 +447,7 @@ class _Connection(LoopConnection):
     def _complete(self, stream: CallStream) -> None:
         """The client's half is done: unframe the message, then handle the call."""
         stream.state = HANDLING
+        self.buffered -= len(stream.body)
         try:
             message = unframe(
                 stream.body,
@@ -508,13 +517,19 @@ class _Connection(LoopConnection):
         return answer
 
     def _end_stream(self, stream: CallStream, *, received: bool) -> None:
-        if not received and stream.state == RECEIVING:
-            self._write(frame(RST_STREAM, 0, stream.id, U32.pack(NO_ERROR)))
+        if stream.state == RECEIVING:
+            self.buffered -= len(stream.body)
+            if not received:
+                self._write(frame(RST_STREAM, 0, stream.id, U32.pack(NO_ERROR)))
+        stream.state = HANDLING
         self.streams.pop(stream.id, None)
 
     def _forget(self, stream_id: int) -> None:
         """RST_STREAM from the client: nothing more is sent or read on the stream."""
-        self.streams.pop(stream_id, None)
+        stream = self.streams.pop(stream_id, None)
+        if stream is not None and stream.state == RECEIVING:
+            self.buffered -= len(stream.body)
+            stream.state = HANDLING
         self.sender.forget(stream_id)
 
     def _reset(self, stream_id: int, code: int) -> None:
