@@ -331,6 +331,23 @@ def test_a_protocol_error_closes_that_connection_only(garbage: bytes, code: int)
             )
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [[("", "")], [(":path", EXPORT_PATH), ("Content-Type", "application/grpc")]],
+    ids=["empty name", "upper-case name"],
+)
+def test_a_malformed_header_list_resets_its_stream_only(fields: list[tuple[str, str]]) -> None:
+    with own_server() as port:
+        client = RawClient(port)
+        client.sock.sendall(_frame(HEADERS, END_HEADERS | END_STREAM, 1,
+                                   client.encoder.encode(fields)))  # fmt: skip
+        _, payload, _ = client.until(RST_STREAM, 1)
+        assert struct.unpack(">L", payload)[0] == 1  # PROTOCOL_ERROR, on that stream
+        client.call(3, b"next")  # the connection serves on
+        assert client.headers(3)[":status"] == "200"
+        client.close()
+
+
 def test_stalled_calls_time_out_and_extra_streams_are_refused() -> None:
     with own_server(request_timeout_s=0.5, idle_timeout_s=1.0, max_concurrent_streams=1) as port:
         client = RawClient(port)

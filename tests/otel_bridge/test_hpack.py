@@ -108,3 +108,16 @@ def test_our_answers_decode_with_the_hpack_package() -> None:
 def test_malformed_blocks_are_refused(block: str, error: str) -> None:
     with pytest.raises(HpackError, match=error):
         Decoder().decode(bytes.fromhex(block))
+
+
+@settings(max_examples=2000, deadline=None)
+@given(blocks=st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+def test_any_bytes_decode_or_raise_hpack_error_only(blocks: list[bytes]) -> None:
+    """Untrusted header blocks: fields or a COMPRESSION_ERROR, never another exception."""
+    decoder = Decoder()
+    for block in blocks:
+        try:
+            fields = decoder.decode(block)
+        except HpackError:
+            continue
+        assert all(isinstance(name, str) and isinstance(value, str) for name, value in fields)

@@ -369,6 +369,9 @@ class _Connection(LoopConnection):
         method = content_type = ""
         for name, value in fields:
             size += len(name) + len(value) + 32
+            if not name or name != name.lower():  # malformed (RFC 9113 8.2): a stream error
+                self._reset(stream_id, PROTOCOL_ERROR)
+                return
             if name[0] == ":":
                 if name == ":path":
                     stream.path = value

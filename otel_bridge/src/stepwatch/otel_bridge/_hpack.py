@@ -2,7 +2,7 @@
 
 Decoding is complete (indexed fields, the three literal forms, dynamic table size updates,
 eviction); Huffman-coded strings are decoded by the ``hpack`` package's decoder (MIT), each
-distinct string once per connection. Encoding is minimal: the server's few answers use
+distinct short string once per connection. Encoding is minimal: the server's few answers use
 static-table entries or literals without indexing, so its own dynamic table stays empty and
 the client's ``SETTINGS_HEADER_TABLE_SIZE`` never matters.
 
@@ -81,6 +81,7 @@ STATIC_TABLE: tuple[tuple[str, str], ...] = (
 _STATIC = len(STATIC_TABLE)
 _ENTRY_OVERHEAD = 32  # RFC 7541 4.1: an entry's size is its name, its value and 32
 _HUFFMAN_CACHE = 256  # distinct Huffman strings remembered per decoder
+_HUFFMAN_CACHED_BYTES = 256  # longer ones are decoded each time
 
 
 class HpackError(Exception):
@@ -171,9 +172,10 @@ class Decoder:
                 text = decode_huffman(raw).decode("latin-1")
             except Exception as exc:  # hpack's own HPACKDecodingError and friends
                 raise HpackError(f"bad Huffman string: {exc}") from None
-            if len(self._huffman) >= _HUFFMAN_CACHE:
-                self._huffman.clear()
-            self._huffman[raw] = text
+            if len(raw) <= _HUFFMAN_CACHED_BYTES:  # a bounded cache: at most 64 kB a decoder
+                if len(self._huffman) >= _HUFFMAN_CACHE:
+                    self._huffman.clear()
+                self._huffman[raw] = text
         return text, end
 
     def _add(self, name: str, value: str) -> None:
