@@ -284,19 +284,21 @@ def test_a_raw_call_gets_headers_data_and_trailers() -> None:
 
 
 def test_answers_wait_for_the_clients_flow_control_window() -> None:
-    """A client announcing a 10-byte window gets the 37-byte message only after its
-    WINDOW_UPDATEs, and the trailers only after the message."""
+    """A client announcing a 10-byte window gets 10 bytes of the 37-byte message, the rest
+    only after its WINDOW_UPDATE, and the trailers only after the message."""
     with own_server() as port:
         client = RawClient(port, settings=struct.pack(">HL", 0x4, 10))
         client.call(1, b"x")
         client.headers(1)
+        _, first, _ = client.until(DATA, 1)
+        assert len(first) == 10
         client.sock.settimeout(0.5)
         with pytest.raises(TimeoutError):
             client.until(DATA, 1)
         client.sock.settimeout(10)
         client.sock.sendall(_frame(WINDOW_UPDATE, 0, 1, struct.pack(">L", 100)))
-        _, data, _ = client.until(DATA, 1)
-        assert len(data) == 37
+        _, rest, _ = client.until(DATA, 1)
+        assert first + rest == b"\x00" + struct.pack(">L", 32) + hashlib.sha256(b"x").digest()
         assert client.headers(1) == {"grpc-status": "0"}
         client.close()
 
@@ -456,7 +458,9 @@ def fuzzed_port() -> Iterator[int]:
 _NODE_CLIENT = r"""
 const http2 = require('http2');
 const [port, ...hexBodies] = process.argv.slice(1);
-const session = http2.connect('http://127.0.0.1:' + port);
+const session = http2.connect('http://127.0.0.1:' + port,
+  {settings: {headerTableSize: Number(process.env.TABLE_SIZE || 4096),
+              initialWindowSize: Number(process.env.WINDOW || 65535)}});
 const calls = hexBodies.map((hex, i) => new Promise((resolve) => {
   const message = Buffer.from(hex === 'big' ? 'ab'.repeat(2 << 20) : hex, 'hex');
   const prefix = Buffer.alloc(5); prefix.writeUInt32BE(message.length, 1);
@@ -479,15 +483,22 @@ Promise.all(calls).then((results) => {
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs Node.js (its http2 module)")
-def test_nodes_http2_client_nghttp2_gets_the_same_answers() -> None:
+@pytest.mark.parametrize(
+    ("table_size", "window"), [("4096", "65535"), ("0", "65535"), ("100", "7")]
+)
+def test_nodes_http2_client_nghttp2_gets_the_same_answers(table_size: str, window: str) -> None:
     """An independent HTTP/2 implementation (nghttp2, inside Node) as the client: concurrent
-    calls on one session, a 2 MiB message among them."""
+    calls on one session, a 2 MiB message among them; also with the client's header table
+    lowered, after which nghttp2 requires a table size update in the server's next block
+    (RFC 7541 4.2: without it the session failed); and with a 7-byte window, smaller than
+    any answer (answers split to fit)."""
     messages = ["68656c6c6f", "big", "", "00" * 100]
     with own_server() as port:
         done = subprocess.run(
             ["node", "-e", _NODE_CLIENT, str(port), *messages],
             capture_output=True, text=True, timeout=60, check=True,
-            env={**os.environ, "GRPC_PATH": EXPORT_PATH},
+            env={**os.environ, "GRPC_PATH": EXPORT_PATH, "TABLE_SIZE": table_size,
+                 "WINDOW": window},
         )  # fmt: skip
     results = json.loads(done.stdout)
     for result, hex_message in zip(results, messages, strict=True):
@@ -513,3 +524,16 @@ def test_unfinished_calls_cannot_pile_up_memory_on_one_connection() -> None:
         _, data, _ = client.until(DATA, 1)
         assert data[5:] == hashlib.sha256(chunk).digest()
         client.close()
+
+
+def test_a_grpcio_channel_carries_on_across_idle_goaways() -> None:
+    """An exporter whose interval is longer than the idle timeout: the server closes the idle
+    connection with GOAWAY NO_ERROR and the channel's next call reconnects, unharmed."""
+    with (
+        own_server(idle_timeout_s=0.3) as port,
+        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        export = channel.unary_unary(EXPORT_PATH)
+        for pause in (0.6, 0.29, 0.6, 0.0):
+            assert export(b"x", timeout=5) == hashlib.sha256(b"x").digest()
+            time.sleep(pause)

@@ -122,6 +122,7 @@ def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
 
 _OK_HEADERS = encode(((":status", "200"), ("content-type", "application/grpc")))
 _OK_TRAILERS = encode((("grpc-status", "0"),))
+_TABLE_SIZE_ZERO = b"\x20"  # a dynamic table size update to 0 (RFC 7541 6.3)
 
 
 class AnswerSender:
@@ -143,6 +144,14 @@ class AnswerSender:
         self.max_frame = MAX_FRAME  # the client's SETTINGS_MAX_FRAME_SIZE
         self.windows: dict[int, int] = {}  # open streams'
         self.blocked: dict[int, list[bytes]] = {}  # answers waiting for a window
+        # RFC 7541 4.2: after the client lowers SETTINGS_HEADER_TABLE_SIZE, the next header
+        # block written must open with a dynamic table size update (nghttp2 enforces it)
+        self.table_update = b""
+
+    def lower_table_size(self) -> None:
+        """The client announced a header table below 4,096 bytes: the next header block
+        written opens with an update to 0 (the server's blocks never use the table)."""
+        self.table_update = _TABLE_SIZE_ZERO
 
     def open(self, stream_id: int) -> None:
         self.windows[stream_id] = self.initial_window
@@ -209,16 +218,29 @@ class AnswerSender:
         self._flush(stream_id)
 
     def _flush(self, stream_id: int) -> None:
+        """Write the stream's queued frames as far as the windows allow; a DATA frame larger
+        than what is left of them is split (RFC 9113 6.9.1), so even a client with a tiny
+        window gets its answer a piece at a time."""
         queue = self.blocked[stream_id]
         sent = 0
-        for item in queue:
-            if item[3] == DATA:
+        while sent < len(queue):
+            item = queue[sent]
+            if item[3] == HEADERS and self.table_update:
+                queue[sent] = frame(HEADERS, item[4], stream_id, self.table_update + item[9:])
+                self.table_update = b""
+            elif item[3] == DATA:
                 length = len(item) - 9
-                window = self.windows.get(stream_id, 0)
-                if length > self.window or length > window:
-                    break
+                allowed = min(self.window, self.windows.get(stream_id, 0))
+                if length > allowed:
+                    if allowed <= 0:
+                        break
+                    queue[sent : sent + 1] = [
+                        frame(DATA, 0, stream_id, item[9 : 9 + allowed]),
+                        frame(DATA, 0, stream_id, item[9 + allowed :]),
+                    ]
+                    length = allowed
                 self.window -= length
-                self.windows[stream_id] = window - length
+                self.windows[stream_id] -= length
             sent += 1
         if sent:
             self.write(b"".join(queue[:sent]))

@@ -14,8 +14,8 @@ prior knowledge, as gRPC clients connect) or TLS with ALPN ``h2``:
   PING, WINDOW_UPDATE, RST_STREAM, GOAWAY; PRIORITY and unknown types ignored; PUSH_PROMISE
   from a client is a connection error;
 - flow control both ways: the client may send 1 MiB per stream and 16 MiB on the connection
-  before a WINDOW_UPDATE (given back as data arrives, half a window at a time); answers wait
-  for the client's windows;
+  before a WINDOW_UPDATE (given back as data arrives, half a window at a time); answers are
+  cut to the client's windows and wait for them;
 - one gRPC message per call, identity, gzip or deflate (``grpc-encoding``), at most
   ``max_message_bytes`` also after decompression (RESOURCE_EXHAUSTED); answers are never
   compressed; a call's status in trailers (``grpc-status``, percent-encoded
@@ -311,9 +311,11 @@ class _Connection(LoopConnection):
                 if not MAX_FRAME <= value <= (1 << 24) - 1:
                     raise ProtocolFault(PROTOCOL_ERROR, f"max frame size {value}")
                 self.sender.max_frame = value
+            elif key == 0x1 and value < 4096:  # SETTINGS_HEADER_TABLE_SIZE lowered
+                self.sender.lower_table_size()
             elif key == 0x2 and value > 1:  # SETTINGS_ENABLE_PUSH
                 raise ProtocolFault(PROTOCOL_ERROR, "ENABLE_PUSH above 1")
-            # HEADER_TABLE_SIZE: our answers never use the dynamic table; others: advisory
+            # the others: advisory to a server that sends only answers
         self._write(frame(SETTINGS, ACK, 0))
         self.sender.flush_all()
 
