@@ -538,3 +538,59 @@ def test_a_grpcio_channel_carries_on_across_idle_goaways() -> None:
         for pause in (0.6, 0.6, 0.0):
             assert export(b"x", timeout=5) == hashlib.sha256(b"x").digest()
             time.sleep(pause)
+
+
+def _samples(bridge: Bridge, name: str) -> dict[tuple[str, ...], float]:
+    return {
+        tuple(sample.labels.values()): sample.value
+        for metric in bridge.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == name
+    }
+
+
+def test_the_bridge_reports_open_connections_and_protocol_errors() -> None:
+    """``/metrics``: connections open per protocol (read at the scrape), and the HTTP/2
+    errors the gRPC server answered, by scope and code."""
+    with Bridge(RecordingWriter(), max_connections=2) as bridge:
+        port = int(bridge.grpc_endpoint.rsplit(":", 1)[1])
+        before = _samples(bridge, "stepwatch_bridge_connections")
+        assert before == {("grpc",): 0.0, ("http",): 0.0}
+        client = RawClient(port)
+        client.call(1, b"\xff")  # a call (INVALID_ARGUMENT): the connection is open
+        client.headers(1)
+        http = socket.create_connection(("127.0.0.1", bridge.http_port), timeout=10)
+        assert wait_until(
+            lambda: (
+                _samples(bridge, "stepwatch_bridge_connections") == {("grpc",): 1.0, ("http",): 1.0}
+            ),
+            timeout_s=5,
+        )
+        for garbage in (b"GET / HTTP/1.1\r\n\r\n", PREFACE + _frame(DATA, 0, 0, b"")):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(garbage)
+            while sock.recv(65536):
+                pass
+            sock.close()
+        client.sock.sendall(_frame(HEADERS, END_HEADERS, 3, client.encoder.encode([("", "")])))
+        client.until(RST_STREAM, 3)
+        second = RawClient(port)
+        second.call(1, b"\xff")
+        second.headers(1)  # two gRPC connections open: the limit
+        third = socket.create_connection(("127.0.0.1", port), timeout=10)
+        while third.recv(65536):
+            pass
+        errors = _samples(bridge, "stepwatch_bridge_grpc_protocol_errors_total")
+        assert errors == {
+            ("connection", "PROTOCOL_ERROR"): 2.0,  # not HTTP/2; DATA on stream 0
+            ("stream", "PROTOCOL_ERROR"): 1.0,  # the empty header name
+            ("connection", "ENHANCE_YOUR_CALM"): 1.0,  # the connection beyond the limit
+        }
+        for sock in (client, second, http, third):
+            sock.close()
+        assert wait_until(
+            lambda: (
+                _samples(bridge, "stepwatch_bridge_connections") == {("grpc",): 0.0, ("http",): 0.0}
+            ),
+            timeout_s=5,
+        )

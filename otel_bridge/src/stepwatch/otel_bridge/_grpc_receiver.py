@@ -106,11 +106,15 @@ class GrpcReceiver:
             return self._start_grpcio(address)
         host, _, port = address.rpartition(":")
         tls = None if self._tls_files is None else tls_context(self._tls_files, alpn=["h2"])
+        metrics = self.context.metrics
         server = GrpcServer(
             self._call,
             early=self._early,
             busy=self._busy,
             refused=self._count,
+            protocol_error=lambda scope, code: metrics.grpc_protocol_errors.labels(
+                scope=scope, code=code
+            ).inc(),
             max_message_bytes=self.context.max_request_bytes,
             max_connections=self.max_connections,
             max_concurrent_requests=self.max_concurrent_rpcs,
@@ -124,6 +128,7 @@ class GrpcReceiver:
         )
         bound = server.start(host.strip("[]"), int(port))
         self._server = server
+        metrics.connections.labels(protocol="grpc").set_function(lambda: server.connections)
         return bound
 
     def _start_grpcio(self, address: str) -> int:

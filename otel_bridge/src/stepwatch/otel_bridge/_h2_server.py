@@ -1,32 +1,18 @@
 """gRPC over HTTP/2 for unary calls, on the bridge's own event loop (no grpcio server).
 
-Why: grpcio's server spends ~200 us of Python and thread hand-offs around every call
-(``bench/receiver_cost.py``), more than three times the bridge's HTTP/1.1 server around a
-request; an OTLP export is one small unary call, so that was most of the bridge's cost over
-gRPC. Here each connection is an :class:`asyncio.Protocol` that parses frames as they arrive
-and answers a call as soon as its message is complete, on the loop when the handler cannot
-block, as :class:`~._http_server.AsyncHttpServer` does.
+Why: grpcio's server spends ~200 us of Python and thread hand-offs around every call,
+three times the bridge's HTTP/1.1 server around a request (``bench/receiver_cost.py``;
+docs/adr/0002-own-grpc-server.md). Each connection is an :class:`asyncio.Protocol` that
+parses frames as they arrive and answers a call once its message is complete, on the loop
+when the handler cannot block, as :class:`~._http_server.AsyncHttpServer` does.
 
-What is spoken (RFC 9113, gRPC's PROTOCOL-HTTP2.md), server side only, cleartext (h2c with
-prior knowledge, as gRPC clients connect) or TLS with ALPN ``h2``:
-
-- frames: DATA, HEADERS with CONTINUATION (padding and priority fields skipped), SETTINGS,
-  PING, WINDOW_UPDATE, RST_STREAM, GOAWAY; PRIORITY and unknown types ignored; PUSH_PROMISE
-  from a client is a connection error;
-- flow control both ways: the client may send 1 MiB per stream and 16 MiB on the connection
-  before a WINDOW_UPDATE (given back as data arrives, half a window at a time); answers are
-  cut to the client's windows and wait for them;
-- one gRPC message per call, identity, gzip or deflate (``grpc-encoding``), at most
-  ``max_message_bytes`` also after decompression (RESOURCE_EXHAUSTED); answers are never
-  compressed; a call's status in trailers (``grpc-status``, percent-encoded
-  ``grpc-message``, ``grpc-status-details-bin``), a refusal as a Trailers-Only response;
-- limits: ``max_concurrent_streams`` per connection (beyond: RST_STREAM REFUSED_STREAM,
-  which clients retry), calls handled at once (RESOURCE_EXHAUSTED), header lists up to
-  ``max_header_bytes``, unfinished calls on a connection holding at most four full messages
-  (beyond: the busy answer), a call's headers and message within ``request_timeout_s``
-  (DEADLINE_EXCEEDED), an idle connection closed with GOAWAY after ``idle_timeout_s``;
-  a protocol error closes the connection with GOAWAY and its code. The server keeps
-  serving every other connection.
+What is spoken, server side only (RFC 9113, gRPC's PROTOCOL-HTTP2.md; the list with every
+limit is in docs/deployment.md, "The bridge's own gRPC server"): h2c with prior knowledge or
+TLS with ALPN ``h2``; every frame type (PRIORITY and unknown ones ignored); flow control both
+ways (the client may send 1 MiB per stream and 16 MiB per connection ahead; answers are cut
+to its windows); one message per call, identity, gzip or deflate; the status in trailers, a
+refusal as a Trailers-Only answer. Each limit is answered with the protocol's code, a protocol
+error closes only its connection (GOAWAY with the code), and the server serves on.
 """
 
 from __future__ import annotations
@@ -48,6 +34,7 @@ from stepwatch.otel_bridge._h2_frames import (
     END_HEADERS,
     END_STREAM,
     ENHANCE_YOUR_CALM,
+    ERROR_NAMES,
     FLOW_CONTROL_ERROR,
     FRAME_SIZE_ERROR,
     GOAWAY,
@@ -106,6 +93,8 @@ class GrpcServer(LoopServer):
         busy: the answer when ``max_concurrent_requests`` calls are being handled.
         refused: told the status code of every answer the server gives itself (a message
             too large, late or malformed; the handler failing; the server stopping).
+        protocol_error: told ``("connection" | "stream", error name)`` of every HTTP/2 error
+            the server answers with (GOAWAY with an error code, RST_STREAM but NO_ERROR).
         max_message_bytes: largest request message, also after decompression.
         max_concurrent_streams: calls open at once on one connection.
         max_header_bytes: a call's header list (names, values, 32 bytes a field: RFC 9113).
@@ -123,6 +112,7 @@ class GrpcServer(LoopServer):
         busy: Callable[[], GrpcAnswer],
         max_message_bytes: int,
         refused: Callable[[int], None] = lambda _code: None,
+        protocol_error: Callable[[str, str], None] = lambda _scope, _code: None,
         max_concurrent_streams: int = 128,
         max_header_bytes: int = 64 * 1024,
         **limits: Any,
@@ -132,6 +122,7 @@ class GrpcServer(LoopServer):
         self.early = early
         self.busy = busy
         self.refused = refused
+        self.protocol_error = protocol_error
         self.max_message_bytes = max_message_bytes
         self.max_concurrent_streams = max_concurrent_streams
         self.max_header_bytes = max_header_bytes
@@ -181,6 +172,7 @@ class _Connection(LoopConnection):
     # ---- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if not self._admit(transport):
+            self.server.protocol_error("connection", "ENHANCE_YOUR_CALM")
             self.closed = True
             assert self.transport is not None
             self.transport.write(
@@ -361,6 +353,7 @@ class _Connection(LoopConnection):
         self.last_stream = stream_id
         server = self.server
         if len(self.streams) >= server.max_concurrent_streams:
+            self.server.protocol_error("stream", "REFUSED_STREAM")
             self._write(frame(RST_STREAM, 0, stream_id, U32.pack(REFUSED_STREAM)))
             return
         stream = CallStream(stream_id, self.loop.time())
@@ -538,6 +531,7 @@ class _Connection(LoopConnection):
         self.sender.forget(stream_id)
 
     def _reset(self, stream_id: int, code: int) -> None:
+        self.server.protocol_error("stream", ERROR_NAMES.get(code, str(code)))
         self._write(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
         self._forget(stream_id)
 
@@ -579,6 +573,8 @@ class _Connection(LoopConnection):
 
     def _fail(self, code: int, message: str) -> None:
         """GOAWAY with ``code``, then close: calls not yet answered are not processed."""
+        if code != NO_ERROR:
+            self.server.protocol_error("connection", ERROR_NAMES.get(code, str(code)))
         self._write(goaway(self.last_stream, code, message))
         self._close()
 

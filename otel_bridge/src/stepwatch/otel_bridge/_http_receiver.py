@@ -118,6 +118,9 @@ class HttpReceiver:
         )
         bound = server.start(host, port)
         self._server = server
+        self.context.metrics.connections.labels(protocol="http").set_function(
+            lambda: server.connections
+        )
         return bound
 
     def stop(self, *, timeout_s: float) -> None:
