@@ -10,6 +10,11 @@ dumped with the arm's name (a tiny C helper, built here with gcc, issues the cli
         --arms plain,all,all@base,plain,all,all@base --baseline-rev a6f1a51
     .venv/bin/python bench/hook_callgrind.py --report '/tmp/cg.*.*' --steps 10
 
+With ``--kind ddp``, gloo's own threads run during each block and their share varies by a few
+thousand instructions per step from block to block; ``valgrind --separate-threads=yes`` dumps
+each thread apart (``cg.PID.N-TT``) and ``--report '/tmp/cg.*.*-01'`` counts the training
+thread alone (what the hooks cost it).
+
 ``--kind ddp`` wraps the model in ``DistributedDataParallel`` over a 1-rank gloo group (the
 exposed-wait hook on the last gradient is then installed too). ``--report`` prints each dump's
 events per step. Put ``plain`` twice or more: the first block
@@ -43,7 +48,10 @@ def _helper() -> ctypes.CDLL:
 
 
 def _report(pattern: str, steps: int) -> None:
-    for path in sorted(glob.glob(pattern), key=lambda p: int(p.rsplit(".", 1)[1])):
+    def dump_number(path: str) -> int:  # cg.PID.N or, with --separate-threads, cg.PID.N-TT
+        return int(path.rsplit(".", 1)[1].split("-")[0])
+
+    for path in sorted(glob.glob(pattern), key=dump_number):
         lines = Path(path).read_text(errors="replace").splitlines()
         arm = next((line.split(":")[-1].strip() for line in lines if "Trigger" in line), "?")
         events = next((line.split()[1:] for line in lines if line.startswith("events:")), [])

@@ -12,6 +12,9 @@ Arms (``plain`` is the reference; the others are reported as the difference to i
   recording the steps (its buffer is drained between blocks, outside the timing);
 - ``all_unsampled``: the same when no step is sampled for phase timing (``phase_sampling``:
   what an unsampled step costs); ``all_unsampled@base`` with ``--baseline-rev``'s ``_auto.py``;
+  ``all_unsampled_kept``: the same with the timing subclass kept on every step, as before the
+  recorder swapped the model's own class in for untimed steps (and as with gradients
+  accumulating, ``_forward._ClassSwap.keep_timed``);
 - ``all@REV`` (``--baseline-rev REV``): the same with ``_auto.py`` as of git ``REV``
   (the state before an optimisation), so that before and after are measured in one run;
 - ``all-X``: ``all`` without component ``X`` (the cost of ``X`` in context is ``all - all-X``);
@@ -197,7 +200,7 @@ class Bench:
 
     def arms(self) -> list[str]:
         components = [c for c in COMPONENTS if c != "last_grad" or self.kind == "ddp"]
-        names = ["plain", "all", "all_unsampled"]
+        names = ["plain", "all", "all_unsampled", "all_unsampled_kept"]
         if self.baseline is not None:
             names += ["all@base", "all_unsampled@base"]
         names += [f"all-{c}" for c in components]
@@ -230,13 +233,15 @@ class Bench:
             recorder.sampler = PhaseSampler(1)
         if arm == "all":
             instrumentation = _install(_auto, recorder, model, optimizer)
-        elif arm in ("all_unsampled", "all_unsampled@base"):
+        elif arm in ("all_unsampled", "all_unsampled@base", "all_unsampled_kept"):
             # What a step whose phases are not timed costs (_sampling): no step is sampled.
             recorder.sampler = PhaseSampler(1 << 62)
             auto = self.baseline if arm.endswith("@base") else _auto
             if auto is None:
                 raise RuntimeError("no baseline")
             instrumentation = _install(auto, recorder, model, optimizer)
+            if arm == "all_unsampled_kept" and instrumentation._state.class_swap is not None:
+                instrumentation._state.class_swap.keep_timed()
         elif arm == "all@base":
             if self.baseline is None:
                 raise RuntimeError("no baseline")

@@ -42,6 +42,7 @@ static PyObject *str_stride, *str_on_step_end, *str_misuse, *str_append, *str_ex
 static PyObject *str_now_ns, *str_mark, *str_record, *str_exc_info, *str_step_end_key, *str_step_end_msg;
 static PyObject *str_clock_key, *str_clock_msg, *kwnames_explicit, *kwnames_explicit_now;
 static PyObject *kwnames_exc_info;
+static PyObject *str_class; /* "__class__" */
 
 typedef struct {
     PyObject_HEAD
@@ -66,6 +67,7 @@ typedef struct {
     PyObject *device_sampled; /* dict like device_phases (a sampled step's auto phases), or NULL */
     PyObject *step_start_mark; /* the open step's device mark, or NULL */
     PyObject *clock_ns;      /* callable -> int */
+    PyObject *forward_swaps; /* tuple of (model, untimed class, timed class), or NULL */
     PyObject *weakrefs;
 } RecorderCore;
 
@@ -241,6 +243,32 @@ static PyObject *device_mark(RecorderCore *self) {
     return mark;
 }
 
+/* _sampling.swap_forward_classes(self.forward_swaps, sampled): each instrumented model gets the
+ * class of a step whose phases are timed or of one whose are not, where it has one of the two
+ * (any other class is someone else's and left alone). Never fails: a refused assignment leaves
+ * the class as it was (the forward gate then handles the step, as before). */
+static void swap_forward_classes(PyObject *swaps, int sampled) {
+    if (swaps == NULL || !PyTuple_Check(swaps)) {
+        return;
+    }
+    Py_ssize_t count = PyTuple_GET_SIZE(swaps);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *entry = PyTuple_GET_ITEM(swaps, i);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
+            continue;
+        }
+        PyObject *model = PyTuple_GET_ITEM(entry, 0);
+        PyObject *untimed = PyTuple_GET_ITEM(entry, 1);
+        PyObject *timed = PyTuple_GET_ITEM(entry, 2);
+        PyObject *target = sampled ? timed : untimed;
+        PyObject *current = (PyObject *)Py_TYPE(model);
+        if (current != target && (current == untimed || current == timed) &&
+            PyObject_GenericSetAttr(model, str_class, target) < 0) {
+            PyErr_Clear();
+        }
+    }
+}
+
 static PyObject *do_begin(RecorderCore *self, int explicit_, PyObject *now_ns) {
     if (self->step_depth != 0 || (explicit_ && self->auto_step_open) ||
         self->device_timer == NULL) {
@@ -274,6 +302,7 @@ static PyObject *do_begin(RecorderCore *self, int explicit_, PyObject *now_ns) {
     self->step_start_ns = now;
     if (self->watchers) {
         self->sampled = (char)sampled;
+        swap_forward_classes(self->forward_swaps, sampled);
     }
     Py_RETURN_NONE;
 }
@@ -641,6 +670,7 @@ static int RecorderCore_traverse(RecorderCore *self, visitproc visit, void *arg)
     Py_VISIT(self->device_sampled);
     Py_VISIT(self->step_start_mark);
     Py_VISIT(self->clock_ns);
+    Py_VISIT(self->forward_swaps);
     return 0;
 }
 
@@ -655,6 +685,7 @@ static int RecorderCore_clear(RecorderCore *self) {
     Py_CLEAR(self->device_sampled);
     Py_CLEAR(self->step_start_mark);
     Py_CLEAR(self->clock_ns);
+    Py_CLEAR(self->forward_swaps);
     return 0;
 }
 
@@ -682,6 +713,11 @@ static PyObject *RecorderCore_new(PyTypeObject *type, PyObject *args, PyObject *
     self->device_timer = Py_None;
     Py_INCREF(Py_None);
     self->kernel_source = Py_None;
+    self->forward_swaps = PyTuple_New(0);
+    if (self->forward_swaps == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
     return (PyObject *)self;
 }
 
@@ -710,6 +746,8 @@ static PyMemberDef RecorderCore_members[] = {
            "Device marks of the open sampled step's auto phases, or None."),
     MEMBER("_step_start_mark", T_OBJECT, step_start_mark, "The open step's device mark, or None."),
     MEMBER("clock_ns", T_OBJECT_EX, clock_ns, "The monotonic clock (ns)."),
+    MEMBER("forward_swaps", T_OBJECT_EX, forward_swaps,
+           "(model, untimed class, timed class) per instrumented model: swapped at each begin."),
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1880,6 +1918,7 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_clock_key, "clock") || intern(&str_auto_key, "auto") ||
         intern(&str_enabled, "enabled") || intern(&str_in_backward, "in_backward") ||
         intern(&str_pre_failed, "auto-mode optimizer pre-hook failed") || intern(&str_new_phase_context, "new_phase_context") ||
+        intern(&str_class, "__class__") ||
         intern(&str_clock_msg, "the clock raised in phase(); phase ignored")) {
         return NULL;
     }

@@ -181,13 +181,19 @@ def test_the_forward_gate_keeps_the_signature_and_the_untimed_path_in_c(tmp_path
         assert type(gate) is _fastrecord.ForwardGate
         assert inspect.signature(model.forward) == original_signature
         assert model.forward.__wrapped__ is DistributedDataParallel.forward
+        timed_class = type(model)
         recorder, stamp = monitor._recorder, handle._state.gradient_stamp
-        with monitor.step():  # step 0 is timed (the first one always is)
+        recorder.sampler.stride = 1
+        with monitor.step():  # step 0 is timed, two micro-batches
+            assert recorder.sampled is True
             model(torch.randn(4, 8)).sum().backward()
+            model(torch.randn(4, 8)).sum().backward()  # gradients accumulate: the swap stays
             optimizer.step()
             optimizer.zero_grad()
+        recorder.sampler.stride = 1 << 40
         with monitor.step():  # untimed, two micro-batches
             assert recorder.sampled is False
+            assert type(model) is timed_class
             model(torch.randn(4, 8)).sum().backward()
             assert stamp.ns > 0  # the first micro-batch's last gradient
             model(torch.randn(4, 8)).sum().backward()  # its wait ends at this forward
@@ -197,7 +203,7 @@ def test_the_forward_gate_keeps_the_signature_and_the_untimed_path_in_c(tmp_path
             assert recorder._phases_ns["communication"] > first_wait  # plus the second's
             optimizer.zero_grad()
         other = DistributedDataParallel(torch.nn.Linear(8, 4))
-        object.__setattr__(other, "__class__", type(model))  # another instance: plain forward
+        object.__setattr__(other, "__class__", timed_class)  # another instance: plain forward
         assert other(torch.randn(2, 8)).shape == (2, 4)
         handle.remove()
         assert type(model) is DistributedDataParallel

@@ -1,8 +1,6 @@
 """Auto mode: forward, backward, optimizer and DDP communication phases from torch hooks.
 
-One line, no change to the training loop::
-
-    monitor.instrument(model, optimizer)
+One line, no change to the training loop: ``monitor.instrument(model, optimizer)``.
 
 - forward: from entering the top-level module's ``forward`` to its return (summed when the
   model runs several times per step, e.g. gradient accumulation), timed by swapping the
@@ -32,9 +30,10 @@ One line, no change to the training loop::
   itself, in which case the hooks only add phases to those steps.
 
 Sampling (``StepMonitor(phase_sampling=...)``, ``_sampling``; default: every step): the
-recorder says at each step's start whether its phases are timed (``recorder.sampled``). A step
-that is not runs the forward wrapper's early return, the optimizer hooks' check and, in auto
-steps, the step boundary; its output gets no backward hook. **Communication is timed on every
+recorder says at each step's start whether its phases are timed (``recorder.sampled``) and
+gives the model its own class on a step that is not (``_forward._ClassSwap``), which then runs
+the optimizer hooks' check and, in auto steps, the step boundary; its output gets no backward
+hook. **Communication is timed on every
 step**, sampled or not: the exposed wait's start is a C clock stamp (``_fastrecord.ClockStamp``,
 the last parameter's post-accumulate-grad hook: no Python frame), its end the optimizer
 pre-hook, entered on every step anyway; a comm hook's collectives run on every step anyway.
@@ -170,6 +169,7 @@ class _AutoState:
         # step, sampled or not, and resets it.
         self.gradient_stamp: Any = new_clock_stamp(self.clock_ns)
         self.gates: tuple[Any, ...] = ()  # the optimizer hooks' C gates (_optimizer_hooks)
+        self.class_swap: Any = None  # _forward._ClassSwap until gradients accumulate
         # Where a stack of the training thread is, for a rank stuck in a step whose phases
         # are not timed (``_sampling``): code object -> phase (set by install_hooks).
         self.phase_codes: dict[Any, str] = {}
@@ -255,6 +255,8 @@ class _AutoState:
         try:
             now = self.clock_ns()
             if self.in_backward or self.gradient_stamp.ns:
+                if self.class_swap is not None:  # gradients may accumulate
+                    self.class_swap = self.class_swap.after_backward(self)
                 self._end_backward(now)  # gradient accumulation: the previous micro-batch ended
             recorder = self.recorder
             if not recorder.explicit_steps and recorder.step_depth == 0:

@@ -6,8 +6,9 @@ before and ``state.forward_post(model, args, output)`` after (also when it raise
 ``nn.Module._call_impl`` off its fast path (a closure, a set, ``torch.compiler.is_compiling``
 and the hook loops per call: ~10-11 k instructions per step under callgrind with empty hooks,
 whose cache misses cost more on a large model, as its kernels evict that code from L2 between
-calls; docs/exporters.md). The swap adds one Python frame, none on a step whose phases are
-not timed where the C gate applies (``_forward_gate``). Module hooks remain the fallback.
+calls; docs/exporters.md). The swap adds one Python frame on a timed step; an untimed one
+runs the model's own class (the recorder swaps it back, ``_ClassSwap``), or with gradients
+accumulating the C gate (``_forward_gate``). Module hooks remain the fallback.
 
 Also the output's backward-start hook mechanics ``_auto`` uses: the probe of torch's tensor-hook
 internals, the hook dict and keys, and the output tensor a forward's gradient reaches first.
@@ -41,14 +42,44 @@ class _ClassSwap:
     replica made as ``nn.DataParallel`` does (``__new__(type(model))``) is not the instance
     and runs the plain forward. The subclass carries the original's name, module and
     docstring; ``isinstance`` holds; only ``type(model) is Original`` sees the swap.
+
+    The swap is registered with the recorder (``forward_swaps``), which puts the original
+    class back at the start of each step whose phases are not timed and the subclass at the
+    start of each one whose are (``_sampling.swap_forward_classes``): an untimed step runs
+    the model's own class. Once gradients are seen to accumulate (:meth:`keep_timed`) the
+    subclass stays, as its forward ends the wait between micro-batches on every step.
     """
 
-    def __init__(self, model: Any, original: type, timed: type) -> None:
+    def __init__(self, model: Any, original: type, timed: type, recorder: Any) -> None:
         self.model = model
         self.original = original
         self.timed = timed
+        self.recorder = recorder
+        self.entry = (model, original, timed)
+        recorder.forward_swaps = (*recorder.forward_swaps, self.entry)
+
+    def keep_timed(self) -> None:
+        """Keep the subclass on every step from now on (gradients accumulate)."""
+        entry, self.entry = self.entry, (self.model, self.timed, self.timed)
+        swaps = self.recorder.forward_swaps
+        self.recorder.forward_swaps = tuple(self.entry if e is entry else e for e in swaps)
+        if type(self.model) is self.original:
+            object.__setattr__(self.model, "__class__", self.timed)
+
+    def after_backward(self, state: Any) -> _ClassSwap | None:
+        """A forward after a backward (``state``: the auto-mode state): in the same step,
+        gradients accumulate, and the subclass stays (None: nothing more to watch); before it
+        (an optimizer step skipped, as a gradient scaler does on overflow), this swap."""
+        last = max(state.gradient_stamp.ns, state.backward_start_ns if state.in_backward else 0)
+        if last < state.recorder.step_start_ns:
+            return self
+        self.keep_timed()
+        return None
 
     def remove(self) -> None:
+        entry = self.entry
+        swaps = self.recorder.forward_swaps
+        self.recorder.forward_swaps = tuple(e for e in swaps if e is not entry)
         if type(self.model) is self.timed:
             object.__setattr__(self.model, "__class__", self.original)
 
@@ -64,6 +95,7 @@ def time_forward(state: Any, model: Any) -> Any:
     except Exception:
         logger.debug("class swap refused; forward timed with module hooks", exc_info=True)
         swap = None
+    state.class_swap = swap
     if swap is not None:
         return swap
     forward_pre = state.forward_pre
@@ -144,7 +176,7 @@ def _swap_class(state: Any, model: Any) -> _ClassSwap | None:
     metaclass: Any = type(original)
     timed = metaclass(original.__name__, (original,), namespace)
     object.__setattr__(model, "__class__", timed)
-    return _ClassSwap(model, original, timed)
+    return _ClassSwap(model, original, timed, recorder)
 
 
 def _forward_gate(state: Any, target: Any, forward: Any, timed_forward: Any) -> Any:

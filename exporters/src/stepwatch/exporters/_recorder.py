@@ -27,7 +27,7 @@ from typing import Any, Final, Protocol
 
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters._device import DeviceTimer
-from stepwatch.exporters._sampling import PhaseSampler, share_out
+from stepwatch.exporters._sampling import PhaseSampler, share_out, swap_forward_classes
 from stepwatch.exporters._window import KernelSource
 
 MAX_PHASE_NAME_LENGTH: Final = 64
@@ -281,7 +281,7 @@ class StepRecorder:
     - :attr:`explicit_steps` (the loop marks steps itself with ``monitor.step()``),
       :attr:`step_depth` (a step is open when positive) and :attr:`sampled` (auto mode times
       this step's phases): read, never written, by hooks; :attr:`watchers` (auto-mode
-      instrumentations installed) is counted up and down by them.
+      instrumentations) and :attr:`forward_swaps` (``_sampling``) are kept by them.
 
     Args:
         clock: The monitor's clock.
@@ -330,6 +330,7 @@ class StepRecorder:
         self.sampler = sampler if sampler is not None else PhaseSampler(1)
         self.sampled = True
         self.watchers = 0
+        self.forward_swaps: tuple[tuple[Any, type, type], ...] = ()
         self._device_phases: dict[str, list[tuple[Any, Any]]] = {}
         self._device_sampled: dict[str, list[tuple[Any, Any]]] | None = None
         self._step_start_mark: Any = None
@@ -411,6 +412,7 @@ class StepRecorder:
             self._step_start_ns = self.clock.monotonic_ns() if now_ns is None else now_ns
             if self.watchers:
                 self.sampled = self.sampler.sampled(self._step_index)
+                swap_forward_classes(self.forward_swaps, self.sampled)
             if self.device_timer is not None:
                 self._step_start_mark = self.device_timer.mark()
         except Exception:

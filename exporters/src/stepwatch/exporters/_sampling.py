@@ -42,10 +42,11 @@ of the sampled steps.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from stepwatch.core._errors import ConfigError
 
@@ -141,3 +142,24 @@ def share_out(steps: int, samples: int) -> list[int]:
         return []
     base, extra = divmod(steps, samples)
     return [base + 1] * extra + [base] * (samples - extra)
+
+
+def swap_forward_classes(swaps: Sequence[tuple[Any, type, type]], sampled: bool) -> None:
+    """Give each instrumented model the class its step needs, at the step's start.
+
+    ``swaps`` holds ``(model, untimed, timed)`` per model whose forward auto mode times by a
+    class swap (``_forward._ClassSwap``): ``timed`` when this step's phases are timed, else
+    ``untimed``, the model's own class (or ``timed`` again once gradients were seen to
+    accumulate, whose waits between micro-batches the forward ends). A model of any other
+    class is left alone (someone swapped it since). So a step whose phases are not timed runs
+    the model's own class: on a DDP model, whose every forward rewrites a class attribute and
+    so empties the type cache of the class and its subclasses, each attribute read after it
+    walks one class fewer (callgrind: ~10 k instructions a step, most of an untimed step's
+    cost; docs/exporters.md). The C recorder does the same in C (``fastrecord.c``).
+    """
+    for model, untimed, timed in swaps:
+        target = timed if sampled else untimed
+        current = type(model)
+        if current is not target and (current is untimed or current is timed):
+            with contextlib.suppress(TypeError):  # refused: the class stays (its gate times)
+                object.__setattr__(model, "__class__", target)
