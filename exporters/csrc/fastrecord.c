@@ -9,7 +9,12 @@
  * - RecorderCore: a base class holding the recorder's hot state in a C struct (the attributes
  *   keep their Python names, as member descriptors), with begin_step() and end_step() in C;
  * - StepContext and PhaseContext: the contexts monitor.step() and monitor.phase() return;
- * - ClockStamp: a callable that takes the time (auto mode's last-gradient hook).
+ * - ClockStamp: a callable that takes the time (auto mode's last-gradient hook);
+ * - OptimizerGate, ForwardGate, BackwardStart: auto mode's hooks (_auto.py) for loop-marked
+ *   steps, timed or not, on the auto-mode state's own attributes; anything unusual goes to the
+ *   Python hooks;
+ * - the class swap at each step's start (swap_forward_classes): the model's own class on a
+ *   step whose phases are not timed.
  *
  * The C code takes the common case only: a step not already open (or, at its end, the
  * outermost one), a buffer with room, a clock that answers with an int, a device timer (if
@@ -1404,6 +1409,75 @@ static PyTypeObject MarkStampType = {
     .tp_members = MarkStamp_members,
 };
 
+/* ------------------------------------------------------------------ the state's attributes */
+
+/* The auto-mode state (_auto._AutoState, exact type: no property, no __slots__) keeps the hooks'
+ * variables as plain instance attributes; the gates' timed paths read and write them in its
+ * __dict__ directly, as the Python methods do through attribute access. */
+static PyObject *str_forward_depth, *str_forward_start_ns, *str_thread_id, *str_backward_hooks;
+static PyObject *str_optimizer_start_ns, *str_backward_start_ns, *str_forward, *str_backward;
+static PyObject *str_optimizer, *str_requires_grad, *str_backward_hooks_attr, *str_grad_fn;
+static PyObject *str_register_hook_dict, *str_forward_post, *str_hook_output, *str_post_failed;
+static PyObject *str_forward_failed, *str_enabled, *str_in_backward;
+
+/* The state's __dict__ (borrowed), or NULL (no exception) when it has none. */
+static PyObject *state_dict(PyObject *state) {
+    PyObject **dict = state == NULL ? NULL : _PyObject_GetDictPtr(state);
+    return dict == NULL || *dict == NULL || !PyDict_CheckExact(*dict) ? NULL : *dict;
+}
+
+/* dict[name] as a truth value: 1/0, or -1 (no exception) when missing or not a bool. */
+static int dict_flag(PyObject *dict, PyObject *name) {
+    PyObject *value = PyDict_GetItemWithError(dict, name); /* borrowed */
+    if (value == Py_True) {
+        return 1;
+    }
+    if (value == Py_False) {
+        return 0;
+    }
+    PyErr_Clear();
+    return -1;
+}
+
+/* dict[name] as a C long long: 0, or -1 (no exception) when missing or not an exact int. */
+static int dict_ll(PyObject *dict, PyObject *name, long long *out) {
+    PyObject *value = PyDict_GetItemWithError(dict, name); /* borrowed */
+    if (value == NULL || !PyLong_CheckExact(value)) {
+        PyErr_Clear();
+        return -1;
+    }
+    int overflow = 0;
+    *out = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow || (*out == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    return 0;
+}
+
+/* dict[name] = an int; -1 with an exception set. */
+static int dict_set_ll(PyObject *dict, PyObject *name, long long value) {
+    PyObject *number = PyLong_FromLongLong(value);
+    if (number == NULL) {
+        return -1;
+    }
+    int failed = PyDict_SetItem(dict, name, number);
+    Py_DECREF(number);
+    return failed;
+}
+
+/* add_to(phases, name, elapsed ns) for an elapsed time in C; -1 with an exception set. */
+static int add_ns(PyObject *phases, PyObject *name, long long elapsed) {
+    PyObject *number = PyLong_FromLongLong(elapsed);
+    PyObject *added = number == NULL ? NULL : add_to(phases, name, number);
+    Py_XDECREF(number);
+    if (added == NULL) {
+        return -1;
+    }
+    Py_DECREF(added);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ OptimizerGate */
 
 /* Auto mode's optimizer step hooks (_auto._AutoState.optimizer_pre / optimizer_post) with their
@@ -1425,6 +1499,7 @@ typedef struct {
     PyObject *slow;         /* the Python hook */
     PyObject *comm_starts;  /* post: the state's list of issued collectives */
     PyObject *name;         /* pre: "communication" */
+    PyObject *state;        /* the auto-mode state for a timed step's path, or NULL: slow */
     char is_pre;
     char active;
 } OptimizerGate;
@@ -1433,6 +1508,64 @@ static PyTypeObject OptimizerGateType;
 
 static PyObject *str_auto_key, *str_pre_failed;
 
+/* A timed step's optimizer hook in C, as _AutoState.optimizer_pre / optimizer_post do it for
+ * loop-marked steps: 1 done, 0 not taken (the Python hook runs: anything unusual, nothing
+ * changed yet), -1 failed part-way with an exception set (reported as the hook would). The
+ * pre-hook opens the optimizer phase, ends an open backward and the exposed wait since the
+ * last gradient; the post-hook closes the optimizer phase where no collective was timed. */
+static int optimizer_timed(OptimizerGate *self, RecorderCore *recorder) {
+    PyObject *dict = state_dict(self->state);
+    if (dict == NULL || !recorder->explicit_steps || dict_flag(dict, str_enabled) != 1) {
+        return 0;
+    }
+    long long now;
+    if (self->is_pre) {
+        int in_backward = dict_flag(dict, str_in_backward);
+        long long backward_start = 0;
+        if (self->stamp == NULL || in_backward < 0 ||
+            (in_backward && dict_ll(dict, str_backward_start_ns, &backward_start) < 0) ||
+            monotonic_ns(&now) != 0) {
+            return 0;
+        }
+        if (dict_set_ll(dict, str_optimizer_start_ns, now) < 0) {
+            return -1;
+        }
+        if (in_backward) {
+            if (PyDict_SetItem(dict, str_in_backward, Py_False) < 0 ||
+                add_ns(recorder->sampled_ns, str_backward, now - backward_start) < 0) {
+                return -1;
+            }
+        }
+        long long last = self->stamp->ns;
+        if (last != 0) {
+            self->stamp->ns = 0;
+            if (now > last && add_ns(recorder->phases_ns, self->name, now - last) < 0) {
+                return -1;
+            }
+        }
+        return 1;
+    }
+    if (self->comm_starts == NULL || !PyList_CheckExact(self->comm_starts) ||
+        PyList_GET_SIZE(self->comm_starts) != 0) {
+        return 0;
+    }
+    PyObject *start_object = PyDict_GetItemWithError(dict, str_optimizer_start_ns);
+    long long start = 0;
+    if (start_object == NULL || (start_object != Py_None && dict_ll(dict, str_optimizer_start_ns,
+                                                                    &start) < 0) ||
+        monotonic_ns(&now) != 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (start_object != Py_None) {
+        if (add_ns(recorder->sampled_ns, str_optimizer, now - start) < 0 ||
+            PyDict_SetItem(dict, str_optimizer_start_ns, Py_None) < 0) {
+            return -1;
+        }
+    }
+    return 1;
+}
+
 static PyObject *OptimizerGate_vectorcall(PyObject *callable, PyObject *const *args,
                                           size_t nargsf, PyObject *kwnames) {
     OptimizerGate *self = (OptimizerGate *)callable;
@@ -1440,8 +1573,20 @@ static PyObject *OptimizerGate_vectorcall(PyObject *callable, PyObject *const *a
     if (!self->active || recorder == NULL) {
         Py_RETURN_NONE;
     }
+    if (recorder->sampled) {
+        int done = optimizer_timed(self, recorder);
+        if (done == 1) {
+            Py_RETURN_NONE;
+        }
+        if (done < 0) {
+            report_misuse((PyObject *)recorder, str_auto_key,
+                          self->is_pre ? str_pre_failed : str_post_failed, 1);
+            Py_RETURN_NONE;
+        }
+        return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    }
     if (self->is_pre) {
-        if (recorder->sampled || self->stamp == NULL) {
+        if (self->stamp == NULL) {
             return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
         }
         long long last = self->stamp->ns;
@@ -1481,10 +1626,10 @@ static PyObject *OptimizerGate_call(PyObject *self, PyObject *args, PyObject *kw
  * "post" (the list of issued collectives). */
 static PyObject *OptimizerGate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     const char *kind;
-    PyObject *recorder, *slow, *extra;
+    PyObject *recorder, *slow, *extra, *state = NULL;
     if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) ||
-        !PyArg_ParseTuple(args, "sO!OO:OptimizerGate", &kind, &RecorderCoreType, &recorder, &slow,
-                          &extra)) {
+        !PyArg_ParseTuple(args, "sO!OO|O:OptimizerGate", &kind, &RecorderCoreType, &recorder,
+                          &slow, &extra, &state)) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_TypeError, "OptimizerGate(kind, recorder, slow, extra)");
         }
@@ -1511,6 +1656,10 @@ static PyObject *OptimizerGate_new(PyTypeObject *type, PyObject *args, PyObject 
     self->vectorcall = OptimizerGate_vectorcall;
     self->is_pre = (char)is_pre;
     self->active = 1;
+    if (state != NULL && state != Py_None) {
+        Py_INCREF(state);
+        self->state = state;
+    }
     Py_INCREF(recorder);
     self->recorder = (RecorderCore *)recorder;
     Py_INCREF(slow);
@@ -1534,6 +1683,7 @@ static int OptimizerGate_traverse(OptimizerGate *self, visitproc visit, void *ar
     Py_VISIT(self->stamp);
     Py_VISIT(self->slow);
     Py_VISIT(self->comm_starts);
+    Py_VISIT(self->state);
     return 0;
 }
 
@@ -1543,6 +1693,7 @@ static int OptimizerGate_clear(OptimizerGate *self) {
     Py_CLEAR(self->slow);
     Py_CLEAR(self->comm_starts);
     Py_CLEAR(self->name);
+    Py_CLEAR(self->state);
     return 0;
 }
 
@@ -1595,6 +1746,87 @@ static PyTypeObject OptimizerGateType = {
     .tp_members = OptimizerGate_members,
 };
 
+/* ------------------------------------------------------------------ BackwardStart */
+
+/* BackwardStart(state): _AutoState.backward_start without a Python frame, the tensor hook that
+ * autograd calls when the gradient reaches the model's output (whatever its arguments): unless
+ * the state is disabled or its backward already open, backward_start_ns = CLOCK_MONOTONIC (ns)
+ * and in_backward = True. Returns None (the gradient is not replaced); never raises. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *state;
+} BackwardStart;
+
+static PyObject *BackwardStart_vectorcall(PyObject *callable, PyObject *const *args,
+                                          size_t nargsf, PyObject *kwnames) {
+    (void)args;
+    (void)nargsf;
+    (void)kwnames;
+    PyObject *dict = state_dict(((BackwardStart *)callable)->state);
+    long long now;
+    if (dict != NULL && dict_flag(dict, str_enabled) == 1 &&
+        dict_flag(dict, str_in_backward) == 0 && monotonic_ns(&now) == 0 &&
+        (dict_set_ll(dict, str_backward_start_ns, now) < 0 ||
+         PyDict_SetItem(dict, str_in_backward, Py_True) < 0)) {
+        PyErr_Clear();
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *BackwardStart_call(PyObject *self, PyObject *args, PyObject *kwargs) {
+    (void)args;
+    (void)kwargs;
+    return BackwardStart_vectorcall(self, NULL, 0, NULL);
+}
+
+static PyObject *BackwardStart_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *state;
+    if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) ||
+        !PyArg_ParseTuple(args, "O:BackwardStart", &state)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "BackwardStart(state)");
+        }
+        return NULL;
+    }
+    BackwardStart *self = (BackwardStart *)type->tp_alloc(type, 0);
+    if (self != NULL) {
+        self->vectorcall = BackwardStart_vectorcall;
+        Py_INCREF(state);
+        self->state = state;
+    }
+    return (PyObject *)self;
+}
+
+static int BackwardStart_traverse(BackwardStart *self, visitproc visit, void *arg) {
+    Py_VISIT(self->state);
+    return 0;
+}
+
+static int BackwardStart_clear(BackwardStart *self) {
+    Py_CLEAR(self->state);
+    return 0;
+}
+
+static void BackwardStart_dealloc(BackwardStart *self) {
+    PyObject_GC_UnTrack(self);
+    BackwardStart_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject BackwardStartType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.BackwardStart",
+    .tp_basicsize = sizeof(BackwardStart),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "BackwardStart(state)(*anything): the state's backward opens now (see the comment).",
+    .tp_new = BackwardStart_new,
+    .tp_call = BackwardStart_call,
+    .tp_vectorcall_offset = offsetof(BackwardStart, vectorcall),
+    .tp_dealloc = (destructor)BackwardStart_dealloc,
+    .tp_traverse = (traverseproc)BackwardStart_traverse,
+    .tp_clear = (inquiry)BackwardStart_clear,
+};
+
 /* ------------------------------------------------------------------ ForwardGate */
 
 /* The instrumented model's ``forward`` (_forward's class swap) with the path of a step whose
@@ -1615,9 +1847,14 @@ typedef struct {
     PyObject *forward;      /* the original forward (a function) */
     PyObject *slow;         /* the Python wrapper (a function) */
     PyObject *dict;
+    /* A timed step's path (set by time_in_c(); NULL: the Python wrapper times it): */
+    PyObject *tensor_type;  /* torch.Tensor */
+    PyObject *grad_enabled; /* torch.is_grad_enabled */
+    PyObject *has_torch_function; /* torch.overrides.has_torch_function_unary */
+    PyObject *hook_dict_type; /* _forward.HookDict */
+    PyObject *hook_key;     /* the state's key in an output's tensor-hook dict */
+    PyObject *hook;         /* the backward-start hook (the state's bound backward_start) */
 } ForwardGate;
-
-static PyObject *str_enabled, *str_in_backward;
 
 /* attribute ``name`` of ``object`` as a truth value; -1 with an exception set. Read from the
  * instance's __dict__ when it is there (the state's plain attributes: no type lookup). */
@@ -1641,6 +1878,144 @@ static int attribute_true(PyObject *object, PyObject *name) {
     return truth;
 }
 
+/* The output's backward-start hook, as _AutoState.hook_output registers it on a plain tensor
+ * (the output's tensor-hook dict, registered on its node when new): 1 done, 0 for the Python
+ * hook_output to decide (not a plain tensor, a tensor subclass with torch functions), -1 with
+ * an exception set. */
+static int hook_output_fast(ForwardGate *self, PyObject *dict, PyObject *output) {
+    PyObject *enabled = PyObject_CallNoArgs(self->grad_enabled);
+    if (enabled == NULL) {
+        return -1;
+    }
+    int grad = PyObject_IsTrue(enabled);
+    Py_DECREF(enabled);
+    if (grad <= 0) {
+        return grad < 0 ? -1 : 1;
+    }
+    if ((PyObject *)Py_TYPE(output) != self->tensor_type) {
+        return 0;
+    }
+    PyObject *value = PyObject_GetAttr(output, str_requires_grad);
+    if (value == NULL) {
+        return -1;
+    }
+    int requires_grad = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    if (requires_grad <= 0) {
+        return requires_grad < 0 ? -1 : 1;
+    }
+    value = PyObject_CallOneArg(self->has_torch_function, output);
+    if (value == NULL) {
+        return -1;
+    }
+    int overridden = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    if (overridden != 0) {
+        return overridden < 0 ? -1 : 0;
+    }
+    PyObject *hooks = PyObject_GetAttr(output, str_backward_hooks_attr);
+    if (hooks == NULL) {
+        return -1;
+    }
+    if (hooks == Py_None) {
+        Py_DECREF(hooks);
+        hooks = PyObject_CallNoArgs(self->hook_dict_type);
+        if (hooks == NULL || PyObject_SetAttr(output, str_backward_hooks_attr, hooks) < 0) {
+            Py_XDECREF(hooks);
+            return -1;
+        }
+        PyObject *node = PyObject_GetAttr(output, str_grad_fn);
+        if (node == NULL) {
+            Py_DECREF(hooks);
+            return -1;
+        }
+        if (node != Py_None) {
+            PyObject *done = PyObject_CallMethodOneArg(node, str_register_hook_dict, output);
+            Py_DECREF(node);
+            if (done == NULL) {
+                Py_DECREF(hooks);
+                return -1;
+            }
+            Py_DECREF(done);
+        } else {
+            Py_DECREF(node);
+        }
+    }
+    int failed = PyObject_SetItem(hooks, self->hook_key, self->hook) < 0 ||
+                 PyDict_SetItem(dict, str_backward_hooks, hooks) < 0;
+    Py_DECREF(hooks);
+    return failed ? -1 : 1;
+}
+
+/* The Python forward_post(model, args, output) (None for a forward that raised, whose
+ * exception is kept): a timed forward the C path does not close itself. */
+static PyObject *forward_post_slow(ForwardGate *self, PyObject *const *args, Py_ssize_t nargs,
+                                   PyObject *output) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *positional = PyTuple_New(nargs - 1);
+    if (positional != NULL) {
+        for (Py_ssize_t i = 1; i < nargs; i++) {
+            Py_INCREF(args[i]);
+            PyTuple_SET_ITEM(positional, i - 1, args[i]);
+        }
+        PyObject *call[4] = {self->state, self->target, positional, output == NULL ? Py_None
+                                                                                   : output};
+        PyObject *done = PyObject_VectorcallMethod(str_forward_post, call, 4, NULL);
+        Py_XDECREF(done);
+        Py_DECREF(positional);
+    }
+    PyErr_Clear(); /* forward_post never raises; a failure here is the wrapper's to report */
+    PyErr_Restore(type, value, traceback);
+    return output;
+}
+
+/* A timed step's forward in C, as the Python wrapper does it for a loop-marked step (the
+ * forward phase, the output's backward-start hook): NULL with no exception set when not taken
+ * (anything unusual: the wrapper runs, nothing changed yet), else the forward's result. */
+static PyObject *forward_timed(ForwardGate *self, PyObject *const *args, size_t nargsf,
+                               PyObject *kwnames) {
+    RecorderCore *recorder = self->recorder;
+    PyObject *dict = state_dict(self->state);
+    long long depth = 0, start;
+    if (self->hook == NULL || dict == NULL || !recorder->explicit_steps ||
+        dict_flag(dict, str_enabled) != 1 || dict_flag(dict, str_in_backward) != 0 ||
+        dict_ll(dict, str_forward_depth, &depth) < 0 || depth != 0 || monotonic_ns(&start) != 0) {
+        return NULL;
+    }
+    PyObject *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    int failed = thread == NULL || dict_set_ll(dict, str_forward_depth, 1) < 0 ||
+                 dict_set_ll(dict, str_forward_start_ns, start) < 0 ||
+                 PyDict_SetItem(dict, str_thread_id, thread) < 0;
+    Py_XDECREF(thread);
+    if (failed) {
+        PyErr_Clear();
+        return NULL; /* the wrapper opens the phase again from the start */
+    }
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *output = PyObject_Vectorcall(self->forward, args, nargsf, kwnames);
+    if (output == NULL || dict_ll(dict, str_forward_depth, &depth) < 0 || depth != 1 ||
+        state_dict(self->state) != dict || dict_flag(dict, str_enabled) != 1) {
+        return forward_post_slow(self, args, nargs, output);
+    }
+    long long end;
+    int hooked = 0;
+    if (monotonic_ns(&end) != 0 || dict_set_ll(dict, str_forward_depth, 0) < 0 ||
+        add_ns(recorder->sampled_ns, str_forward, end - start) < 0 ||
+        (hooked = hook_output_fast(self, dict, output)) < 0) {
+        report_misuse((PyObject *)recorder, str_auto_key, str_forward_failed, 1);
+        return output;
+    }
+    if (hooked == 0) { /* the Python hook_output decides (and never raises) */
+        PyObject *done = PyObject_CallMethodOneArg(self->state, str_hook_output, output);
+        if (done == NULL) {
+            report_misuse((PyObject *)recorder, str_auto_key, str_forward_failed, 1);
+        }
+        Py_XDECREF(done);
+    }
+    return output;
+}
+
 static PyObject *ForwardGate_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                                         PyObject *kwnames) {
     ForwardGate *self = (ForwardGate *)callable;
@@ -1653,6 +2028,12 @@ static PyObject *ForwardGate_vectorcall(PyObject *callable, PyObject *const *arg
         return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
     }
     RecorderCore *recorder = self->recorder;
+    if (recorder->step_depth && recorder->sampled && self->stamp->ns == 0) {
+        PyObject *output = forward_timed(self, args, nargsf, kwnames);
+        if (output != NULL || PyErr_Occurred()) {
+            return output;
+        }
+    }
     if (recorder->step_depth && !recorder->sampled && self->stamp->ns == 0) {
         int enabled = attribute_true(self->state, str_enabled);
         int in_backward = enabled == 1 ? attribute_true(self->state, str_in_backward) : 0;
@@ -1720,6 +2101,12 @@ static int ForwardGate_traverse(ForwardGate *self, visitproc visit, void *arg) {
     Py_VISIT(self->forward);
     Py_VISIT(self->slow);
     Py_VISIT(self->dict);
+    Py_VISIT(self->tensor_type);
+    Py_VISIT(self->grad_enabled);
+    Py_VISIT(self->has_torch_function);
+    Py_VISIT(self->hook_dict_type);
+    Py_VISIT(self->hook_key);
+    Py_VISIT(self->hook);
     return 0;
 }
 
@@ -1731,6 +2118,12 @@ static int ForwardGate_clear(ForwardGate *self) {
     Py_CLEAR(self->forward);
     Py_CLEAR(self->slow);
     Py_CLEAR(self->dict);
+    Py_CLEAR(self->tensor_type);
+    Py_CLEAR(self->grad_enabled);
+    Py_CLEAR(self->has_torch_function);
+    Py_CLEAR(self->hook_dict_type);
+    Py_CLEAR(self->hook_key);
+    Py_CLEAR(self->hook);
     return 0;
 }
 
@@ -1739,6 +2132,36 @@ static void ForwardGate_dealloc(ForwardGate *self) {
     ForwardGate_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
+
+/* time_in_c(tensor_type, grad_enabled, has_torch_function, hook_dict_type, hook_key, hook):
+ * what a timed step's path in C needs (see forward_timed). */
+static PyObject *ForwardGate_time_in_c(ForwardGate *self, PyObject *const *args,
+                                       Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "time_in_c(tensor_type, grad_enabled, "
+                                         "has_torch_function, hook_dict_type, hook_key, hook)");
+        return NULL;
+    }
+    if (!PyType_Check(args[0]) || !PyType_Check(args[3]) || !PyCallable_Check(args[1]) ||
+        !PyCallable_Check(args[2]) || !PyCallable_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "time_in_c: two types and three callables expected");
+        return NULL;
+    }
+    PyObject **fields[6] = {&self->tensor_type, &self->grad_enabled, &self->has_torch_function,
+                            &self->hook_dict_type, &self->hook_key, &self->hook};
+    for (int i = 0; i < 6; i++) {
+        Py_INCREF(args[i]);
+        Py_XSETREF(*fields[i], args[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef ForwardGate_methods[] = {
+    {"time_in_c", (PyCFunction)(void (*)(void))ForwardGate_time_in_c, METH_FASTCALL,
+     "time_in_c(tensor_type, grad_enabled, has_torch_function, hook_dict_type, hook_key, hook):"
+     " a timed step's forward in C too."},
+    {NULL, NULL, 0, NULL},
+};
 
 static PyGetSetDef ForwardGate_getset[] = {
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
@@ -1757,6 +2180,7 @@ static PyTypeObject ForwardGateType = {
     .tp_descr_get = ForwardGate_get,
     .tp_dictoffset = offsetof(ForwardGate, dict),
     .tp_getset = ForwardGate_getset,
+    .tp_methods = ForwardGate_methods,
     .tp_dealloc = (destructor)ForwardGate_dealloc,
     .tp_traverse = (traverseproc)ForwardGate_traverse,
     .tp_clear = (inquiry)ForwardGate_clear,
@@ -1918,7 +2342,18 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_clock_key, "clock") || intern(&str_auto_key, "auto") ||
         intern(&str_enabled, "enabled") || intern(&str_in_backward, "in_backward") ||
         intern(&str_pre_failed, "auto-mode optimizer pre-hook failed") || intern(&str_new_phase_context, "new_phase_context") ||
-        intern(&str_class, "__class__") ||
+        intern(&str_class, "__class__") || intern(&str_forward_depth, "forward_depth") ||
+        intern(&str_forward_start_ns, "forward_start_ns") || intern(&str_thread_id, "thread_id") ||
+        intern(&str_backward_hooks, "backward_hooks") ||
+        intern(&str_optimizer_start_ns, "optimizer_start_ns") ||
+        intern(&str_backward_start_ns, "backward_start_ns") || intern(&str_forward, "forward") ||
+        intern(&str_backward, "backward") || intern(&str_optimizer, "optimizer") ||
+        intern(&str_requires_grad, "requires_grad") ||
+        intern(&str_backward_hooks_attr, "_backward_hooks") || intern(&str_grad_fn, "grad_fn") ||
+        intern(&str_register_hook_dict, "_register_hook_dict") ||
+        intern(&str_forward_post, "forward_post") || intern(&str_hook_output, "hook_output") ||
+        intern(&str_post_failed, "auto-mode optimizer hook failed") ||
+        intern(&str_forward_failed, "auto-mode forward hook failed") ||
         intern(&str_clock_msg, "the clock raised in phase(); phase ignored")) {
         return NULL;
     }
@@ -1932,7 +2367,7 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         PyType_Ready(&PhaseContextType) < 0 || PyType_Ready(&PhaseLookupType) < 0 ||
         PyType_Ready(&ClockStampType) < 0 || PyType_Ready(&EventMarkerType) < 0 ||
         PyType_Ready(&MarkStampType) < 0 || PyType_Ready(&OptimizerGateType) < 0 ||
-        PyType_Ready(&ForwardGateType) < 0) {
+        PyType_Ready(&ForwardGateType) < 0 || PyType_Ready(&BackwardStartType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&module_def);
@@ -1947,7 +2382,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         PyModule_AddType(module, &EventMarkerType) < 0 ||
         PyModule_AddType(module, &MarkStampType) < 0 ||
         PyModule_AddType(module, &OptimizerGateType) < 0 ||
-        PyModule_AddType(module, &ForwardGateType) < 0) {
+        PyModule_AddType(module, &ForwardGateType) < 0 ||
+        PyModule_AddType(module, &BackwardStartType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from stepwatch.exporters import InMemoryExporter, StepMonitor, _recorder
@@ -32,16 +30,9 @@ def recorder_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     return str(request.param)
 
 
-@pytest.fixture
-def gloo(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def _monitor() -> StepMonitor:
+def _monitor(stride: int = 1 << 40) -> StepMonitor:
+    """A monitor keeping its windows in memory that times 1 step in ``stride`` (the default:
+    nothing sampled unless a test sets the stride to 1)."""
     return StepMonitor(
         job_id="toggle",
         rank=0,
@@ -49,7 +40,7 @@ def _monitor() -> StepMonitor:
         exporter=InMemoryExporter(),
         start=False,
         health=False,
-        phase_sampling=1 << 40,  # nothing sampled unless a test sets the stride to 1
+        phase_sampling=stride,
     )
 
 

@@ -19,24 +19,22 @@ One line, no change to the training loop: ``monitor.instrument(model, optimizer)
   allreduces). DDP keeps its built-in C++ allreduce, so nothing is added per bucket: any
   Python comm hook costs a Python call per bucket and, on CPU, one more pass over the
   gradients to average them (DDP's reducer fuses that into its copy; ~1.6 ms per 1.2 M
-  parameters on this project's CPU bench). The rank that arrives last waits least;
+  parameters on the CPU bench). The rank that arrives last waits least;
 - communication with ``comm_hook`` (or ``collective_timing=True``): a DDP comm hook that
   wraps the allreduce (the hook you pass, or a timed copy of the default one) and times each
   bucket from the moment its collective is issued to its future's completion — transfer plus
   waiting for the peers, also the part hidden under backward; the hook's own work before the
   collective is not counted. The phase is the union of those intervals in the step;
 - data: time from the previous step's end to the next forward (auto steps only);
-- step boundary: the end of ``optimizer.step()``, unless the loop uses ``monitor.step()``
-  itself, in which case the hooks only add phases to those steps.
+- step boundary: the end of ``optimizer.step()``, unless the loop uses ``monitor.step()``.
 
 Sampling (``StepMonitor(phase_sampling=...)``, ``_sampling``; default: every step): the
 recorder says at each step's start whether its phases are timed (``recorder.sampled``) and
 gives the model its own class on a step that is not (``_forward._ClassSwap``), which then runs
 the optimizer hooks' check and, in auto steps, the step boundary; its output gets no backward
-hook. **Communication is timed on every
-step**, sampled or not: the exposed wait's start is a C clock stamp (``_fastrecord.ClockStamp``,
-the last parameter's post-accumulate-grad hook: no Python frame), its end the optimizer
-pre-hook, entered on every step anyway; a comm hook's collectives run on every step anyway.
+hook. **Communication is timed on every step**, sampled or not: the exposed wait's start is a
+C clock stamp (``_fastrecord.ClockStamp``, the last parameter's post-accumulate-grad hook),
+its end the optimizer pre-hook; a comm hook's collectives run on every step anyway.
 So a one-off stall on an untimed step still shows who waited for whom; the window says which
 phases rest on every step (``stepwatch.phase.every_step``, docs/schema.md). A rank stuck in
 such a step is placed from the training thread's stack (``_stack_phase``).
@@ -44,11 +42,10 @@ such a step is placed from the training thread's stack (``_stack_phase``).
 Numerics are untouched: hooks return ``None`` (no gradient or output is replaced) and the
 comm hook returns the inner hook's own tensor.
 
-Cost on the training thread (issue 15; docs/exporters.md has the figures and how they were
-measured). Instruction counts (callgrind, deterministic) do not grow with the model; what
-grows is what each instruction costs: the hooks run between the model's kernels, which on a
-large model evict the hooks' code and data from L2, so their ~2-3 k L1 cache misses per step
-are served from L3 instead of L2. Hence the least code per step:
+Cost on the training thread (issue 15; docs/exporters.md): the hooks run between the model's
+kernels, which on a large model evict their code and data from L2, so each instruction costs
+more there. Hence the least code per step (on a loop-marked step with the C recorder, the
+gates in ``fastrecord.c`` take a timed step's forward and optimizer hooks too):
 
 - the forward by a class swap (above) instead of two module hooks, whose slow path in
   ``nn.Module._call_impl`` was ~10 k instructions a step on its own;
@@ -58,11 +55,9 @@ are served from L3 instead of L2. Hence the least code per step:
   ``RemovableHandle`` cost more than the hook (a one-time probe at set-up falls back to
   ``register_hook`` if a torch version changes those internals; tensor subclasses that
   override torch functions still go through it). Same hook, same moment;
-- each hook reads the clock once (``time.perf_counter_ns`` itself with the system clock) and
-  the step boundary is one reading: the end of a step is the next one's start and the data
-  phase's start;
-- a deep copy, a copy or a pickle of an instrumented model (an EMA copy) is of the original
-  class and not instrumented; a replica made by ``nn.DataParallel`` runs the plain forward.
+- each hook reads the clock once, and the step boundary is one reading (a step's end is the
+  next one's start and the data phase's). A deep copy, a copy or a pickle of an instrumented
+  model is of the original class; a replica made by ``nn.DataParallel`` runs the plain forward.
 """
 
 from __future__ import annotations
@@ -288,35 +283,40 @@ class _AutoState:
                 return
             self.forward_depth = 0
             self.recorder.add_sampled_phase_ns("forward", self.clock_ns() - self.forward_start_ns)
-            if not self._grad_enabled():
-                return
-            tensor = (
-                output
-                if type(output) is self._tensor_type
-                else first_grad_tensor(output, self._tensor_type)
-            )
-            if tensor is None or not tensor.requires_grad:
-                return
-            if self._direct_tensor_hooks and not self._has_torch_function(tensor):
-                # What Tensor.register_hook does, without the OrderedDict and RemovableHandle
-                # it builds per call (most of its cost in a step): our entry in the output's
-                # dict of tensor hooks, which autograd runs when the gradient reaches the
-                # output (before the output's node). A new dict is registered on the node (a
-                # leaf output has none); an existing one (the model's own hooks, or ours on
-                # a leaf output from the previous step) already is.
-                hooks = tensor._backward_hooks
-                if hooks is None:
-                    hooks = HookDict()
-                    tensor._backward_hooks = hooks
-                    node = tensor.grad_fn
-                    if node is not None:
-                        node._register_hook_dict(tensor)
-                hooks[self.hook_key] = self._on_backward_start
-                self.backward_hooks = hooks
-            else:  # a tensor subclass that overrides torch functions decides itself
-                self.backward_handle = tensor.register_hook(self._on_backward_start)
+            self.hook_output(output)
         except Exception:
             self.recorder.misuse("auto", "auto-mode forward hook failed", exc_info=True)
+
+    def hook_output(self, output: Any) -> None:
+        """The backward-start hook on the output a forward's gradient reaches first (its
+        callers report what it raises)."""
+        if not self._grad_enabled():
+            return
+        tensor = (
+            output
+            if type(output) is self._tensor_type
+            else first_grad_tensor(output, self._tensor_type)
+        )
+        if tensor is None or not tensor.requires_grad:
+            return
+        if self._direct_tensor_hooks and not self._has_torch_function(tensor):
+            # What Tensor.register_hook does, without the OrderedDict and RemovableHandle
+            # it builds per call (most of its cost in a step): our entry in the output's
+            # dict of tensor hooks, which autograd runs when the gradient reaches the
+            # output (before the output's node). A new dict is registered on the node (a
+            # leaf output has none); an existing one (the model's own hooks, or ours on
+            # a leaf output from the previous step) already is.
+            hooks = tensor._backward_hooks
+            if hooks is None:
+                hooks = HookDict()
+                tensor._backward_hooks = hooks
+                node = tensor.grad_fn
+                if node is not None:
+                    node._register_hook_dict(tensor)
+            hooks[self.hook_key] = self._on_backward_start
+            self.backward_hooks = hooks
+        else:  # a tensor subclass that overrides torch functions decides itself
+            self.backward_handle = tensor.register_hook(self._on_backward_start)
 
     def backward_start(self, grad: Any) -> None:
         # A tensor hook on the model's output: the gradient has reached the model.
@@ -515,10 +515,10 @@ def _optimizer_hooks(state: _AutoState) -> tuple[Any, Any]:
         or type(stamp) is not getattr(_fastrecord, "ClockStamp", None)
     ):
         return state.optimizer_pre, state.optimizer_post
-    gate = _fastrecord.OptimizerGate
+    gate = _fastrecord.OptimizerGate  # with the state: a timed step's path in C too
     state.gates = (
-        gate("pre", state.recorder, state.optimizer_pre, stamp),
-        gate("post", state.recorder, state.optimizer_post, state.comm_starts_ns),
+        gate("pre", state.recorder, state.optimizer_pre, stamp, state),
+        gate("post", state.recorder, state.optimizer_post, state.comm_starts_ns, state),
     )
     return state.gates
 
@@ -555,7 +555,7 @@ def install_hooks(
     state = state_type(recorder)
     pre, post = _optimizer_hooks(state)
     handles: list[Any] = [
-        time_forward(state, model),
+        time_forward(state, model, in_c=type(state) is _AutoState),
         optimizer.register_step_pre_hook(pre),
         optimizer.register_step_post_hook(post),
     ]

@@ -51,7 +51,9 @@ class MarkStamp:
 class OptimizerGate:
     active: bool
     slow: Any
-    def __init__(self, kind: str, recorder: Any, slow: Any, extra: Any) -> None: ...
+    def __init__(
+        self, kind: str, recorder: Any, slow: Any, extra: Any, state: Any = None
+    ) -> None: ...
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> Any: ...
 
 class ForwardGate:
@@ -59,3 +61,16 @@ class ForwardGate:
         self, target: Any, state: Any, recorder: Any, stamp: Any, forward: Any, slow: Any
     ) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def time_in_c(
+        self,
+        tensor_type: type,
+        grad_enabled: Callable[[], bool],
+        has_torch_function: Callable[[Any], bool],
+        hook_dict_type: type,
+        hook_key: int,
+        hook: Callable[..., None],
+    ) -> None: ...
+
+class BackwardStart:
+    def __init__(self, state: Any) -> None: ...
+    def __call__(self, *args: object, **kwargs: object) -> None: ...

@@ -20,6 +20,7 @@ import copyreg
 import functools
 import itertools
 import logging
+import sys
 import types
 from typing import Any, Final
 
@@ -84,14 +85,17 @@ class _ClassSwap:
             object.__setattr__(self.model, "__class__", self.original)
 
 
-def time_forward(state: Any, model: Any) -> Any:
+def time_forward(state: Any, model: Any, *, in_c: bool = False) -> Any:
     """Time ``model``'s forward by a class swap, or with module hooks where it cannot be.
+
+    ``in_c``: ``state`` is a plain ``_auto._AutoState`` (not a subclass with hooks of its own),
+    so the C gate may time a loop-marked step's forward itself (``ForwardGate.time_in_c``).
 
     Module hooks are the fallback: a forward set on the instance (it would shadow the
     class's), a forward that is not a plain function, or a class that refuses the swap.
     """
     try:
-        swap = _swap_class(state, model)
+        swap = _swap_class(state, model, in_c)
     except Exception:
         logger.debug("class swap refused; forward timed with module hooks", exc_info=True)
         swap = None
@@ -125,7 +129,7 @@ def _new_object(cls: Any, *args: Any) -> Any:
     return cls.__new__(cls, *args)
 
 
-def _swap_class(state: Any, model: Any) -> _ClassSwap | None:
+def _swap_class(state: Any, model: Any, in_c: bool = False) -> _ClassSwap | None:
     original: Any = type(model)
     forward = getattr(original, "forward", None)
     if "forward" in vars(model) or not isinstance(forward, types.FunctionType):
@@ -167,7 +171,7 @@ def _swap_class(state: Any, model: Any) -> _ClassSwap | None:
 
     namespace = {
         "__slots__": (),
-        "forward": _forward_gate(state, target, forward, timed_forward),
+        "forward": _forward_gate(state, target, forward, timed_forward, in_c),
         "__reduce_ex__": __reduce_ex__,
         "__module__": original.__module__,
         "__qualname__": original.__qualname__,
@@ -179,10 +183,14 @@ def _swap_class(state: Any, model: Any) -> _ClassSwap | None:
     return _ClassSwap(model, original, timed, recorder)
 
 
-def _forward_gate(state: Any, target: Any, forward: Any, timed_forward: Any) -> Any:
+def _forward_gate(
+    state: Any, target: Any, forward: Any, timed_forward: Any, in_c: bool = False
+) -> Any:
     """``timed_forward`` behind a C gate (``_fastrecord.ForwardGate``: a step whose phases are
-    not timed calls the original forward without a Python frame of ours) where the recorder
-    and the last-gradient stamp are the C ones; ``timed_forward`` itself elsewhere."""
+    not timed calls the original forward without a Python frame of ours; with ``in_c`` and
+    torch's tensor-hook internals as probed, a loop-marked timed step is timed there too, as
+    ``forward_pre``, ``forward_post`` and ``hook_output`` would) where the recorder and the
+    last-gradient stamp are the C ones; ``timed_forward`` itself elsewhere."""
     recorder, stamp = state.recorder, state.gradient_stamp
     if (
         FAST_RECORDER is None
@@ -191,6 +199,19 @@ def _forward_gate(state: Any, target: Any, forward: Any, timed_forward: Any) -> 
     ):
         return timed_forward
     gate = _fastrecord.ForwardGate(target, state, recorder, stamp, forward, timed_forward)
+    if in_c and state._direct_tensor_hooks:
+        # The backward-start hook in C too (_fastrecord.BackwardStart): the same variables.
+        state._on_backward_start = _fastrecord.BackwardStart(state)
+        torch = sys.modules["torch"]
+        has_torch_function = torch.overrides.has_torch_function_unary
+        gate.time_in_c(
+            torch.Tensor,
+            torch.is_grad_enabled,
+            has_torch_function,
+            HookDict,
+            state.hook_key,
+            state._on_backward_start,
+        )
     return functools.update_wrapper(gate, forward)  # __wrapped__: signature, _stack's codes
 
 
