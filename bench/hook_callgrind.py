@@ -15,6 +15,15 @@ thousand instructions per step from block to block; ``valgrind --separate-thread
 each thread apart (``cg.PID.N-TT``) and ``--report '/tmp/cg.*.*-01'`` counts the training
 thread alone (what the hooks cost it).
 
+``--compare REV`` does all of that itself for a DDP step with the loop's own ``step()``, for
+git ``REV`` (a worktree with its extensions built) and this tree, one callgrind run each:
+arms ``plain+step``, ``all_unsampled+step`` and ``all+step``, ``--rounds`` rounds (the first
+left out), the training thread only. It prints per tree the median instructions per step over
+``plain+step`` of an untimed and of a timed step, and a step's average when ``auto`` times 1
+step in ``--stride`` (8 at a 20 ms step with 10 s windows)::
+
+    .venv/bin/python bench/hook_callgrind.py --compare e316de8 --steps 40 --rounds 6
+
 ``--kind ddp`` wraps the model in ``DistributedDataParallel`` over a 1-rank gloo group (the
 exposed-wait hook on the last gradient is then installed too). ``--report`` prints each dump's
 events per step. Put ``plain`` twice or more: the first block
@@ -63,6 +72,75 @@ def _report(pattern: str, steps: int) -> None:
         print(f"{Path(path).name:<16} {arm:<12} per step: {values}")
 
 
+COMPARED = ("all_unsampled+step", "all+step")
+
+
+def _compare(rev: str, steps: int, rounds: int, stride: int) -> None:
+    """``--compare``: this tree and ``rev`` under callgrind, side by side (module docstring)."""
+    import statistics
+
+    import step_instructions
+
+    arms = ",".join(["plain+step", *COMPARED] * rounds)
+    with tempfile.TemporaryDirectory() as temporary:
+        scratch = Path(temporary)
+        trees = [(rev, step_instructions._checkout(rev, scratch / "base"))]
+        trees.append(("this tree", Path(__file__).resolve().parent.parent / "exporters" / "src"))
+        try:
+            for position, (name, source) in enumerate(trees):
+                out = scratch / f"cg{position}"
+                out.mkdir()
+                subprocess.run(
+                    [
+                        "valgrind",
+                        "--tool=callgrind",
+                        "--separate-threads=yes",
+                        f"--callgrind-out-file={out}/cg.%p",
+                        sys.executable,
+                        __file__,
+                        "--kind",
+                        "ddp",
+                        "--arms",
+                        arms,
+                        "--steps",
+                        str(steps),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    env={**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(source)},
+                )
+                per_arm: dict[str, list[float]] = {}
+                dumps = glob.glob(f"{out}/cg.*.*-01")
+                for path in sorted(dumps, key=lambda p: int(p.rsplit(".", 1)[1].split("-")[0])):
+                    lines = Path(path).read_text(errors="replace").splitlines()
+                    arm = next(line.split(":")[-1].strip() for line in lines if "Trigger" in line)
+                    total = next(
+                        int(line.split()[1]) for line in lines if line.startswith("summary:")
+                    )
+                    per_arm.setdefault(arm, []).append(total / steps)
+                plain = per_arm["plain+step"][1:]
+                over = {
+                    arm: statistics.median(
+                        a - b for a, b in zip(per_arm[arm][1:], plain, strict=True)
+                    )
+                    for arm in COMPARED
+                }
+                untimed, timed = over["all_unsampled+step"], over["all+step"]
+                average = (timed + (stride - 1) * untimed) / stride
+                print(
+                    f"{name:<10} over plain DDP + step(): untimed {untimed:+,.0f}, timed "
+                    f"{timed:+,.0f}, a step at 1 in {stride} timed {average:+,.0f} instructions "
+                    f"(training thread, medians of {rounds - 1} rounds of {steps} steps)",
+                    flush=True,
+                )
+        finally:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(scratch / "base")],
+                cwd=Path(__file__).resolve().parent.parent,
+                check=False,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", default="plain,all,plain,all")
@@ -74,9 +152,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--baseline-rev", default="")
     parser.add_argument("--report", default="", help="glob of callgrind dumps to summarise")
+    parser.add_argument("--compare", default="", help="a git revision against this tree")
+    parser.add_argument("--rounds", type=int, default=6, help="--compare: rounds of arms")
+    parser.add_argument("--stride", type=int, default=8, help="--compare: 1 step in N timed")
     args = parser.parse_args()
     if args.report:
         _report(args.report, args.steps)
+        return
+    if args.compare:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        _compare(args.compare, args.steps, args.rounds, args.stride)
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
