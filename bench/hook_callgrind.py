@@ -20,7 +20,8 @@ git ``REV`` (a worktree with its extensions built) and this tree, one callgrind 
 arms ``plain+step``, ``all_unsampled+step`` and ``all+step``, ``--rounds`` rounds (the first
 left out), the training thread only. It prints per tree the median instructions per step over
 ``plain+step`` of an untimed and of a timed step, and a step's average when ``auto`` times 1
-step in ``--stride`` (8 at a 20 ms step with 10 s windows)::
+step in ``--stride`` (8 at a 20 ms step with 10 s windows); ``--auto-steps``: the same without
+``step()``, auto mode marking the steps itself (arms ``plain``, ``all_unsampled``, ``all``)::
 
     .venv/bin/python bench/hook_callgrind.py --compare e316de8 --steps 40 --rounds 6
 
@@ -72,16 +73,15 @@ def _report(pattern: str, steps: int) -> None:
         print(f"{Path(path).name:<16} {arm:<12} per step: {values}")
 
 
-COMPARED = ("all_unsampled+step", "all+step")
-
-
-def _compare(rev: str, steps: int, rounds: int, stride: int) -> None:
+def _compare(rev: str, steps: int, rounds: int, stride: int, auto_steps: bool) -> None:
     """``--compare``: this tree and ``rev`` under callgrind, side by side (module docstring)."""
     import statistics
 
     import step_instructions
 
-    arms = ",".join(["plain+step", *COMPARED] * rounds)
+    suffix = "" if auto_steps else "+step"
+    plain_arm, untimed_arm, timed_arm = (f"{a}{suffix}" for a in ("plain", "all_unsampled", "all"))
+    arms = ",".join([plain_arm, untimed_arm, timed_arm] * rounds)
     with tempfile.TemporaryDirectory() as temporary:
         scratch = Path(temporary)
         trees = [(rev, step_instructions._checkout(rev, scratch / "base"))]
@@ -118,17 +118,14 @@ def _compare(rev: str, steps: int, rounds: int, stride: int) -> None:
                         int(line.split()[1]) for line in lines if line.startswith("summary:")
                     )
                     per_arm.setdefault(arm, []).append(total / steps)
-                plain = per_arm["plain+step"][1:]
-                over = {
-                    arm: statistics.median(
-                        a - b for a, b in zip(per_arm[arm][1:], plain, strict=True)
-                    )
-                    for arm in COMPARED
-                }
-                untimed, timed = over["all_unsampled+step"], over["all+step"]
+                plain = per_arm[plain_arm][1:]
+                untimed, timed = (
+                    statistics.median(a - b for a, b in zip(per_arm[arm][1:], plain, strict=True))
+                    for arm in (untimed_arm, timed_arm)
+                )
                 average = (timed + (stride - 1) * untimed) / stride
                 print(
-                    f"{name:<10} over plain DDP + step(): untimed {untimed:+,.0f}, timed "
+                    f"{name:<10} over plain DDP{suffix}: untimed {untimed:+,.0f}, timed "
                     f"{timed:+,.0f}, a step at 1 in {stride} timed {average:+,.0f} instructions "
                     f"(training thread, medians of {rounds - 1} rounds of {steps} steps)",
                     flush=True,
@@ -155,13 +152,16 @@ def main() -> None:
     parser.add_argument("--compare", default="", help="a git revision against this tree")
     parser.add_argument("--rounds", type=int, default=6, help="--compare: rounds of arms")
     parser.add_argument("--stride", type=int, default=8, help="--compare: 1 step in N timed")
+    parser.add_argument(
+        "--auto-steps", action="store_true", help="--compare: no step(), auto mode's own steps"
+    )
     args = parser.parse_args()
     if args.report:
         _report(args.report, args.steps)
         return
     if args.compare:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        _compare(args.compare, args.steps, args.rounds, args.stride)
+        _compare(args.compare, args.steps, args.rounds, args.stride, args.auto_steps)
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parent))

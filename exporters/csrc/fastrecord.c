@@ -10,9 +10,9 @@
  *   keep their Python names, as member descriptors), with begin_step() and end_step() in C;
  * - StepContext and PhaseContext: the contexts monitor.step() and monitor.phase() return;
  * - ClockStamp: a callable that takes the time (auto mode's last-gradient hook);
- * - OptimizerGate, ForwardGate, BackwardStart: auto mode's hooks (_auto.py) for loop-marked
- *   steps, timed or not, on the auto-mode state's own attributes; anything unusual goes to the
- *   Python hooks;
+ * - OptimizerGate, ForwardGate, BackwardStart: auto mode's hooks (_auto.py), steps timed or
+ *   not, marked by the loop or by auto mode, on the auto-mode state's own attributes;
+ *   anything unusual goes to the Python hooks;
  * - the class swap at each step's start (swap_forward_classes): the model's own class on a
  *   step whose phases are not timed.
  *
@@ -1418,7 +1418,7 @@ static PyObject *str_forward_depth, *str_forward_start_ns, *str_thread_id, *str_
 static PyObject *str_optimizer_start_ns, *str_backward_start_ns, *str_forward, *str_backward;
 static PyObject *str_optimizer, *str_requires_grad, *str_backward_hooks_attr, *str_grad_fn;
 static PyObject *str_register_hook_dict, *str_forward_post, *str_hook_output, *str_post_failed;
-static PyObject *str_forward_failed, *str_enabled, *str_in_backward;
+static PyObject *str_forward_failed, *str_enabled, *str_in_backward, *str_data_start_ns, *str_data;
 
 /* The state's __dict__ (borrowed), or NULL (no exception) when it has none. */
 static PyObject *state_dict(PyObject *state) {
@@ -1508,14 +1508,31 @@ static PyTypeObject OptimizerGateType;
 
 static PyObject *str_auto_key, *str_pre_failed;
 
-/* A timed step's optimizer hook in C, as _AutoState.optimizer_pre / optimizer_post do it for
- * loop-marked steps: 1 done, 0 not taken (the Python hook runs: anything unusual, nothing
- * changed yet), -1 failed part-way with an exception set (reported as the hook would). The
- * pre-hook opens the optimizer phase, ends an open backward and the exposed wait since the
- * last gradient; the post-hook closes the optimizer phase where no collective was timed. */
+/* The step boundary of auto steps at ``now`` (the post-hook's one clock read): this step's
+ * end, the next one's start and the data phase's start. -1 with an exception set. */
+static int auto_boundary(RecorderCore *recorder, PyObject *dict, long long now) {
+    PyObject *now_object = PyLong_FromLongLong(now);
+    if (now_object == NULL) {
+        return -1;
+    }
+    PyObject *ended = do_end(recorder, 0, now_object);
+    PyObject *begun = ended == NULL ? NULL : do_begin(recorder, 0, now_object);
+    int failed = begun == NULL || PyDict_SetItem(dict, str_data_start_ns, now_object) < 0;
+    Py_XDECREF(ended);
+    Py_XDECREF(begun);
+    Py_DECREF(now_object);
+    return failed ? -1 : 0;
+}
+
+/* A step's optimizer hook in C, as _AutoState.optimizer_pre / optimizer_post do it: 1 done,
+ * 0 not taken (the Python hook runs: anything unusual, nothing changed yet), -1 failed
+ * part-way with an exception set (reported as the hook would). The pre-hook (a timed step)
+ * opens the optimizer phase, ends an open backward and the exposed wait since the last
+ * gradient; the post-hook (a timed step, or any auto step) closes the optimizer phase and, in
+ * auto steps, marks the step boundary, where no collective was timed. */
 static int optimizer_timed(OptimizerGate *self, RecorderCore *recorder) {
     PyObject *dict = state_dict(self->state);
-    if (dict == NULL || !recorder->explicit_steps || dict_flag(dict, str_enabled) != 1) {
+    if (dict == NULL || dict_flag(dict, str_enabled) != 1) {
         return 0;
     }
     long long now;
@@ -1563,6 +1580,10 @@ static int optimizer_timed(OptimizerGate *self, RecorderCore *recorder) {
             return -1;
         }
     }
+    if (!recorder->explicit_steps && recorder->step_depth > 0 &&
+        auto_boundary(recorder, dict, now) < 0) {
+        return -1;
+    }
     return 1;
 }
 
@@ -1573,7 +1594,7 @@ static PyObject *OptimizerGate_vectorcall(PyObject *callable, PyObject *const *a
     if (!self->active || recorder == NULL) {
         Py_RETURN_NONE;
     }
-    if (recorder->sampled) {
+    if (recorder->sampled || (!self->is_pre && !recorder->explicit_steps)) {
         int done = optimizer_timed(self, recorder);
         if (done == 1) {
             Py_RETURN_NONE;
@@ -1970,7 +1991,7 @@ static PyObject *forward_post_slow(ForwardGate *self, PyObject *const *args, Py_
     return output;
 }
 
-/* A timed step's forward in C, as the Python wrapper does it for a loop-marked step (the
+/* A timed step's forward in C, as the Python wrapper does it (an auto step's data phase, the
  * forward phase, the output's backward-start hook): NULL with no exception set when not taken
  * (anything unusual: the wrapper runs, nothing changed yet), else the forward's result. */
 static PyObject *forward_timed(ForwardGate *self, PyObject *const *args, size_t nargsf,
@@ -1978,10 +1999,25 @@ static PyObject *forward_timed(ForwardGate *self, PyObject *const *args, size_t 
     RecorderCore *recorder = self->recorder;
     PyObject *dict = state_dict(self->state);
     long long depth = 0, start;
-    if (self->hook == NULL || dict == NULL || !recorder->explicit_steps ||
-        dict_flag(dict, str_enabled) != 1 || dict_flag(dict, str_in_backward) != 0 ||
-        dict_ll(dict, str_forward_depth, &depth) < 0 || depth != 0 || monotonic_ns(&start) != 0) {
+    if (self->hook == NULL || dict == NULL || dict_flag(dict, str_enabled) != 1 ||
+        dict_flag(dict, str_in_backward) != 0 || dict_ll(dict, str_forward_depth, &depth) < 0 ||
+        depth != 0 || monotonic_ns(&start) != 0) {
         return NULL;
+    }
+    if (!recorder->explicit_steps) { /* an auto step: its data phase ends here */
+        PyObject *data_start = PyDict_GetItemWithError(dict, str_data_start_ns);
+        long long data_ns = 0;
+        if (data_start == NULL ||
+            (data_start != Py_None && dict_ll(dict, str_data_start_ns, &data_ns) < 0)) {
+            PyErr_Clear();
+            return NULL;
+        }
+        if (data_start != Py_None &&
+            (add_ns(recorder->sampled_ns, str_data, start - data_ns) < 0 ||
+             PyDict_SetItem(dict, str_data_start_ns, Py_None) < 0)) {
+            PyErr_Clear();
+            return NULL;
+        }
     }
     PyObject *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
     int failed = thread == NULL || dict_set_ll(dict, str_forward_depth, 1) < 0 ||
@@ -2354,6 +2390,7 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_forward_post, "forward_post") || intern(&str_hook_output, "hook_output") ||
         intern(&str_post_failed, "auto-mode optimizer hook failed") ||
         intern(&str_forward_failed, "auto-mode forward hook failed") ||
+        intern(&str_data_start_ns, "data_start_ns") || intern(&str_data, "data") ||
         intern(&str_clock_msg, "the clock raised in phase(); phase ignored")) {
         return NULL;
     }

@@ -10,6 +10,7 @@ stepwatch's.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -23,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from stepwatch.exporters import InMemoryExporter, StepMonitor, _recorder
 from tests.exporters.test_class_toggle import _monitor
 
-SLEEP_S = {"forward": 0.020, "backward": 0.050, "optimizer": 0.030}
+SLEEP_S = {"data": 0.015, "forward": 0.020, "backward": 0.050, "optimizer": 0.030}
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -65,48 +66,59 @@ class _SlowSGD(torch.optim.Optimizer):
         return None
 
 
-def _timed_steps(steps: int) -> tuple[list[dict[str, int]], list[int], StepMonitor]:
-    """``steps`` timed DDP steps of the slow model: each step's sampled phases and length."""
+def _timed_steps(steps: int, loop_marks: bool) -> tuple[list[dict[str, int]], StepMonitor]:
+    """``steps`` timed DDP steps of the slow model, marked by the loop (``monitor.step()``)
+    or by auto mode (the optimizer's post-hook): each step's sampled phases (its record's)."""
     torch.manual_seed(0)
     model = DistributedDataParallel(_SlowModel())
     optimizer = _SlowSGD(model.parameters(), lr=0.01)
     monitor = _monitor(1)
     handle = monitor.instrument(model, optimizer)
-    phases: list[dict[str, int]] = []
-    lengths: list[int] = []
-    recorder = monitor._recorder
+    context = monitor.step if loop_marks else contextlib.nullcontext
     try:
         for _ in range(steps):
-            started = time.perf_counter_ns()
-            with monitor.step():
+            with context():
+                time.sleep(SLEEP_S["data"])  # auto steps: the data phase
                 model(torch.randn(4, 8)).sum().backward()
                 optimizer.step()
-                phases.append(dict(recorder._sampled_ns))
                 optimizer.zero_grad()
-            lengths.append(time.perf_counter_ns() - started)
     finally:
         handle.remove()
-    return phases, lengths, monitor
+    records = list(monitor._recorder.buffer)
+    assert [record[0] for record in records] == list(range(len(records)))
+    for record in records:
+        assert sum(record[5].values()) <= record[2] - record[1]  # the phases fit in the step
+    return [dict(record[5]) for record in records], monitor
 
 
 @pytest.mark.parametrize("path", ["c", "python"])
-def test_each_phase_holds_its_own_sleep(path: str, gloo: None, monkeypatch: Any) -> None:
+@pytest.mark.parametrize("loop_marks", [True, False], ids=["step()", "auto steps"])
+def test_each_phase_holds_its_own_sleep(
+    path: str, loop_marks: bool, gloo: None, monkeypatch: Any
+) -> None:
     if path == "c" and _recorder.FAST_RECORDER is None:
         pytest.skip("_fastrecord is not built")
     if path == "python":
         monkeypatch.setattr(_recorder, "FAST_RECORDER", None)
-    phases, lengths, monitor = _timed_steps(5)
+    phases, monitor = _timed_steps(5, loop_marks)
     try:
-        for step, length in zip(phases, lengths, strict=True):
-            assert sorted(step) == ["backward", "forward", "optimizer"]
-            for name, sleep_s in SLEEP_S.items():
-                assert step[name] >= sleep_s * 1e9, (name, step)
-            assert sum(step.values()) <= length
+        # Auto steps: each ends at the optimizer's post-hook, and the first has no data phase
+        # (it opened at its own forward).
+        expected = ["backward", "forward", "optimizer"]
+        assert len(phases) == 5
+        for index, step in enumerate(phases):
+            names = expected if loop_marks or index == 0 else ["data", *expected]
+            assert sorted(step) == sorted(names), step
+            for name in names:
+                assert step[name] >= SLEEP_S[name] * 1e9, (name, step)
         # No phase holds another's sleep (the median step: a loaded host may oversleep once).
-        median = {name: statistics.median(step[name] for step in phases) for name in SLEEP_S}
+        median = {name: statistics.median(step[name] for step in phases) for name in expected}
         assert median["forward"] < SLEEP_S["backward"] * 1e9
         assert median["backward"] < (SLEEP_S["backward"] + SLEEP_S["optimizer"]) * 1e9
         assert median["optimizer"] < SLEEP_S["backward"] * 1e9 + SLEEP_S["optimizer"] * 1e9
+        if not loop_marks:
+            data = statistics.median(step["data"] for step in phases[1:])
+            assert SLEEP_S["data"] * 1e9 <= data < SLEEP_S["backward"] * 1e9
         monitor.export_now()
         exported = monitor._exporter
         assert isinstance(exported, InMemoryExporter) and exported.exported
@@ -114,12 +126,16 @@ def test_each_phase_holds_its_own_sleep(path: str, gloo: None, monkeypatch: Any)
         monitor.close(timeout_s=1.0)
 
 
-def test_a_timed_ddp_step_enters_no_python_frame_of_stepwatch(gloo: None) -> None:
+@pytest.mark.parametrize("loop_marks", [True, False], ids=["step()", "auto steps"])
+@pytest.mark.parametrize("stride", [1, 1 << 40], ids=["timed", "untimed"])
+def test_a_ddp_step_enters_no_python_frame_of_stepwatch(
+    loop_marks: bool, stride: int, gloo: None
+) -> None:
     if _recorder.FAST_RECORDER is None:
         pytest.skip("_fastrecord is not built")
     model = DistributedDataParallel(torch.nn.Linear(8, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = _monitor(1)
+    monitor = _monitor(stride)
     handle = monitor.instrument(model, optimizer)
     package = str(Path(_recorder.__file__).parent)
     entered: list[str] = []
@@ -128,8 +144,10 @@ def test_a_timed_ddp_step_enters_no_python_frame_of_stepwatch(gloo: None) -> Non
         if event == "call" and frame.f_code.co_filename.startswith(package):
             entered.append(frame.f_code.co_name)
 
+    context = monitor.step if loop_marks else contextlib.nullcontext
+
     def step() -> None:
-        with monitor.step():
+        with context():
             model(torch.randn(4, 8)).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -141,7 +159,7 @@ def test_a_timed_ddp_step_enters_no_python_frame_of_stepwatch(gloo: None) -> Non
             step()
         finally:
             sys.setprofile(None)
-        assert monitor._recorder.sampled is True
+        assert monitor._recorder.sampled is (stride == 1)
         assert entered == []
         step()
         assert len(monitor._recorder.buffer) == 3

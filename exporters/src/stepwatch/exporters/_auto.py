@@ -44,8 +44,8 @@ comm hook returns the inner hook's own tensor.
 
 Cost on the training thread (issue 15; docs/exporters.md): the hooks run between the model's
 kernels, which on a large model evict their code and data from L2, so each instruction costs
-more there. Hence the least code per step (on a loop-marked step with the C recorder, the
-gates in ``fastrecord.c`` take a timed step's forward and optimizer hooks too):
+more there. Hence the least code per step (with the C recorder the gates in ``fastrecord.c``
+take a step's hooks, timed or not, and auto steps' boundary: no Python frame of ours):
 
 - the forward by a class swap (above) instead of two module hooks, whose slow path in
   ``nn.Module._call_impl`` was ~10 k instructions a step on its own;

@@ -89,7 +89,7 @@ def time_forward(state: Any, model: Any, *, in_c: bool = False) -> Any:
     """Time ``model``'s forward by a class swap, or with module hooks where it cannot be.
 
     ``in_c``: ``state`` is a plain ``_auto._AutoState`` (not a subclass with hooks of its own),
-    so the C gate may time a loop-marked step's forward itself (``ForwardGate.time_in_c``).
+    so the C gate may time a step's forward itself (``ForwardGate.time_in_c``).
 
     Module hooks are the fallback: a forward set on the instance (it would shadow the
     class's), a forward that is not a plain function, or a class that refuses the swap.
@@ -188,7 +188,7 @@ def _forward_gate(
 ) -> Any:
     """``timed_forward`` behind a C gate (``_fastrecord.ForwardGate``: a step whose phases are
     not timed calls the original forward without a Python frame of ours; with ``in_c`` and
-    torch's tensor-hook internals as probed, a loop-marked timed step is timed there too, as
+    torch's tensor-hook internals as probed, a timed step is timed there too, as
     ``forward_pre``, ``forward_post`` and ``hook_output`` would) where the recorder and the
     last-gradient stamp are the C ones; ``timed_forward`` itself elsewhere."""
     recorder, stamp = state.recorder, state.gradient_stamp
