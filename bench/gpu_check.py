@@ -18,9 +18,18 @@ Parts (each in its own try: one failing part does not hide the others):
 5. ``overhead``: a single-GPU loop without and with the full monitor, in alternating
    processes: median step times side by side (``--baseline DIR`` adds ``old:ARM`` arms run
    on another stepwatch tree, e.g. the previous commit's, in the same run).
-6. ``marks``: what one device mark costs the training thread, each way of making one.
+6. ``marks``: what one device mark costs the training thread, each way of making one (and,
+   in a ring of 256, with the oldest event's destruction).
 7. ``hostbound``: ``overhead`` on a model so small the host is the bottleneck (no
    synchronisation per step): the microseconds each arm adds to the host's step.
+8. ``frames``: a 1-rank DDP job (NCCL) with the default monitor: whether a step, timed or
+   not, loop-marked or auto, enters a Python frame of stepwatch's, and its phases.
+9. ``abhooks``: the hooks' cost to the training thread in one process (blocks with and
+   without each monitor's instrumentation, paired per round; bare-event arms), free of the
+   process-to-process spread of ``hostbound``. Run it once per tree (``PYTHONPATH``).
+
+The first step's kernels: ``cupti`` enables CUPTI before its warm-up step, as the monitor does
+(``on_monitor_start``), and reports that step's matrix-product records.
 
 Usage (on the GPU machine; ``OUT`` is where results go)::
 
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import collections
 import gzip
 import http.server
 import json
@@ -116,6 +126,11 @@ def part_cupti() -> dict[str, Any]:
     from stepwatch.exporters.kernels import CuptiSource
 
     source = CuptiSource()
+    # As the monitor does when it makes its recorder: CUPTI on before the first step, so that
+    # the first step's kernels count (the warm-up below must hold its 4 products).
+    start = getattr(source, "on_monitor_start", None)
+    if start is not None:
+        start()
     device = torch.device("cuda")
     a = torch.randn(2048, 2048, device=device)
     host = torch.randn(4096, 4096)
@@ -178,7 +193,11 @@ def part_cupti() -> dict[str, Any]:
             "summarise_us_per_record": round(drain_s / 20000 * 1e6, 3),
         }
     source.close()
+    first = steps[0]["classes"]
     return {
+        "first_step_gemm_records": sum(
+            count for name, (count, _) in first.items() if name.startswith("gemm")
+        ),
         "active": source.active,
         "bulk_still_on": source._bulk,
         "dropped_records": source.dropped_records,
@@ -245,12 +264,19 @@ def part_marks(count: int = 20_000, rounds: int = 3) -> dict[str, Any]:
 
     timer = CudaEventTimer()
     stamp = _fastrecord.MarkStamp(timer)
+    marker = _fastrecord.EventMarker(factory)
+    ring: collections.deque[Any] = collections.deque(maxlen=256)
+
+    def ring_mark() -> None:  # steady state: each mark also destroys the oldest event
+        ring.append(marker())
+
     ways: dict[str, Callable[[], Any]] = {
         "torch.cuda.Event + record (Python)": cuda_event,
         "torch.Event + record (Python frame)": torch_event,
         "EventMarker (C)": _fastrecord.EventMarker(factory),
         "MarkStamp call (C, autograd's last-gradient stamp)": stamp,
         "CudaEventTimer.mark (as configured)": timer.mark,
+        "EventMarker, a ring of 256 (+ the oldest event's destruction)": ring_mark,
     }
     per_mark: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
@@ -441,6 +467,205 @@ def _metric_names(store: list[dict[str, Any]]) -> set[str]:
     return names
 
 
+# --- frames -----------------------------------------------------------------------------------
+
+
+def part_frames(out_dir: str, steps: int = 40) -> dict[str, Any]:
+    """A 1-rank DDP job (NCCL on the GPU; gloo on a CPU, to try this part anywhere), fully
+    instrumented with the default device timer: does a step, timed or not, marked by the loop
+    or by auto mode, enter a Python frame of stepwatch's, and what do its phases read."""
+    import contextlib
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from stepwatch.exporters import InMemoryExporter, StepMonitor, _recorder
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    store = tempfile.mkdtemp(dir=out_dir if os.path.isdir(out_dir) else None)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"file://{store}/store", rank=0, world_size=1
+    )
+    package = os.path.dirname(_recorder.__file__)
+    results: dict[str, Any] = {"backend": dist.get_backend(), "device": str(device)}
+
+    def case(stride: int, loop_marks: bool) -> dict[str, Any]:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
+        layers += [torch.nn.Linear(1024, 1024), torch.nn.ReLU()]
+        model = DistributedDataParallel(torch.nn.Sequential(*layers).to(device))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+        exporter = InMemoryExporter()
+        monitor = StepMonitor(
+            job_id="frames",
+            rank=0,
+            world_size=1,
+            exporter=exporter,
+            start=False,
+            health=False,
+            phase_sampling=stride,
+        )
+        handle = monitor.instrument(model, optimizer)
+        data = torch.randn(256, 1024, device=device)
+        context = monitor.step if loop_marks else contextlib.nullcontext
+        entered: list[str] = []
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_filename.startswith(package):
+                entered.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+
+        for index in range(steps):
+            if index == steps // 2:
+                sys.setprofile(profile)
+            try:
+                with context():
+                    model(data).square().mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            finally:
+                sys.setprofile(None)
+        if cuda:
+            torch.cuda.synchronize()
+        state = handle._state
+        sampled = monitor._recorder.sampled  # the last step's (1 in 2**40: none)
+        handle.remove()
+        monitor.close(timeout_s=5.0)
+        phases: dict[str, list[float]] = {}
+        for window in exporter.exported:
+            for metric in window.resource_metrics[0].scope_metrics[0].metrics:
+                if metric.name == "stepwatch.phase.duration":
+                    for point in metric.data.data_points:
+                        name = str(point.attributes["stepwatch.phase"])
+                        entry = phases.setdefault(name, [0, 0.0])
+                        entry[0] += point.count
+                        entry[1] += point.sum
+        return {
+            "state": type(state).__name__,
+            "c_gates": bool(state.gates),
+            "timer": getattr(monitor._device_timer, "kind", None),
+            "last_step_sampled": sampled,
+            "python_frames_entered": entered[:20],
+            "python_frames_count": len(entered),
+            "misuse": monitor.stats.misuse,
+            "phase_ms_per_step": {
+                name: round(total / max(count, 1) * 1e3, 4)
+                for name, (count, total) in sorted(phases.items())
+            },
+            "phase_counts": {name: entry[0] for name, entry in sorted(phases.items())},
+        }
+
+    try:
+        for stride in (1, 1 << 40):
+            for loop_marks in (True, False):
+                kind = "timed" if stride == 1 else "untimed"
+                results[f"{kind}/{'step()' if loop_marks else 'auto'}"] = case(stride, loop_marks)
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+# --- in-process A/B of the hooks -----------------------------------------------------------------
+
+
+def part_abhooks(rounds: int = 30, block: int = 50, hidden: int = 256, batch: int = 64) -> Any:
+    """The training thread's cost of auto mode's hooks, in one process: blocks of ``block``
+    host-bound steps (no synchronisation), with no instrumentation and with each monitor's
+    in turn (instrumented, then removed), round after round. No export thread runs and no
+    kernel source: the hooks, the recorder and the marks alone. Paired per round, so the
+    process-to-process spread of ``hostbound`` (±15 %) is out. On a GPU, arms ``bare-marks-N``
+    (no monitor) make N CUDA events a step the way the device timer does, and keep the last
+    512: what the events themselves cost in this loop, their destruction included."""
+    import functools
+
+    import torch
+
+    from stepwatch.exporters import InMemoryExporter, StepMonitor
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    layers: list[Any] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    data = torch.randn(batch, hidden, device=device)
+
+    def monitor(**options: Any) -> StepMonitor:
+        return StepMonitor(
+            job_id="ab",
+            rank=0,
+            world_size=1,
+            exporter=InMemoryExporter(),
+            start=False,
+            health=False,
+            **options,
+        )
+
+    bare = {"bare-marks-2": 2, "bare-marks-7": 7} if cuda else {}  # no monitor: N events a
+    # step, made and recorded in C, held in a ring so the oldest are destroyed as a run goes
+    ring: collections.deque[Any] = collections.deque(maxlen=512)
+    marker: Any = None
+    if cuda:
+        from stepwatch.exporters import _fastrecord
+
+        marker = _fastrecord.EventMarker(functools.partial(torch.Event, "cuda", enable_timing=True))
+    monitors = {
+        "device": monitor(),  # the default: phases on the device where there is one
+        "host": monitor(device_timer="cpu"),
+        "device-every-step": monitor(phase_sampling=1),
+        "host-every-step": monitor(device_timer="cpu", phase_sampling=1),
+    }
+
+    marks = 0
+
+    def one() -> None:
+        for _ in range(marks):
+            ring.append(marker())
+        loss = model(data).square().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(30):
+        one()
+    times: dict[str, list[float]] = {"off": [], **{name: [] for name in (*monitors, *bare)}}
+    for _ in range(rounds):
+        for arm in times:
+            handle = monitors[arm].instrument(model, optimizer) if arm in monitors else None
+            marks = bare.get(arm, 0)
+            for _ in range(5):
+                one()
+            if cuda:
+                torch.cuda.synchronize()
+            begin = time.perf_counter()
+            for _ in range(block):
+                one()
+            times[arm].append((time.perf_counter() - begin) / block)
+            if handle is not None:
+                handle.remove()
+    for each in monitors.values():
+        each.close(timeout_s=5.0)
+    added = {
+        arm: sorted((a - b) * 1e6 for a, b in zip(times[arm], times["off"], strict=True))
+        for arm in times
+        if arm != "off"
+    }
+    return {
+        "timers": {name: getattr(m._device_timer, "kind", None) for name, m in monitors.items()},
+        "median_step_us": {arm: round(statistics.median(v) * 1e6, 2) for arm, v in times.items()},
+        "added_us_median_paired": {arm: round(statistics.median(v), 2) for arm, v in added.items()},
+        "added_us_quartiles": {
+            arm: [round(v[len(v) // 4], 2), round(v[(3 * len(v)) // 4], 2)]
+            for arm, v in added.items()
+        },
+        "misuse": {name: m.stats.misuse for name, m in monitors.items()},
+    }
+
+
 # --- overhead ---------------------------------------------------------------------------------
 
 OVERHEAD_CHILD = r"""
@@ -475,8 +700,9 @@ if arm != "off" and not marks and not inner:
         device_timer="cpu" if arm == "host-phases" else "auto",
         phase_sampling=1 if arm == "every-step" else "auto",
         export_interval_s=3600.0 if arm == "on-no-export" else None)
-    monitor.instrument(model, optimizer)
+    handle = monitor.instrument(model, optimizer)
     kind = getattr(monitor._device_timer, "kind", None)
+    c_gates = bool(getattr(handle._state, "gates", ()))
 def one():
     inner_mark(0)
     output = model(data)
@@ -515,7 +741,9 @@ if monitor is not None:
     monitor.close()
 print(json.dumps({"median_ms": statistics.median(times) * 1e3,
                   "mean_ms": statistics.fmean(times) * 1e3,
-                  "mark": None if monitor is None else kind}))
+                  "mark": None if monitor is None else kind,
+                  "c_gates": None if monitor is None else c_gates,
+                  "misuse": None if monitor is None else monitor.stats.misuse}))
 """
 
 
@@ -647,6 +875,8 @@ def main() -> int:
         "cupti": part_cupti,
         "timer": part_timer,
         "marks": part_marks,
+        "frames": lambda: part_frames(args.out),
+        "abhooks": part_abhooks,
         "straggler": lambda: part_job(args.out, "straggler"),
         "regression": lambda: part_job(args.out, "regression"),
         "straggler4": lambda: part_job(args.out, "straggler", 4),

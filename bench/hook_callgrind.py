@@ -25,6 +25,9 @@ step in ``--stride`` (8 at a 20 ms step with 10 s windows); ``--auto-steps``: th
 
     .venv/bin/python bench/hook_callgrind.py --compare e316de8 --steps 40 --rounds 6
 
+``--device``: the same with phases timed on a stand-in device timer whose marks are C calls
+(``hook_cost.StandInDevice``): ``DeviceAutoState``'s hooks and the recorder's device marks.
+
 ``--kind ddp`` wraps the model in ``DistributedDataParallel`` over a 1-rank gloo group (the
 exposed-wait hook on the last gradient is then installed too). ``--report`` prints each dump's
 events per step. Put ``plain`` twice or more: the first block
@@ -73,7 +76,9 @@ def _report(pattern: str, steps: int) -> None:
         print(f"{Path(path).name:<16} {arm:<12} per step: {values}")
 
 
-def _compare(rev: str, steps: int, rounds: int, stride: int, auto_steps: bool) -> None:
+def _compare(
+    rev: str, steps: int, rounds: int, stride: int, auto_steps: bool, device: bool = False
+) -> None:
     """``--compare``: this tree and ``rev`` under callgrind, side by side (module docstring)."""
     import statistics
 
@@ -107,7 +112,12 @@ def _compare(rev: str, steps: int, rounds: int, stride: int, auto_steps: bool) -
                     ],
                     check=True,
                     capture_output=True,
-                    env={**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(source)},
+                    env={
+                        **os.environ,
+                        "PYTHONHASHSEED": "0",
+                        "PYTHONPATH": str(source),
+                        "STEPWATCH_BENCH_DEVICE": "1" if device else "0",
+                    },
                 )
                 per_arm: dict[str, list[float]] = {}
                 dumps = glob.glob(f"{out}/cg.*.*-01")
@@ -124,8 +134,9 @@ def _compare(rev: str, steps: int, rounds: int, stride: int, auto_steps: bool) -
                     for arm in (untimed_arm, timed_arm)
                 )
                 average = (timed + (stride - 1) * untimed) / stride
+                marks = " (device marks)" if device else ""
                 print(
-                    f"{name:<10} over plain DDP{suffix}: untimed {untimed:+,.0f}, timed "
+                    f"{name:<10} over plain DDP{suffix}{marks}: untimed {untimed:+,.0f}, timed "
                     f"{timed:+,.0f}, a step at 1 in {stride} timed {average:+,.0f} instructions "
                     f"(training thread, medians of {rounds - 1} rounds of {steps} steps)",
                     flush=True,
@@ -155,13 +166,18 @@ def main() -> None:
     parser.add_argument(
         "--auto-steps", action="store_true", help="--compare: no step(), auto mode's own steps"
     )
+    parser.add_argument(
+        "--device",
+        action="store_true",
+        help="--compare: phases on a stand-in device timer (DeviceAutoState, C-cheap marks)",
+    )
     args = parser.parse_args()
     if args.report:
         _report(args.report, args.steps)
         return
     if args.compare:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        _compare(args.compare, args.steps, args.rounds, args.stride, args.auto_steps)
+        _compare(args.compare, args.steps, args.rounds, args.stride, args.auto_steps, args.device)
         return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -152,6 +152,29 @@ def _install(auto: ModuleType, recorder: Any, model: Any, optimizer: Any) -> Any
     )
 
 
+class StandInDevice:
+    """A device timer whose marks cost what a C call costs (``itertools.count``): auto mode's
+    device-timed path (``DeviceAutoState``, marks at each phase's ends) on a CPU, for
+    instruction counts (``STEPWATCH_BENCH_DEVICE=1``); a CUDA event's own cost is measured on
+    a GPU (``bench/gpu_check.py --parts marks``)."""
+
+    def __init__(self) -> None:
+        import itertools
+
+        self.mark = itertools.count(1).__next__
+
+    def ready(self, mark: Any) -> bool:
+        return True
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        return (end - start) * 1e-6
+
+
+def _device_mode() -> bool:
+    """Whether the bench's monitor times phases on :class:`StandInDevice`."""
+    return os.environ.get("STEPWATCH_BENCH_DEVICE", "") == "1"
+
+
 class Bench:
     """One model and optimizer; installs an arm's hooks, times blocks of steps."""
 
@@ -189,7 +212,7 @@ class Bench:
             world_size=1,
             exporter=NullExporter(),
             health=False,
-            device_timer="cpu",
+            device_timer=StandInDevice() if _device_mode() else "cpu",
             start=False,
         )
         self.baseline = baseline
@@ -223,6 +246,9 @@ class Bench:
 
         from stepwatch.exporters import _auto
         from stepwatch.exporters._sampling import PhaseSampler
+
+        if _device_mode():  # its install_hooks picks DeviceAutoState for a device timer
+            from stepwatch.exporters import _auto_device as _auto  # type: ignore[no-redef]
 
         model, optimizer, monitor = self.model, self.optimizer, self.monitor
         handles: list[Any] = []

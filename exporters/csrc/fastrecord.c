@@ -1312,8 +1312,9 @@ static PyTypeObject EventMarkerType = {
 
 /* MarkStamp(device_timer): ClockStamp with a device mark. Called with anything (autograd's
  * post-accumulate-grad hook, on its device thread): ``mark = device_timer.mark()``, then
- * ``ns`` = CLOCK_MONOTONIC; where the mark or the clock fails, ns 0 and mark None. Never
- * raises. (_auto_device.DeviceStamp in Python, for other clocks.) */
+ * ``ns`` = CLOCK_MONOTONIC; a mark that fails is None (the wait keeps its host time), a clock
+ * that fails leaves ns 0. Never raises. (_auto_device.DeviceStamp in Python, for other
+ * clocks.) */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
@@ -1329,17 +1330,14 @@ static PyObject *MarkStamp_vectorcall(PyObject *callable, PyObject *const *args,
     (void)kwnames;
     MarkStamp *self = (MarkStamp *)callable;
     PyObject *mark = PyObject_CallMethodNoArgs(self->device, str_mark);
-    long long now;
-    if (mark == NULL || monotonic_ns(&now) != 0) {
+    if (mark == NULL) {
         PyErr_Clear();
-        Py_XDECREF(mark);
-        self->ns = 0;
         Py_INCREF(Py_None);
-        Py_XSETREF(self->mark, Py_None);
-        Py_RETURN_NONE;
+        mark = Py_None;
     }
+    long long now;
     Py_XSETREF(self->mark, mark);
-    self->ns = now;
+    self->ns = monotonic_ns(&now) == 0 ? now : 0;
     Py_RETURN_NONE;
 }
 
@@ -1419,6 +1417,9 @@ static PyObject *str_optimizer_start_ns, *str_backward_start_ns, *str_forward, *
 static PyObject *str_optimizer, *str_requires_grad, *str_backward_hooks_attr, *str_grad_fn;
 static PyObject *str_register_hook_dict, *str_forward_post, *str_hook_output, *str_post_failed;
 static PyObject *str_forward_failed, *str_enabled, *str_in_backward, *str_data_start_ns, *str_data;
+/* DeviceAutoState's marks (_auto_device): the same attributes, read and written in C too. */
+static PyObject *str_forward_mark, *str_backward_mark, *str_optimizer_mark, *str_data_mark;
+static PyObject *str_mark_key, *str_mark_msg, *str_recorder;
 
 /* The state's __dict__ (borrowed), or NULL (no exception) when it has none. */
 static PyObject *state_dict(PyObject *state) {
@@ -1478,6 +1479,52 @@ static int add_ns(PyObject *phases, PyObject *name, long long elapsed) {
     return 0;
 }
 
+/* A last-gradient stamp: a ClockStamp, or a MarkStamp (the same layout up to ``ns``). */
+static int is_stamp(PyObject *object) {
+    return PyObject_TypeCheck(object, &ClockStampType) || PyObject_TypeCheck(object, &MarkStampType);
+}
+
+/* The mark a MarkStamp took with its time (borrowed), or NULL for a ClockStamp. */
+static PyObject *stamp_mark(ClockStamp *stamp) {
+    return PyObject_TypeCheck((PyObject *)stamp, &MarkStampType) ? ((MarkStamp *)stamp)->mark
+                                                                 : NULL;
+}
+
+/* device.mark() taken before anything changed: a new reference, or NULL with no exception set
+ * (the Python hook then runs, takes it again and reports what went wrong). */
+static PyObject *take_mark(PyObject *device) {
+    PyObject *mark = PyObject_CallMethodNoArgs(device, str_mark);
+    if (mark == NULL) {
+        PyErr_Clear();
+    }
+    return mark;
+}
+
+/* device.mark() taken once the state has changed: a new reference, or NULL reported as the
+ * Python hooks report it (misuse "device-mark"); that phase keeps its host time alone. */
+static PyObject *mark_or_report(PyObject *device, PyObject *recorder) {
+    PyObject *mark = PyObject_CallMethodNoArgs(device, str_mark);
+    if (mark == NULL) {
+        report_misuse(recorder, str_mark_key, str_mark_msg, 1);
+    }
+    return mark;
+}
+
+/* The open step's device interval (start, end) of phase ``name``: every step's (sampled 0,
+ * add_device_phase) or a sampled step's auto phase (add_sampled_device_phase). Nothing where
+ * either mark is missing. -1 with an exception set. */
+static int device_interval(RecorderCore *recorder, int sampled, PyObject *name, PyObject *start,
+                           PyObject *end) {
+    if (start == NULL || end == NULL || start == Py_None || end == Py_None) {
+        return 0;
+    }
+    PyObject *args[3] = {name, start, end};
+    PyObject *done = sampled ? RecorderCore_add_sampled_device_phase(recorder, args, 3)
+                             : RecorderCore_add_device_phase(recorder, args, 3);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
 /* ------------------------------------------------------------------ OptimizerGate */
 
 /* Auto mode's optimizer step hooks (_auto._AutoState.optimizer_pre / optimizer_post) with their
@@ -1500,6 +1547,7 @@ typedef struct {
     PyObject *comm_starts;  /* post: the state's list of issued collectives */
     PyObject *name;         /* pre: "communication" */
     PyObject *state;        /* the auto-mode state for a timed step's path, or NULL: slow */
+    PyObject *device;       /* DeviceAutoState's device timer (marks, as its hooks take), or NULL */
     char is_pre;
     char active;
 } OptimizerGate;
@@ -1536,31 +1584,58 @@ static int optimizer_timed(OptimizerGate *self, RecorderCore *recorder) {
         return 0;
     }
     long long now;
+    PyObject *mark = NULL; /* with a device timer: this hook's mark */
+    int result = 1;
     if (self->is_pre) {
         int in_backward = dict_flag(dict, str_in_backward);
         long long backward_start = 0;
+        PyObject *backward_mark = NULL; /* borrowed */
         if (self->stamp == NULL || in_backward < 0 ||
             (in_backward && dict_ll(dict, str_backward_start_ns, &backward_start) < 0) ||
             monotonic_ns(&now) != 0) {
             return 0;
         }
+        if (self->device != NULL) {
+            /* DeviceAutoState.optimizer_pre: the optimizer's start mark ends the backward and
+             * the exposed wait on the device too. */
+            if (in_backward &&
+                (backward_mark = PyDict_GetItemWithError(dict, str_backward_mark)) == NULL) {
+                PyErr_Clear();
+                return 0;
+            }
+            Py_XINCREF(backward_mark);
+            if ((mark = take_mark(self->device)) == NULL) {
+                Py_XDECREF(backward_mark);
+                return 0;
+            }
+            if (PyDict_SetItem(dict, str_optimizer_mark, mark) < 0) {
+                Py_XDECREF(backward_mark);
+                goto failed;
+            }
+        }
         if (dict_set_ll(dict, str_optimizer_start_ns, now) < 0) {
-            return -1;
+            Py_XDECREF(backward_mark);
+            goto failed;
         }
         if (in_backward) {
-            if (PyDict_SetItem(dict, str_in_backward, Py_False) < 0 ||
-                add_ns(recorder->sampled_ns, str_backward, now - backward_start) < 0) {
-                return -1;
+            int failed = PyDict_SetItem(dict, str_in_backward, Py_False) < 0 ||
+                         add_ns(recorder->sampled_ns, str_backward, now - backward_start) < 0 ||
+                         device_interval(recorder, 1, str_backward, backward_mark, mark) < 0 ||
+                         (mark != NULL && PyDict_SetItem(dict, str_backward_mark, Py_None) < 0);
+            Py_XDECREF(backward_mark);
+            if (failed) {
+                goto failed;
             }
         }
         long long last = self->stamp->ns;
         if (last != 0) {
             self->stamp->ns = 0;
-            if (now > last && add_ns(recorder->phases_ns, self->name, now - last) < 0) {
-                return -1;
+            if (device_interval(recorder, 0, self->name, stamp_mark(self->stamp), mark) < 0 ||
+                (now > last && add_ns(recorder->phases_ns, self->name, now - last) < 0)) {
+                goto failed;
             }
         }
-        return 1;
+        goto done;
     }
     if (self->comm_starts == NULL || !PyList_CheckExact(self->comm_starts) ||
         PyList_GET_SIZE(self->comm_starts) != 0) {
@@ -1574,17 +1649,51 @@ static int optimizer_timed(OptimizerGate *self, RecorderCore *recorder) {
         PyErr_Clear();
         return 0;
     }
+    PyObject *optimizer_mark = NULL;
+    if (self->device != NULL) {
+        /* DeviceAutoState.optimizer_post: the optimizer phase on the device, and an auto step's
+         * data phase starts at the new step's start mark. */
+        optimizer_mark = PyDict_GetItemWithError(dict, str_optimizer_mark);
+        if (optimizer_mark == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (optimizer_mark != Py_None) {
+            if ((mark = take_mark(self->device)) == NULL) {
+                return 0;
+            }
+            Py_INCREF(optimizer_mark);
+            int failed = device_interval(recorder, 1, str_optimizer, optimizer_mark, mark) < 0 ||
+                         PyDict_SetItem(dict, str_optimizer_mark, Py_None) < 0;
+            Py_DECREF(optimizer_mark);
+            if (failed) {
+                goto failed;
+            }
+        }
+    }
     if (start_object != Py_None) {
         if (add_ns(recorder->sampled_ns, str_optimizer, now - start) < 0 ||
             PyDict_SetItem(dict, str_optimizer_start_ns, Py_None) < 0) {
-            return -1;
+            goto failed;
         }
     }
-    if (!recorder->explicit_steps && recorder->step_depth > 0 &&
-        auto_boundary(recorder, dict, now) < 0) {
-        return -1;
+    if (!recorder->explicit_steps && recorder->step_depth > 0) {
+        if (auto_boundary(recorder, dict, now) < 0) {
+            goto failed;
+        }
+        if (self->device != NULL &&
+            PyDict_SetItem(dict, str_data_mark, recorder->step_start_mark != NULL
+                                                    ? recorder->step_start_mark
+                                                    : Py_None) < 0) {
+            goto failed;
+        }
     }
-    return 1;
+    goto done;
+failed:
+    result = -1;
+done:
+    Py_XDECREF(mark);
+    return result;
 }
 
 static PyObject *OptimizerGate_vectorcall(PyObject *callable, PyObject *const *args,
@@ -1615,21 +1724,19 @@ static PyObject *OptimizerGate_vectorcall(PyObject *callable, PyObject *const *a
             Py_RETURN_NONE;
         }
         long long now;
-        if (monotonic_ns(&now) != 0) {
+        /* With a device timer (DeviceAutoState._close_wait) the wait ends at a mark too. */
+        PyObject *end = NULL;
+        if ((self->device != NULL && (end = take_mark(self->device)) == NULL) ||
+            monotonic_ns(&now) != 0) {
+            Py_XDECREF(end);
             return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
         }
         self->stamp->ns = 0;
-        if (now > last) {
-            PyObject *elapsed = PyLong_FromLongLong(now - last);
-            PyObject *added = elapsed == NULL ? NULL
-                                              : add_to(recorder->phases_ns, self->name, elapsed);
-            Py_XDECREF(elapsed);
-            if (added == NULL) {
-                report_misuse((PyObject *)recorder, str_auto_key, str_pre_failed, 1);
-            } else {
-                Py_DECREF(added);
-            }
+        if (device_interval(recorder, 0, self->name, stamp_mark(self->stamp), end) < 0 ||
+            (now > last && add_ns(recorder->phases_ns, self->name, now - last) < 0)) {
+            report_misuse((PyObject *)recorder, str_auto_key, str_pre_failed, 1);
         }
+        Py_XDECREF(end);
         Py_RETURN_NONE;
     }
     if (!recorder->sampled && recorder->explicit_steps && self->comm_starts != NULL &&
@@ -1643,14 +1750,14 @@ static PyObject *OptimizerGate_call(PyObject *self, PyObject *args, PyObject *kw
     return PyVectorcall_Call(self, args, kwargs);
 }
 
-/* OptimizerGate(kind, recorder, slow, stamp_or_comm_starts): kind "pre" (a ClockStamp) or
- * "post" (the list of issued collectives). */
+/* OptimizerGate(kind, recorder, slow, stamp_or_comm_starts[, state[, device]]): kind "pre" (a
+ * ClockStamp; a MarkStamp with a device) or  * "post" (the list of issued collectives). */
 static PyObject *OptimizerGate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     const char *kind;
-    PyObject *recorder, *slow, *extra, *state = NULL;
+    PyObject *recorder, *slow, *extra, *state = NULL, *device = NULL;
     if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) ||
-        !PyArg_ParseTuple(args, "sO!OO|O:OptimizerGate", &kind, &RecorderCoreType, &recorder,
-                          &slow, &extra, &state)) {
+        !PyArg_ParseTuple(args, "sO!OO|OO:OptimizerGate", &kind, &RecorderCoreType, &recorder,
+                          &slow, &extra, &state, &device)) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_TypeError, "OptimizerGate(kind, recorder, slow, extra)");
         }
@@ -1661,9 +1768,19 @@ static PyObject *OptimizerGate_new(PyTypeObject *type, PyObject *args, PyObject 
         PyErr_SetString(PyExc_ValueError, "kind must be 'pre' or 'post'");
         return NULL;
     }
-    if (is_pre ? !PyObject_TypeCheck(extra, &ClockStampType) : !PyList_CheckExact(extra)) {
-        PyErr_SetString(PyExc_TypeError, is_pre ? "a pre gate needs the ClockStamp"
-                                                : "a post gate needs the list of collectives");
+    if (device == Py_None) {
+        device = NULL;
+    }
+    if (is_pre ? !(device == NULL ? PyObject_TypeCheck(extra, &ClockStampType)
+                                  : PyObject_TypeCheck(extra, &MarkStampType))
+               : !PyList_CheckExact(extra)) {
+        PyErr_SetString(PyExc_TypeError,
+                        is_pre ? "a pre gate needs the ClockStamp (a MarkStamp with a device)"
+                               : "a post gate needs the list of collectives");
+        return NULL;
+    }
+    if (device != NULL && (state == NULL || state == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "a gate with a device timer needs the state");
         return NULL;
     }
     if (!PyCallable_Check(slow)) {
@@ -1681,6 +1798,8 @@ static PyObject *OptimizerGate_new(PyTypeObject *type, PyObject *args, PyObject 
         Py_INCREF(state);
         self->state = state;
     }
+    Py_XINCREF(device);
+    self->device = device;
     Py_INCREF(recorder);
     self->recorder = (RecorderCore *)recorder;
     Py_INCREF(slow);
@@ -1705,6 +1824,7 @@ static int OptimizerGate_traverse(OptimizerGate *self, visitproc visit, void *ar
     Py_VISIT(self->slow);
     Py_VISIT(self->comm_starts);
     Py_VISIT(self->state);
+    Py_VISIT(self->device);
     return 0;
 }
 
@@ -1715,6 +1835,7 @@ static int OptimizerGate_clear(OptimizerGate *self) {
     Py_CLEAR(self->comm_starts);
     Py_CLEAR(self->name);
     Py_CLEAR(self->state);
+    Py_CLEAR(self->device);
     return 0;
 }
 
@@ -1772,11 +1893,13 @@ static PyTypeObject OptimizerGateType = {
 /* BackwardStart(state): _AutoState.backward_start without a Python frame, the tensor hook that
  * autograd calls when the gradient reaches the model's output (whatever its arguments): unless
  * the state is disabled or its backward already open, backward_start_ns = CLOCK_MONOTONIC (ns)
- * and in_backward = True. Returns None (the gradient is not replaced); never raises. */
+ * and in_backward = True; with a device timer (DeviceAutoState) backward_mark = a mark too (None
+ * where the timer fails, reported). Returns None (the gradient is not replaced); never raises. */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *state;
+    PyObject *device; /* DeviceAutoState's device timer: backward_mark too; or NULL */
 } BackwardStart;
 
 static PyObject *BackwardStart_vectorcall(PyObject *callable, PyObject *const *args,
@@ -1784,12 +1907,25 @@ static PyObject *BackwardStart_vectorcall(PyObject *callable, PyObject *const *a
     (void)args;
     (void)nargsf;
     (void)kwnames;
-    PyObject *dict = state_dict(((BackwardStart *)callable)->state);
+    BackwardStart *self = (BackwardStart *)callable;
+    PyObject *dict = state_dict(self->state);
     long long now;
-    if (dict != NULL && dict_flag(dict, str_enabled) == 1 &&
-        dict_flag(dict, str_in_backward) == 0 && monotonic_ns(&now) == 0 &&
-        (dict_set_ll(dict, str_backward_start_ns, now) < 0 ||
-         PyDict_SetItem(dict, str_in_backward, Py_True) < 0)) {
+    if (dict == NULL || dict_flag(dict, str_enabled) != 1 ||
+        dict_flag(dict, str_in_backward) != 0 || monotonic_ns(&now) != 0) {
+        Py_RETURN_NONE;
+    }
+    if (dict_set_ll(dict, str_backward_start_ns, now) < 0 ||
+        PyDict_SetItem(dict, str_in_backward, Py_True) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (self->device != NULL) { /* DeviceAutoState.backward_start: the backward's start mark */
+        PyObject *recorder = PyDict_GetItemWithError(dict, str_recorder); /* borrowed */
+        PyObject *mark = recorder == NULL ? NULL : mark_or_report(self->device, recorder);
+        if (PyDict_SetItem(dict, str_backward_mark, mark == NULL ? Py_None : mark) < 0) {
+            PyErr_Clear();
+        }
+        Py_XDECREF(mark);
         PyErr_Clear();
     }
     Py_RETURN_NONE;
@@ -1802,11 +1938,11 @@ static PyObject *BackwardStart_call(PyObject *self, PyObject *args, PyObject *kw
 }
 
 static PyObject *BackwardStart_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *state;
+    PyObject *state, *device = NULL;
     if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) ||
-        !PyArg_ParseTuple(args, "O:BackwardStart", &state)) {
+        !PyArg_ParseTuple(args, "O|O:BackwardStart", &state, &device)) {
         if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_TypeError, "BackwardStart(state)");
+            PyErr_SetString(PyExc_TypeError, "BackwardStart(state[, device])");
         }
         return NULL;
     }
@@ -1815,17 +1951,23 @@ static PyObject *BackwardStart_new(PyTypeObject *type, PyObject *args, PyObject 
         self->vectorcall = BackwardStart_vectorcall;
         Py_INCREF(state);
         self->state = state;
+        if (device != NULL && device != Py_None) {
+            Py_INCREF(device);
+            self->device = device;
+        }
     }
     return (PyObject *)self;
 }
 
 static int BackwardStart_traverse(BackwardStart *self, visitproc visit, void *arg) {
     Py_VISIT(self->state);
+    Py_VISIT(self->device);
     return 0;
 }
 
 static int BackwardStart_clear(BackwardStart *self) {
     Py_CLEAR(self->state);
+    Py_CLEAR(self->device);
     return 0;
 }
 
@@ -1875,6 +2017,7 @@ typedef struct {
     PyObject *hook_dict_type; /* _forward.HookDict */
     PyObject *hook_key;     /* the state's key in an output's tensor-hook dict */
     PyObject *hook;         /* the backward-start hook (the state's bound backward_start) */
+    PyObject *device;       /* DeviceAutoState's device timer (its forward and data marks), or NULL */
 } ForwardGate;
 
 /* attribute ``name`` of ``object`` as a truth value; -1 with an exception set. Read from the
@@ -2004,35 +2147,65 @@ static PyObject *forward_timed(ForwardGate *self, PyObject *const *args, size_t 
         depth != 0 || monotonic_ns(&start) != 0) {
         return NULL;
     }
+    /* With a device timer (DeviceAutoState.forward_pre): the forward's start mark, which also
+     * ends an auto step's data phase on the device (from the step's start mark). */
+    PyObject *mark = NULL, *data_mark = NULL;
+    if (self->device != NULL) {
+        data_mark = PyDict_GetItemWithError(dict, str_data_mark);
+        if (data_mark == NULL) {
+            PyErr_Clear();
+            return NULL;
+        }
+        Py_INCREF(data_mark);
+        if ((mark = take_mark(self->device)) == NULL) {
+            Py_DECREF(data_mark);
+            return NULL;
+        }
+    }
+    int failed = 0;
     if (!recorder->explicit_steps) { /* an auto step: its data phase ends here */
         PyObject *data_start = PyDict_GetItemWithError(dict, str_data_start_ns);
         long long data_ns = 0;
         if (data_start == NULL ||
             (data_start != Py_None && dict_ll(dict, str_data_start_ns, &data_ns) < 0)) {
-            PyErr_Clear();
-            return NULL;
-        }
-        if (data_start != Py_None &&
-            (add_ns(recorder->sampled_ns, str_data, start - data_ns) < 0 ||
-             PyDict_SetItem(dict, str_data_start_ns, Py_None) < 0)) {
-            PyErr_Clear();
-            return NULL;
+            failed = 1;
+        } else if (data_start != Py_None &&
+                   (add_ns(recorder->sampled_ns, str_data, start - data_ns) < 0 ||
+                    PyDict_SetItem(dict, str_data_start_ns, Py_None) < 0 ||
+                    device_interval(recorder, 1, str_data, data_mark, mark) < 0)) {
+            failed = 1;
         }
     }
-    PyObject *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
-    int failed = thread == NULL || dict_set_ll(dict, str_forward_depth, 1) < 0 ||
-                 dict_set_ll(dict, str_forward_start_ns, start) < 0 ||
-                 PyDict_SetItem(dict, str_thread_id, thread) < 0;
+    Py_XDECREF(data_mark);
+    PyObject *thread = failed ? NULL : PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    failed = thread == NULL ||
+             (mark != NULL && (PyDict_SetItem(dict, str_data_mark, Py_None) < 0 ||
+                               PyDict_SetItem(dict, str_forward_mark, mark) < 0)) ||
+             dict_set_ll(dict, str_forward_depth, 1) < 0 ||
+             dict_set_ll(dict, str_forward_start_ns, start) < 0 ||
+             PyDict_SetItem(dict, str_thread_id, thread) < 0;
     Py_XDECREF(thread);
     if (failed) {
         PyErr_Clear();
+        Py_XDECREF(mark);
         return NULL; /* the wrapper opens the phase again from the start */
     }
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *output = PyObject_Vectorcall(self->forward, args, nargsf, kwnames);
     if (output == NULL || dict_ll(dict, str_forward_depth, &depth) < 0 || depth != 1 ||
         state_dict(self->state) != dict || dict_flag(dict, str_enabled) != 1) {
-        return forward_post_slow(self, args, nargs, output);
+        Py_XDECREF(mark);
+        return forward_post_slow(self, args, nargs, output); /* it closes forward_mark too */
+    }
+    if (mark != NULL) { /* DeviceAutoState.forward_post: the forward on the device */
+        PyObject *end_mark = mark_or_report(self->device, (PyObject *)recorder);
+        failed = device_interval(recorder, 1, str_forward, mark, end_mark) < 0 ||
+                 PyDict_SetItem(dict, str_forward_mark, Py_None) < 0;
+        Py_XDECREF(end_mark);
+        Py_DECREF(mark);
+        if (failed) {
+            report_misuse((PyObject *)recorder, str_auto_key, str_forward_failed, 1);
+        }
     }
     long long end;
     int hooked = 0;
@@ -2099,8 +2272,8 @@ static PyObject *ForwardGate_get(PyObject *self, PyObject *instance, PyObject *o
 static PyObject *ForwardGate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *target, *state, *recorder, *stamp, *forward, *slow;
     if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) ||
-        !PyArg_ParseTuple(args, "OOO!O!OO:ForwardGate", &target, &state, &RecorderCoreType,
-                          &recorder, &ClockStampType, &stamp, &forward, &slow)) {
+        !PyArg_ParseTuple(args, "OOO!OOO:ForwardGate", &target, &state, &RecorderCoreType,
+                          &recorder, &stamp, &forward, &slow)) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_TypeError,
                             "ForwardGate(target, state, recorder, stamp, forward, slow)");
@@ -2109,6 +2282,10 @@ static PyObject *ForwardGate_new(PyTypeObject *type, PyObject *args, PyObject *k
     }
     if (!PyCallable_Check(forward) || !PyCallable_Check(slow)) {
         PyErr_SetString(PyExc_TypeError, "forward and slow must be callable");
+        return NULL;
+    }
+    if (!is_stamp(stamp)) {
+        PyErr_SetString(PyExc_TypeError, "stamp must be a ClockStamp or a MarkStamp");
         return NULL;
     }
     ForwardGate *self = (ForwardGate *)type->tp_alloc(type, 0);
@@ -2143,6 +2320,7 @@ static int ForwardGate_traverse(ForwardGate *self, visitproc visit, void *arg) {
     Py_VISIT(self->hook_dict_type);
     Py_VISIT(self->hook_key);
     Py_VISIT(self->hook);
+    Py_VISIT(self->device);
     return 0;
 }
 
@@ -2160,6 +2338,7 @@ static int ForwardGate_clear(ForwardGate *self) {
     Py_CLEAR(self->hook_dict_type);
     Py_CLEAR(self->hook_key);
     Py_CLEAR(self->hook);
+    Py_CLEAR(self->device);
     return 0;
 }
 
@@ -2169,14 +2348,24 @@ static void ForwardGate_dealloc(ForwardGate *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* time_in_c(tensor_type, grad_enabled, has_torch_function, hook_dict_type, hook_key, hook):
- * what a timed step's path in C needs (see forward_timed). */
+/* time_in_c(tensor_type, grad_enabled, has_torch_function, hook_dict_type, hook_key, hook[,
+ * device]): what a timed step's path in C needs (see forward_timed); ``device``: the device
+ * timer of a DeviceAutoState (its marks), None or left out for the host clock alone. */
 static PyObject *ForwardGate_time_in_c(ForwardGate *self, PyObject *const *args,
                                        Py_ssize_t nargs) {
-    if (nargs != 6) {
+    if (nargs != 6 && nargs != 7) {
         PyErr_SetString(PyExc_TypeError, "time_in_c(tensor_type, grad_enabled, "
-                                         "has_torch_function, hook_dict_type, hook_key, hook)");
+                                         "has_torch_function, hook_dict_type, hook_key, hook"
+                                         "[, device])");
         return NULL;
+    }
+    if (nargs == 7 && args[6] != Py_None) {
+        if (!PyObject_TypeCheck((PyObject *)self->stamp, &MarkStampType)) {
+            PyErr_SetString(PyExc_TypeError, "time_in_c: a device needs the gate's MarkStamp");
+            return NULL;
+        }
+        Py_INCREF(args[6]);
+        Py_XSETREF(self->device, args[6]);
     }
     if (!PyType_Check(args[0]) || !PyType_Check(args[3]) || !PyCallable_Check(args[1]) ||
         !PyCallable_Check(args[2]) || !PyCallable_Check(args[5])) {
@@ -2194,8 +2383,8 @@ static PyObject *ForwardGate_time_in_c(ForwardGate *self, PyObject *const *args,
 
 static PyMethodDef ForwardGate_methods[] = {
     {"time_in_c", (PyCFunction)(void (*)(void))ForwardGate_time_in_c, METH_FASTCALL,
-     "time_in_c(tensor_type, grad_enabled, has_torch_function, hook_dict_type, hook_key, hook):"
-     " a timed step's forward in C too."},
+     "time_in_c(tensor_type, grad_enabled, has_torch_function, hook_dict_type, hook_key, hook"
+     "[, device]): a timed step's forward in C too."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2391,6 +2580,10 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_post_failed, "auto-mode optimizer hook failed") ||
         intern(&str_forward_failed, "auto-mode forward hook failed") ||
         intern(&str_data_start_ns, "data_start_ns") || intern(&str_data, "data") ||
+        intern(&str_forward_mark, "forward_mark") || intern(&str_backward_mark, "backward_mark") ||
+        intern(&str_optimizer_mark, "optimizer_mark") || intern(&str_data_mark, "data_mark") ||
+        intern(&str_mark_key, "device-mark") ||
+        intern(&str_mark_msg, "device timer mark() raised") || intern(&str_recorder, "recorder") ||
         intern(&str_clock_msg, "the clock raised in phase(); phase ignored")) {
         return NULL;
     }

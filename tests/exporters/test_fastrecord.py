@@ -533,8 +533,9 @@ def test_the_mark_stamp_takes_a_mark_and_the_time_and_never_raises():
             raise RuntimeError("no device")
 
     broken = _fastrecord.MarkStamp(Broken())
+    before = time.perf_counter_ns()
     broken(None)
-    assert (broken.ns, broken.mark) == (0, None)
+    assert broken.mark is None and broken.ns >= before  # the wait keeps its host time
 
 
 @pytest.mark.parametrize("python", [True, False], ids=["python", "c"])

@@ -72,6 +72,7 @@ from stepwatch.exporters._forward import (
     HookDict,
     direct_tensor_hooks_work,
     first_grad_tensor,
+    hooks_in_c,
     time_forward,
 )
 from stepwatch.exporters._recorder import FAST_RECORDER, StepRecorder, new_clock_stamp
@@ -133,6 +134,8 @@ class _AutoState:
     can be looked up once (the clock function, torch's ``Tensor`` type and grad-mode query, the
     bound backward-start callback) is, at set-up.
     """
+
+    HOOKS_IN_C = True  # fastrecord.c's gates copy these hooks (_forward.hooks_in_c)
 
     def __init__(self, recorder: StepRecorder) -> None:
         import torch
@@ -503,22 +506,16 @@ def _union_ns(starts_ns: list[int], ends_ns: list[int]) -> int:
 
 def _optimizer_hooks(state: _AutoState) -> tuple[Any, Any]:
     """The optimizer's pre- and post-hooks: ``state``'s methods behind C gates
-    (``_fastrecord.OptimizerGate``: a step whose phases are not timed enters no Python frame
-    in ``optimizer.step()``) where the recorder, the last-gradient stamp and the state are
-    the plain C-backed ones; the methods themselves elsewhere (a device timer, no extension).
-    """
-    stamp = state.gradient_stamp
-    if (
-        FAST_RECORDER is None
-        or type(state) is not _AutoState
-        or not isinstance(state.recorder, FAST_RECORDER)
-        or type(stamp) is not getattr(_fastrecord, "ClockStamp", None)
-    ):
+    (``_fastrecord.OptimizerGate``: a step enters no Python frame in ``optimizer.step()``,
+    timed or not, with the device timer's marks where there is one) where the recorder is the
+    C one and ``hooks_in_c`` says so; the methods themselves elsewhere (no extension)."""
+    in_c, device = hooks_in_c(state)
+    if FAST_RECORDER is None or not in_c or not isinstance(state.recorder, FAST_RECORDER):
         return state.optimizer_pre, state.optimizer_post
-    gate = _fastrecord.OptimizerGate  # with the state: a timed step's path in C too
+    gate, recorder, stamp = _fastrecord.OptimizerGate, state.recorder, state.gradient_stamp
     state.gates = (
-        gate("pre", state.recorder, state.optimizer_pre, stamp, state),
-        gate("post", state.recorder, state.optimizer_post, state.comm_starts_ns, state),
+        gate("pre", recorder, state.optimizer_pre, stamp, state, device),
+        gate("post", recorder, state.optimizer_post, state.comm_starts_ns, state, device),
     )
     return state.gates
 
@@ -555,7 +552,7 @@ def install_hooks(
     state = state_type(recorder)
     pre, post = _optimizer_hooks(state)
     handles: list[Any] = [
-        time_forward(state, model, in_c=type(state) is _AutoState),
+        time_forward(state, model, in_c=True),
         optimizer.register_step_pre_hook(pre),
         optimizer.register_step_post_hook(post),
     ]

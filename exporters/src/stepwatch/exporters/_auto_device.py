@@ -57,7 +57,8 @@ def install_hooks(
 class DeviceStamp:
     """The last-gradient stamp with a device mark: ``ns`` (host clock) and ``mark`` (device).
 
-    Called by autograd on its device thread; never raises (``ns`` 0 and no mark on failure).
+    Called by autograd on its device thread; never raises: a mark that fails is None (the
+    wait keeps its host time), a clock that fails leaves ``ns`` 0.
     """
 
     __slots__ = ("_clock_ns", "_device", "mark", "ns")
@@ -71,14 +72,20 @@ class DeviceStamp:
     def __call__(self, *args: object, **kwargs: object) -> None:
         try:
             self.mark = self._device.mark()
+        except Exception:
+            self.mark = None
+        try:
             self.ns = int(self._clock_ns())
         except Exception:
             self.ns = 0
-            self.mark = None
 
 
 class DeviceAutoState(_AutoState):
     """Auto-mode hooks that also time each phase on the device (see the module docstring)."""
+
+    # fastrecord.c's gates copy these hooks too, marks included (_forward.hooks_in_c): with
+    # the C recorder and MarkStamp a step enters no Python frame of these, timed or not.
+    HOOKS_IN_C = True
 
     def __init__(self, recorder: StepRecorder) -> None:
         super().__init__(recorder)

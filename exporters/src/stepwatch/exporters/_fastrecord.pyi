@@ -52,7 +52,13 @@ class OptimizerGate:
     active: bool
     slow: Any
     def __init__(
-        self, kind: str, recorder: Any, slow: Any, extra: Any, state: Any = None
+        self,
+        kind: str,
+        recorder: Any,
+        slow: Any,
+        extra: Any,
+        state: Any = None,
+        device: Any = None,
     ) -> None: ...
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> Any: ...
 
@@ -69,8 +75,9 @@ class ForwardGate:
         hook_dict_type: type,
         hook_key: int,
         hook: Callable[..., None],
+        device: Any = None,
     ) -> None: ...
 
 class BackwardStart:
-    def __init__(self, state: Any) -> None: ...
+    def __init__(self, state: Any, device: Any = None) -> None: ...
     def __call__(self, *args: object, **kwargs: object) -> None: ...

@@ -88,8 +88,8 @@ class _ClassSwap:
 def time_forward(state: Any, model: Any, *, in_c: bool = False) -> Any:
     """Time ``model``'s forward by a class swap, or with module hooks where it cannot be.
 
-    ``in_c``: ``state`` is a plain ``_auto._AutoState`` (not a subclass with hooks of its own),
-    so the C gate may time a step's forward itself (``ForwardGate.time_in_c``).
+    ``in_c``: the C gate may time a step's forward itself (``ForwardGate.time_in_c``) where
+    :func:`hooks_in_c` says so for ``state``.
 
     Module hooks are the fallback: a forward set on the instance (it would shadow the
     class's), a forward that is not a plain function, or a class that refuses the swap.
@@ -183,25 +183,43 @@ def _swap_class(state: Any, model: Any, in_c: bool = False) -> _ClassSwap | None
     return _ClassSwap(model, original, timed, recorder)
 
 
+def hooks_in_c(state: Any) -> tuple[bool, Any]:
+    """Whether C may run ``state``'s hooks on a timed step itself, and the device timer whose
+    marks it then takes (None: the host clock alone).
+
+    Yes for the classes whose hooks ``_fastrecord``'s timed paths copy: ``_auto._AutoState``
+    and ``_auto_device.DeviceAutoState``, each saying so in its own namespace
+    (``HOOKS_IN_C``), so that a subclass with hooks of its own keeps them; and only with the
+    C last-gradient stamp that fits (``ClockStamp``, or ``MarkStamp`` with a device timer),
+    which is made only where the recorder's clock is the one C reads.
+    """
+    if not type(state).__dict__.get("HOOKS_IN_C", False) or _fastrecord is None:
+        return False, None
+    device = getattr(state, "device", None)
+    stamp_type = getattr(_fastrecord, "ClockStamp" if device is None else "MarkStamp", None)
+    return type(state.gradient_stamp) is stamp_type, device
+
+
 def _forward_gate(
     state: Any, target: Any, forward: Any, timed_forward: Any, in_c: bool = False
 ) -> Any:
     """``timed_forward`` behind a C gate (``_fastrecord.ForwardGate``: a step whose phases are
     not timed calls the original forward without a Python frame of ours; with ``in_c`` and
     torch's tensor-hook internals as probed, a timed step is timed there too, as
-    ``forward_pre``, ``forward_post`` and ``hook_output`` would) where the recorder and the
-    last-gradient stamp are the C ones; ``timed_forward`` itself elsewhere."""
+    ``forward_pre``, ``forward_post`` and ``hook_output`` would, with a device timer's marks
+    where the state has one) where the recorder and the last-gradient stamp are the C ones;
+    ``timed_forward`` itself elsewhere."""
     recorder, stamp = state.recorder, state.gradient_stamp
-    if (
-        FAST_RECORDER is None
-        or not isinstance(recorder, FAST_RECORDER)
-        or type(stamp) is not getattr(_fastrecord, "ClockStamp", None)
-    ):
+    stamps = (getattr(_fastrecord, "ClockStamp", None), getattr(_fastrecord, "MarkStamp", None))
+    if FAST_RECORDER is None or not isinstance(recorder, FAST_RECORDER):
+        return timed_forward
+    if type(stamp) not in stamps:
         return timed_forward
     gate = _fastrecord.ForwardGate(target, state, recorder, stamp, forward, timed_forward)
+    in_c, device = hooks_in_c(state) if in_c else (False, None)
     if in_c and state._direct_tensor_hooks:
         # The backward-start hook in C too (_fastrecord.BackwardStart): the same variables.
-        state._on_backward_start = _fastrecord.BackwardStart(state)
+        state._on_backward_start = _fastrecord.BackwardStart(state, device)
         torch = sys.modules["torch"]
         has_torch_function = torch.overrides.has_torch_function_unary
         gate.time_in_c(
@@ -211,6 +229,7 @@ def _forward_gate(
             HookDict,
             state.hook_key,
             state._on_backward_start,
+            device,
         )
     return functools.update_wrapper(gate, forward)  # __wrapped__: signature, _stack's codes
 

@@ -255,8 +255,8 @@ class _PhaseContext:
                 recorder = self._recorder
                 recorder.add_phase_ns(self._name, self._clock.monotonic_ns() - self._start_ns)
                 if self._device is not None and self._start_mark is not None:
-                    intervals = recorder._device_phases.setdefault(self._name, [])
-                    intervals.append((self._start_mark, self._device.mark()))
+                    interval = (self._start_mark, self._device.mark())  # a failed mark: no list
+                    recorder._device_phases.setdefault(self._name, []).append(interval)
                     self._start_mark = None
         except Exception:
             self._recorder.misuse("clock", "the clock raised in phase(); phase ignored")
