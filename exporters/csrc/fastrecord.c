@@ -1419,7 +1419,7 @@ static PyObject *str_register_hook_dict, *str_forward_post, *str_hook_output, *s
 static PyObject *str_forward_failed, *str_enabled, *str_in_backward, *str_data_start_ns, *str_data;
 /* DeviceAutoState's marks (_auto_device): the same attributes, read and written in C too. */
 static PyObject *str_forward_mark, *str_backward_mark, *str_optimizer_mark, *str_data_mark;
-static PyObject *str_mark_key, *str_mark_msg, *str_recorder;
+static PyObject *str_mark_key, *str_mark_msg, *str_recorder, *str_optimizer_calls, *str_nested_call;
 
 /* The state's __dict__ (borrowed), or NULL (no exception) when it has none. */
 static PyObject *state_dict(PyObject *state) {
@@ -1696,11 +1696,52 @@ done:
     return result;
 }
 
+/* _opthooks.outer_pre / outer_post on the state's count of open step() calls: 1 when this hook
+ * is the outermost call's (it acts), 0 when a nested call's (nothing to do). The state's
+ * ``nested_call(optimizer)`` is asked only with calls already open. A state without the count
+ * (an older or odd one) acts, as before. */
+static int outermost_call(OptimizerGate *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *dict = state_dict(self->state);
+    long long calls = 0;
+    if (dict == NULL || dict_ll(dict, str_optimizer_calls, &calls) < 0) {
+        return 1;
+    }
+    if (self->is_pre) {
+        if (calls > 0 && nargs >= 1) {
+            PyObject *check = PyDict_GetItemWithError(dict, str_nested_call); /* borrowed */
+            PyObject *answer = check == NULL ? NULL : PyObject_CallOneArg(check, args[0]);
+            int is_nested = answer == NULL ? 0 : PyObject_IsTrue(answer);
+            Py_XDECREF(answer);
+            PyErr_Clear();
+            if (is_nested == 1) {
+                if (dict_set_ll(dict, str_optimizer_calls, calls + 1) < 0) {
+                    PyErr_Clear();
+                }
+                return 0;
+            }
+        }
+        calls = 1;
+    } else {
+        if (calls > 1) {
+            if (dict_set_ll(dict, str_optimizer_calls, calls - 1) < 0) {
+                PyErr_Clear();
+            }
+            return 0;
+        }
+        calls = 0;
+    }
+    if (dict_set_ll(dict, str_optimizer_calls, calls) < 0) {
+        PyErr_Clear();
+    }
+    return 1;
+}
+
 static PyObject *OptimizerGate_vectorcall(PyObject *callable, PyObject *const *args,
                                           size_t nargsf, PyObject *kwnames) {
     OptimizerGate *self = (OptimizerGate *)callable;
     RecorderCore *recorder = self->recorder;
-    if (!self->active || recorder == NULL) {
+    if (!self->active || recorder == NULL ||
+        !outermost_call(self, args, PyVectorcall_NARGS(nargsf))) {
         Py_RETURN_NONE;
     }
     if (recorder->sampled || (!self->is_pre && !recorder->explicit_steps)) {
@@ -2584,6 +2625,7 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_optimizer_mark, "optimizer_mark") || intern(&str_data_mark, "data_mark") ||
         intern(&str_mark_key, "device-mark") ||
         intern(&str_mark_msg, "device timer mark() raised") || intern(&str_recorder, "recorder") ||
+        intern(&str_optimizer_calls, "optimizer_calls") || intern(&str_nested_call, "nested_call") ||
         intern(&str_clock_msg, "the clock raised in phase(); phase ignored")) {
         return NULL;
     }

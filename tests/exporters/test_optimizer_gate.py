@@ -103,7 +103,7 @@ def test_an_inactive_or_copied_gate_does_nothing() -> None:
 def _job(tmp_path: Path, steps: int, *, gates: bool, monkeypatch: Any) -> tuple[Any, Any]:
     if not gates:
         monkeypatch.setattr(
-            _auto, "_optimizer_hooks", lambda state: (state.optimizer_pre, state.optimizer_post)
+            _auto, "gates", lambda state, _: (state.optimizer_pre, state.optimizer_post)
         )
     exporter = InMemoryExporter()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)

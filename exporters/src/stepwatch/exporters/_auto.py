@@ -75,13 +75,9 @@ from stepwatch.exporters._forward import (
     hooks_in_c,
     time_forward,
 )
-from stepwatch.exporters._recorder import FAST_RECORDER, StepRecorder, new_clock_stamp
+from stepwatch.exporters._opthooks import gates, nested, outer_post, outer_pre, union_ns
+from stepwatch.exporters._recorder import StepRecorder, new_clock_stamp
 from stepwatch.exporters._stack import phase_codes, stack_phase
-
-try:  # the C gates of the optimizer hooks (exporters/csrc/fastrecord.c)
-    from stepwatch.exporters import _fastrecord
-except ImportError:  # pragma: no cover - built by the package's install
-    _fastrecord = None  # type: ignore[assignment]
 
 logger = logging.getLogger("stepwatch.exporters")
 
@@ -166,7 +162,9 @@ class _AutoState:
         # when gradients accumulate) records the wait since then as ``communication`` on every
         # step, sampled or not, and resets it.
         self.gradient_stamp: Any = new_clock_stamp(self.clock_ns)
-        self.gates: tuple[Any, ...] = ()  # the optimizer hooks' C gates (_optimizer_hooks)
+        self.gates: tuple[Any, ...] = ()  # the optimizer hooks' C gates (_opthooks.gates)
+        self.optimizer_calls = 0  # the optimizer's step() calls open (_opthooks)
+        self.nested_call = nested  # for the C gates: is this step() inside another?
         self.class_swap: Any = None  # _forward._ClassSwap until gradients accumulate
         # Where a stack of the training thread is, for a rank stuck in a step whose phases
         # are not timed (``_sampling``): code object -> phase (set by install_hooks).
@@ -358,6 +356,16 @@ class _AutoState:
                 self.recorder.add_phase_ns("communication", now_ns - last_gradient)
 
     def optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer's step pre-hook: :meth:`step_pre` for the outermost call only."""
+        if self.enabled and outer_pre(self, optimizer):
+            self.step_pre(optimizer, args, kwargs)
+
+    def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer's step post-hook: :meth:`step_post` for the outermost call only."""
+        if self.enabled and outer_post(self):
+            self.step_post(optimizer, args, kwargs)
+
+    def step_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.enabled:
             return
         try:
@@ -370,7 +378,7 @@ class _AutoState:
         except Exception:
             self.recorder.misuse("auto", "auto-mode optimizer pre-hook failed", exc_info=True)
 
-    def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def step_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.enabled:
             return
         recorder = self.recorder
@@ -385,7 +393,7 @@ class _AutoState:
             starts = self.comm_starts_ns
             if starts:  # every step, as the exposed wait (_close_wait)
                 ends = self.comm_ends_ns
-                recorder.add_phase_ns("communication", _union_ns(starts, ends))
+                recorder.add_phase_ns("communication", union_ns(starts, ends))
                 starts.clear()
                 ends.clear()
             if not recorder.explicit_steps and recorder.step_depth > 0:
@@ -478,48 +486,6 @@ def _first_value(completed: Any) -> Any:
     return completed.value()[0]
 
 
-def _union_ns(starts_ns: list[int], ends_ns: list[int]) -> int:
-    """Length of the union of intervals known only by their start and end times.
-
-    The pairing is not needed: a time is covered when more intervals have started than ended
-    by then. Starts without an end yet (still in flight) add nothing.
-    """
-    starts, ends = sorted(starts_ns), sorted(ends_ns)
-    total = active = opened_at = 0
-    next_start = next_end = 0
-    while next_start < len(starts) or next_end < len(ends):
-        if next_end >= len(ends) or (
-            next_start < len(starts) and starts[next_start] <= ends[next_end]
-        ):
-            if active == 0:
-                opened_at = starts[next_start]
-            active += 1
-            next_start += 1
-        else:
-            if active > 0:
-                active -= 1
-                if active == 0:
-                    total += ends[next_end] - opened_at
-            next_end += 1
-    return total
-
-
-def _optimizer_hooks(state: _AutoState) -> tuple[Any, Any]:
-    """The optimizer's pre- and post-hooks: ``state``'s methods behind C gates
-    (``_fastrecord.OptimizerGate``: a step enters no Python frame in ``optimizer.step()``,
-    timed or not, with the device timer's marks where there is one) where the recorder is the
-    C one and ``hooks_in_c`` says so; the methods themselves elsewhere (no extension)."""
-    in_c, device = hooks_in_c(state)
-    if FAST_RECORDER is None or not in_c or not isinstance(state.recorder, FAST_RECORDER):
-        return state.optimizer_pre, state.optimizer_post
-    gate, recorder, stamp = _fastrecord.OptimizerGate, state.recorder, state.gradient_stamp
-    state.gates = (
-        gate("pre", recorder, state.optimizer_pre, stamp, state, device),
-        gate("post", recorder, state.optimizer_post, state.comm_starts_ns, state, device),
-    )
-    return state.gates
-
-
 def install_hooks(
     recorder: StepRecorder,
     model: Any,
@@ -550,7 +516,7 @@ def install_hooks(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     state = state_type(recorder)
-    pre, post = _optimizer_hooks(state)
+    pre, post = gates(state, hooks_in_c)
     handles: list[Any] = [
         time_forward(state, model, in_c=True),
         optimizer.register_step_pre_hook(pre),

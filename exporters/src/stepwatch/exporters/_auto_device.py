@@ -158,13 +158,13 @@ class DeviceAutoState(_AutoState):
         self._end_mark = None
         super()._close_wait(now_ns)
 
-    def optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def step_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.enabled and self.recorder.sampled:
             self._end_mark = self.optimizer_mark = self._mark()
-        super().optimizer_pre(optimizer, args, kwargs)
+        super().step_pre(optimizer, args, kwargs)
         self._end_mark = None
 
-    def optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def step_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         recorder = self.recorder
         start = self.optimizer_mark
         if start is not None and self.enabled:
@@ -172,7 +172,7 @@ class DeviceAutoState(_AutoState):
             if end is not None:
                 recorder.add_sampled_device_phase("optimizer", start, end)
             self.optimizer_mark = None
-        super().optimizer_post(optimizer, args, kwargs)
+        super().step_post(optimizer, args, kwargs)
         if self.enabled and not recorder.explicit_steps and self.data_start_ns is not None:
             # The step boundary: the new step's start mark is where the data phase starts.
             self.data_mark = getattr(recorder, "_step_start_mark", None)
