@@ -125,6 +125,17 @@ def part_cupti() -> dict[str, Any]:
 
     from stepwatch.exporters.kernels import CuptiSource
 
+    # A tiny kernel's launch before CUPTI is on: what CUPTI's tracing adds to each launch (the
+    # runs below launch the same kernels with it on).
+    small = torch.ones(16, device="cuda")
+    for _ in range(1000):
+        small.add_(1)
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(20000):
+        small.add_(1)
+    torch.cuda.synchronize()
+    launch_without_cupti_us = (time.perf_counter() - begin) / 20000 * 1e6
     source = CuptiSource()
     # As the monitor does when it makes its recorder: CUPTI on before the first step, so that
     # the first step's kernels count (the warm-up below must hold its 4 products).
@@ -166,7 +177,6 @@ def part_cupti() -> dict[str, Any]:
             }
         )
     # Throughput: records per second CUPTI delivers for small kernels, and the drain's cost.
-    small = torch.ones(16, device=device)
     runs: dict[str, dict[str, Any]] = {}
     # The same 20,000 tiny kernels twice per path: summarised in bulk (numpy), then per event.
     for label, bulk in (("bulk", True), ("per-event", False), ("bulk-2", True)):
@@ -195,6 +205,7 @@ def part_cupti() -> dict[str, Any]:
     source.close()
     first = steps[0]["classes"]
     return {
+        "launch_us_per_kernel_without_cupti": round(launch_without_cupti_us, 3),
         "first_step_gemm_records": sum(
             count for name, (count, _) in first.items() if name.startswith("gemm")
         ),
