@@ -71,6 +71,7 @@ typedef struct {
     PyObject *device_phases; /* dict: phase name -> [(start mark, end mark)] */
     PyObject *device_sampled; /* dict like device_phases (a sampled step's auto phases), or NULL */
     PyObject *step_start_mark; /* the open step's device mark, or NULL */
+    PyObject *boundary;      /* an auto step's end: (its now_ns, its end mark), or NULL */
     PyObject *clock_ns;      /* callable -> int */
     PyObject *forward_swaps; /* tuple of (model, untimed class, timed class), or NULL */
     PyObject *weakrefs;
@@ -291,9 +292,22 @@ static PyObject *do_begin(RecorderCore *self, int explicit_, PyObject *now_ns) {
         return slow_begin(self, explicit_, now_ns);
     }
     if (self->device_timer != Py_None) {
-        /* After the clock, as in Python: the mark is the last thing the step boundary does. */
-        PyObject *mark = device_mark(self);
-        if (mark == NULL) {
+        /* After the clock, as in Python: the mark is the last thing the step boundary does. An
+         * auto step that starts where the last one ended (the same now_ns) starts at its end
+         * mark: one instant, one mark (one CUDA event fewer a step). */
+        PyObject *boundary = self->boundary, *mark = NULL;
+        self->boundary = NULL;
+        if (boundary != NULL && !explicit_ && now_ns != NULL && now_ns != Py_None &&
+            PyTuple_CheckExact(boundary) && PyTuple_GET_SIZE(boundary) == 2) {
+            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(boundary, 0), now_ns, Py_EQ);
+            if (same == 1) {
+                mark = PyTuple_GET_ITEM(boundary, 1);
+                Py_INCREF(mark);
+            }
+            PyErr_Clear();
+        }
+        Py_XDECREF(boundary);
+        if (mark == NULL && (mark = device_mark(self)) == NULL) {
             return slow_begin(self, explicit_, now_ns);
         }
         Py_XSETREF(self->step_start_mark, mark);
@@ -431,11 +445,17 @@ static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
             PyTuple_SET_ITEM(record, 5, last);
         }
     }
+    PyObject *end_mark = NULL; /* the step's end mark: the next auto step's start mark too */
+    if (PyTuple_Check(device) && PyTuple_GET_SIZE(device) == 4) {
+        end_mark = PyTuple_GET_ITEM(device, 1);
+        Py_INCREF(end_mark);
+    }
     Py_DECREF(device);
     if (record == NULL) {
         Py_XDECREF(fresh);
         Py_XDECREF(fresh_sampled);
         Py_XDECREF(fresh_device);
+        Py_XDECREF(end_mark);
         PyErr_Clear();
         return slow_end(self, explicit_, now_ns);
     }
@@ -445,6 +465,7 @@ static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
         Py_DECREF(fresh);
         Py_XDECREF(fresh_sampled);
         Py_XDECREF(fresh_device);
+        Py_XDECREF(end_mark);
         PyErr_Clear();
         return slow_end(self, explicit_, now_ns);
     }
@@ -457,7 +478,16 @@ static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
         Py_SETREF(self->device_phases, fresh_device);
         Py_CLEAR(self->device_sampled);
         Py_CLEAR(self->step_start_mark);
+        PyObject *boundary = NULL; /* as StepRecorder.end_step: an auto end at a given now_ns */
+        if (end_mark != NULL && !explicit_ && now_ns != NULL && now_ns != Py_None) {
+            boundary = PyTuple_Pack(2, now_ns, end_mark);
+            if (boundary == NULL) {
+                PyErr_Clear();
+            }
+        }
+        Py_XSETREF(self->boundary, boundary);
     }
+    Py_XDECREF(end_mark);
     if (swap_sampled) {
         Py_SETREF(self->sampled_ns, fresh_sampled);
     }
@@ -674,6 +704,7 @@ static int RecorderCore_traverse(RecorderCore *self, visitproc visit, void *arg)
     Py_VISIT(self->device_phases);
     Py_VISIT(self->device_sampled);
     Py_VISIT(self->step_start_mark);
+    Py_VISIT(self->boundary);
     Py_VISIT(self->clock_ns);
     Py_VISIT(self->forward_swaps);
     return 0;
@@ -689,6 +720,7 @@ static int RecorderCore_clear(RecorderCore *self) {
     Py_CLEAR(self->device_phases);
     Py_CLEAR(self->device_sampled);
     Py_CLEAR(self->step_start_mark);
+    Py_CLEAR(self->boundary);
     Py_CLEAR(self->clock_ns);
     Py_CLEAR(self->forward_swaps);
     return 0;
@@ -750,6 +782,7 @@ static PyMemberDef RecorderCore_members[] = {
     MEMBER("_device_sampled", T_OBJECT, device_sampled,
            "Device marks of the open sampled step's auto phases, or None."),
     MEMBER("_step_start_mark", T_OBJECT, step_start_mark, "The open step's device mark, or None."),
+    MEMBER("_boundary", T_OBJECT, boundary, "An auto step's end: (now_ns, end mark), or None."),
     MEMBER("clock_ns", T_OBJECT_EX, clock_ns, "The monotonic clock (ns)."),
     MEMBER("forward_swaps", T_OBJECT_EX, forward_swaps,
            "(model, untimed class, timed class) per instrumented model: swapped at each begin."),

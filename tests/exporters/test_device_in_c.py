@@ -147,10 +147,10 @@ def test_device_phases_are_exact_on_every_path(
             k: v for k, v in expected.items() if k != "data"
         }
         assert phases["data"] == steps * DATA_NS
-    # Marks: each step's start, end, wait start and end; a timed step 4 more (auto steps: the
-    # last one's end also opened the next one, with its start mark).
+    # Marks: each step's start, end, wait start and end; a timed step 4 more. An auto step
+    # starts at the previous one's end mark (the first at a mark of its own).
     assert 0 < sum(timed) <= (steps if sampling == 1 else steps // 2)
-    assert device.marks == 4 * steps + 4 * sum(timed) + (0 if loop_marks else 1)
+    assert device.marks == 4 * sum(timed) + (4 * steps if loop_marks else 3 * steps + 1)
 
 
 @pytest.mark.parametrize("loop_marks", [True, False], ids=["step()", "auto steps"])
@@ -179,7 +179,8 @@ def test_a_device_timed_ddp_step_enters_no_python_frame_of_stepwatch(
             sys.setprofile(None)
         assert monitor._recorder.sampled is (stride == 1)
         assert entered == []
-        assert device.marks - before == (8 if stride == 1 else 4)
+        # 4 a step, 4 more when timed; an auto step's start is the last one's end mark
+        assert device.marks - before == (8 if stride == 1 else 4) - (0 if loop_marks else 1)
         step()
         assert len(monitor._recorder.buffer) == 3
         assert monitor.stats.misuse == 0

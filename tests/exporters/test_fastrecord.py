@@ -130,6 +130,7 @@ def _state(side: dict[str, Any]) -> dict[str, Any]:
         "device_phases": {k: list(v) for k, v in recorder._device_phases.items()},
         "device_sampled": recorder._device_sampled,
         "step_start_mark": recorder._step_start_mark,
+        "boundary": recorder._boundary,
         "marks": None if recorder.device_timer is None else recorder.device_timer.marks,
         "contexts": {k: c._depth for k, c in recorder.phase_contexts.items()},
         "open_phase": recorder.open_phase(),
@@ -221,6 +222,31 @@ def test_c_recorder_matches_python(ops: list[tuple[Any, ...]], device: bool, buf
         _apply(python, op)
         _apply(fast, op)
         assert _state(python) == _state(fast), f"after {ops[: position + 1]}"
+
+
+@pytest.mark.parametrize(
+    ("then", "shared"),
+    [
+        ([("begin", False, True)], True),  # an auto step from the same instant: its end mark
+        ([("begin", True, True)], False),  # the loop's own step: a mark of its own
+        ([("tick", 5), ("begin", False, True)], False),  # a later instant
+        ([("begin", False, False)], False),  # no instant given
+        # no new mark needed: a device that cannot mark now does not matter
+        ([("mark_fails", True), ("begin", False, True), ("mark_fails", False)], True),
+    ],
+)
+def test_an_auto_step_starts_at_the_last_ones_end_mark_only_from_that_instant(
+    then: list[tuple[Any, ...]], shared: bool
+) -> None:
+    """One instant, one device mark (one CUDA event fewer a step): both recorders alike."""
+    assert FAST_RECORDER is not None
+    for cls in (StepRecorder, FAST_RECORDER):
+        side = _pair(cls, True, 4)
+        for op in [("begin", False, True), ("end", False, True), *then, ("end", False, True)]:
+            _apply(side, op)
+        first, second = (record[4] for record in side["recorder"].buffer)
+        assert (second[0] == first[1]) is shared, cls
+        assert side["recorder"].misuse_count == 0
 
 
 def _system_clock_recorder() -> StepRecorder:

@@ -31,7 +31,9 @@ time stays. Host timing is unchanged underneath (the stuck-rank view reads it).
 
 Cost: a mark is a ``torch.Event`` made and recorded in C (``_device.CudaEventTimer``: 3.8 µs
 on an H200, against 13.7 µs for ``torch.cuda.Event``); a sampled step takes seven, another step
-two (the exposed wait) plus the step's own two, which the C recorder takes.
+two (the exposed wait) plus the step's own two, which the C recorder takes. An auto step starts
+at the previous one's end mark (one instant, one mark): one fewer. In the training loop a mark
+cost more than that on an H200 (docs/exporters.md, "Device-timed steps in C").
 """
 
 from __future__ import annotations

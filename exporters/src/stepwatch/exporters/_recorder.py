@@ -6,8 +6,7 @@ it to whatever times steps and phases on the training thread: its own ``step()``
 below; the export thread only drains :attr:`StepRecorder.buffer` and reads the counters.
 
 The hot path reads a monotonic clock and appends one finished-step record to a deque: no lock,
-no SDK call, no allocation beyond the record. Nothing raises: misuse is logged (rate-limited)
-and counted.
+no SDK call, no allocation beyond the record. Nothing raises: misuse is logged and counted.
 
 Where the C extension ``_fastrecord`` is built (``exporters/csrc/fastrecord.c``), monitors use
 :data:`FAST_RECORDER`: the same class on a C base that keeps the hot state in a struct and runs
@@ -35,9 +34,9 @@ MAX_PHASE_NAMES: Final = 256
 
 # Device marks of one step: (step start, step end, phase name -> [(start, end), ...], the
 # same for auto-mode phases of a sampled step: they replace its host times, ``_auto_device``).
-DeviceMarks = tuple[
-    Any, Any, dict[str, list[tuple[Any, Any]]], dict[str, list[tuple[Any, Any]]] | None
-]
+# An auto step's start mark is the previous one's end mark (one instant, one mark).
+Intervals = dict[str, list[tuple[Any, Any]]]
+DeviceMarks = tuple[Any, Any, Intervals, Intervals | None]
 # One finished step: (index, start monotonic ns, end monotonic ns, phase name -> ns, device,
 # auto-mode phases). The last is None for a step no auto mode watched, UNSAMPLED for one whose
 # phases it did not time (``_sampling``), else its phase name -> ns (possibly empty).
@@ -334,6 +333,7 @@ class StepRecorder:
         self._device_phases: dict[str, list[tuple[Any, Any]]] = {}
         self._device_sampled: dict[str, list[tuple[Any, Any]]] | None = None
         self._step_start_mark: Any = None
+        self._boundary: tuple[int, Any] | None = None  # an auto step's end: (ns, its mark)
         self.step_depth = 0
         self._step_start_ns = 0
         self._step_index = 0
@@ -413,8 +413,10 @@ class StepRecorder:
             if self.watchers:
                 self.sampled = self.sampler.sampled(self._step_index)
                 swap_forward_classes(self.forward_swaps, self.sampled)
-            if self.device_timer is not None:
-                self._step_start_mark = self.device_timer.mark()
+            if self.device_timer is not None:  # an auto step's end at this instant: its mark
+                boundary, self._boundary = self._boundary or (None, None), None
+                same = not explicit and now_ns is not None and boundary[0] == now_ns
+                self._step_start_mark = boundary[1] if same else self.device_timer.mark()
         except Exception:
             self.misuse("clock", "the clock raised in step(); step ignored")
 
@@ -437,13 +439,13 @@ class StepRecorder:
                 self._device_phases = {}
                 device_sampled, self._device_sampled = self._device_sampled, None
                 start_mark, self._step_start_mark = self._step_start_mark, None
+                self._boundary = None
                 if start_mark is not None:
-                    device = (
-                        start_mark,
-                        self.device_timer.mark(),
-                        device_phases,
-                        device_sampled if self.watchers and self.sampled else None,
-                    )
+                    end_mark = self.device_timer.mark()
+                    sampled = device_sampled if self.watchers and self.sampled else None
+                    device = (start_mark, end_mark, device_phases, sampled)
+                    if not explicit and now_ns is not None:  # the next auto step's start too
+                        self._boundary = (now_ns, end_mark)
             auto: dict[str, int] | None = None
             if self.watchers:
                 if self.sampled:
@@ -565,15 +567,17 @@ class _ClockStamp:
             self.ns = 0
 
 
+def _c_stamps(clock_ns: Callable[[], int]) -> bool:
+    """Whether C stamps read ``clock_ns``: ``time.perf_counter_ns`` on Linux, extension on."""
+    linux = sys.platform.startswith("linux")
+    return FAST_RECORDER is not None and clock_ns is time.perf_counter_ns and linux
+
+
 def new_clock_stamp(clock_ns: Callable[[], int]) -> Any:
     """A callable that takes ``clock_ns()`` into its ``ns`` when called, whatever its
     arguments: in C (no Python frame) where ``clock_ns`` is ``time.perf_counter_ns`` on
     Linux and the extension is on, else in Python."""
-    if (
-        FAST_RECORDER is not None
-        and clock_ns is time.perf_counter_ns
-        and sys.platform.startswith("linux")
-    ):
+    if _c_stamps(clock_ns):
         return _fastrecord.ClockStamp()
     return _ClockStamp(clock_ns)
 
@@ -582,11 +586,7 @@ def new_mark_stamp(clock_ns: Callable[[], int], device: DeviceTimer) -> Any:
     """The last-gradient stamp with a device mark (``ns`` and ``mark``) in C,
     ``_fastrecord.MarkStamp`` (no Python frame of its own), where :func:`new_clock_stamp` would
     be C; None elsewhere (the caller uses ``_auto_device.DeviceStamp``)."""
-    if (
-        FAST_RECORDER is not None
-        and clock_ns is time.perf_counter_ns
-        and sys.platform.startswith("linux")
-    ):
+    if _c_stamps(clock_ns):
         return _fastrecord.MarkStamp(device)
     return None
 
