@@ -831,7 +831,9 @@ def main() -> int:
             f"{_ms(duty['drain_cost_s'])}), baseline step {_ms(duty['baseline_step_s'])}, "
             f"expected {_pct(duty['expected_overhead'])} of step time; charged so far "
             f"{duty['spent_s'] * 1e3:.1f} ms = {spent_share:.2f} % of arm A's step time; "
-            f"one-time warm-up {_ms(duty['warmup_cost_s'])} (not charged)"
+            f"one-time warm-up {_ms(duty['warmup_cost_s'])} (not charged); the export "
+            f"work's CPU paid from the same budget {duty.get('shared_spent_s', 0.0) * 1e3:.1f} ms"
+            f" = {_pct(duty.get('shared_share'))} of the training time that earned it"
         )
     if alternate:
         _report_alternating(results)

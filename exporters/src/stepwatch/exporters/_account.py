@@ -25,8 +25,16 @@ twice or not at all.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
-from typing import Final
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from stepwatch.exporters._window import KernelSource, KernelWindow
+
+_log = logging.getLogger(__name__)
 
 STEP_DROP_REASONS: Final = ("buffer_full", "export_failed", "build_failed", "closed")
 WINDOW_DROP_REASONS: Final = ("export_failed", "closed")
@@ -52,6 +60,9 @@ class MonitorStats:
         windows_dropped: Windows whose export failed or was cut short by ``close()``.
         windows_dropped_by_reason: Reason (``export_failed``, ``closed``) → windows.
         windows_in_flight: A window being exported right now (0 or 1).
+        export_cpu_s: CPU time of the export work so far: every export (building, encoding
+            and sending a window, the kernel source's drain included, on whichever thread
+            called it) and the export thread's looks between exports.
     """
 
     steps_recorded: int
@@ -68,6 +79,7 @@ class MonitorStats:
     windows_dropped: int
     windows_dropped_by_reason: dict[str, int]
     windows_in_flight: int
+    export_cpu_s: float = 0.0
 
 
 class ExportAccount:
@@ -93,6 +105,7 @@ class ExportAccount:
         self.export_failures = 0
         self._steps_dropped = dict.fromkeys(STEP_DROP_REASONS, 0)
         self._windows_dropped = dict.fromkeys(WINDOW_DROP_REASONS, 0)
+        self.cpu = CpuLedger()
 
     def drop_steps(self, reason: str, count: int) -> None:
         """Count ``count`` steps lost for ``reason`` (caller holds :attr:`lock`)."""
@@ -141,4 +154,65 @@ class ExportAccount:
                 windows_dropped=sum(windows_dropped.values()),
                 windows_dropped_by_reason=windows_dropped,
                 windows_in_flight=int(self.window_in_flight),
+                export_cpu_s=self.cpu.spent_ns / 1e9,
             )
+
+
+class CpuLedger:
+    """What the export work costs in CPU time, charged to a kernel source's budget.
+
+    Measured on the CPU clock of the thread doing it (``time.thread_time_ns``, a system call
+    of ~0.4 µs, three an export). A kernel source with a ``charge(cpu_ns)`` method (the
+    ``torch.profiler`` one) pays it from its overhead budget, so its cycles get what the
+    export leaves (docs/exporters.md, "One budget off the training step"). What is charged:
+    each export's CPU less the source's own ``drain()`` (which charges itself), and on the
+    export thread also its CPU between exports (its looks at the step count, a garbage
+    collection it ran). The export thread's first export is counted, not charged: like the
+    profiler's warm-up, it pays one-time set-up (the first connection).
+
+    Only the thread holding the monitor's export lock calls it.
+    """
+
+    def __init__(self, clock_ns: Callable[[], int] = time.thread_time_ns) -> None:
+        self._clock_ns = clock_ns
+        self.spent_ns = 0
+        self._drained_ns = 0
+        self._thread_mark: int | None = None  # export thread's clock when its export ended
+        self._charge_failed = False
+
+    def begin(self) -> int:
+        """The calling thread's CPU clock as an export begins."""
+        self._drained_ns = 0
+        return self._clock_ns()
+
+    def drain(self, source: KernelSource, log: Any) -> KernelWindow | None:
+        """``source.drain()`` (None when it raised: logged), its CPU time set apart."""
+        started = self._clock_ns()
+        try:
+            return source.drain()
+        except Exception:
+            log.warning("kernel-drain", "kernel source drain() raised", exc_info=True)
+            return None
+        finally:
+            self._drained_ns += self._clock_ns() - started
+
+    def end(self, started_ns: int, source: object, *, export_thread: bool) -> None:
+        """An export that began at ``started_ns`` ended: count it, charge ``source``."""
+        now = self._clock_ns()
+        spent = now - started_ns
+        first = False
+        if export_thread:
+            mark, self._thread_mark = self._thread_mark, now
+            first = mark is None
+            if mark is not None:  # and its CPU since its last export: the looks between
+                spent = now - mark
+        self.spent_ns += max(0, spent)
+        charge = getattr(source, "charge", None)
+        if charge is None or first:
+            return
+        try:
+            charge(max(0, spent - self._drained_ns))
+        except Exception:  # a source's accounting never stops an export: said once
+            if not self._charge_failed:
+                self._charge_failed = True
+                _log.warning("the kernel source's charge() raised", exc_info=True)

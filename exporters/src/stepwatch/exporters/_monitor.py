@@ -59,7 +59,7 @@ from stepwatch.exporters._sdk_env import (
     sdk_disabled,
 )
 from stepwatch.exporters._stack import where
-from stepwatch.exporters._window import KernelSource, KernelWindow, Progress, WindowBuilder
+from stepwatch.exporters._window import KernelSource, Progress, WindowBuilder
 
 if TYPE_CHECKING:
     from stepwatch.exporters._recorder import _NullContext, _PhaseContext, _StepContext
@@ -395,6 +395,7 @@ class StepMonitor:
 
     def _export(self, *, timeout_s: float | None, final: bool) -> bool:
         with self._export_lock:
+            started = self._account.cpu.begin()  # its CPU time, charged to the kernel source
             try:
                 return self._export_locked(timeout_s, final=final)
             except Exception:
@@ -404,6 +405,9 @@ class StepMonitor:
                     "export-crash", "building or exporting a window failed", exc_info=True
                 )
                 return False
+            finally:
+                thread = threading.current_thread() is self._thread
+                self._account.cpu.end(started, self._kernel_source, export_thread=thread)
 
     def _export_locked(self, timeout_s: float | None, *, final: bool) -> bool:
         records: list[StepRecord] = []
@@ -417,12 +421,8 @@ class StepMonitor:
                     break  # the device is still running this step: it goes in a later window
                 records.append(buffer.popleft())
             account.steps_in_flight = len(records)
-        kernels: KernelWindow | None = None
-        if self._kernel_source is not None:
-            try:
-                kernels = self._kernel_source.drain()
-            except Exception:
-                self._log.warning("kernel-drain", "kernel source drain() raised", exc_info=True)
+        source = self._kernel_source
+        kernels = account.cpu.drain(source, self._log) if source is not None else None
         builder = self._builder
         if records:
             carry = self._unsampled_carry

@@ -118,8 +118,8 @@ class Progress(NamedTuple):
 
 class KernelSource(Protocol):
     """A producer of kernel events (CUPTI, torch.profiler, a trace file) for a StepMonitor.
-
-    It may also have ``on_monitor_start()`` (never raises), called when the monitor is made.
+    It may also have ``on_monitor_start()`` (never raises), called when the monitor is made,
+    and ``charge(cpu_ns)``: the monitor's export work after each export, paid from its budget.
     """
 
     def on_step_end(self, step_index: int) -> int | None:

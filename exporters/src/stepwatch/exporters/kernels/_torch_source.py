@@ -23,6 +23,14 @@ profiler's start once, the rest scaled to ``active_steps``) is the first predict
 :attr:`TorchProfilerSource.duty_cycle` reports the decision. A fixed ``period_steps`` turns
 the adaptation off (costs are still measured).
 
+The budget is shared (``share_budget=True``, the default): a :class:`~stepwatch.exporters.
+StepMonitor` charges it, through :meth:`TorchProfilerSource.charge`, the CPU time of its export
+work too (building, encoding and sending each window, and the export thread's looks between
+windows), measured on that thread's CPU clock; the cycles get what is left. So everything
+stepwatch does off the training step, op histograms and export together, stays within
+``overhead_budget`` of training time; with 10 s windows the export takes ~0.01–0.03 % of it
+(docs/exporters.md, "One budget off the training step").
+
 Pauses of the training loop (evaluation, checkpoints, stalls: a step longer than 8 baseline
 steps) are not training time. One that falls between cycles earns no more budget than 8
 steps; one that falls inside a cycle would otherwise be charged to the profiler as hundreds of
@@ -69,11 +77,13 @@ from stepwatch.exporters.kernels._torch_backend import (
 _log = logging.getLogger(__name__)
 
 DEFAULT_OVERHEAD_BUDGET = 0.0005
-"""0.05 % of step time: half of stepwatch's whole 0.1 % goal at a 20 ms step (issue 15), the
-other half left to the auto-mode hooks and ``step()`` on the training thread and to one export
-per second on the export thread (docs/exporters.md, "What stepwatch costs a training step");
+"""0.05 % of step time: half of stepwatch's whole 0.1 % goal at a 20 ms step (issue 15), for
+everything it does off the training step (the op histograms' cycles and, shared with them, a
+monitor's export work: ``share_budget``), the other half left to the auto-mode hooks and
+``step()`` on the training thread (docs/exporters.md, "One budget off the training step");
 bench/overhead.py measures each part and the sum. The cost is the op histograms' freshness:
-at the same measured cycle cost, cycles come twice as far apart as at the former 0.1 %."""
+at the same measured cycle cost, cycles come twice as far apart as at the former 0.1 %, and
+further still by the export's share (~0.02 % of a 20 ms step's time with 10 s windows)."""
 DEFAULT_MIN_PERIOD_STEPS = 50
 DEFAULT_MAX_PERIOD_STEPS = 10_000
 _BASELINE_STEPS = 64  # unprofiled step durations kept for the baseline median
@@ -128,6 +138,10 @@ class ProfilerDutyCycle(NamedTuple):
         interrupted_cycles: Cycles during which the loop paused (a profiled step longer
             than 8 baseline steps): charged the predicted cost of their steps instead of the
             measured one, which is mostly the pause, and not used to predict.
+        shared_spent_s: CPU time of other stepwatch work charged to the same budget
+            (:meth:`TorchProfilerSource.charge`: a monitor's export work), not in ``spent_s``.
+        shared_share: ``shared_spent_s`` as a share of the training time that earned budget
+            (what is left of ``overhead_budget`` for cycles), or ``None`` before any.
     """
 
     active_steps: int
@@ -145,6 +159,8 @@ class ProfilerDutyCycle(NamedTuple):
     warmup_cost_s: float | None = None
     interrupted_cycles: int = 0
     drain_spent_s: float = 0.0
+    shared_spent_s: float = 0.0
+    shared_share: float | None = None
 
 
 class _Cycle(NamedTuple):
@@ -168,6 +184,9 @@ class TorchProfilerSource:
             cost (see the module docstring).
         overhead_budget: Share of step time the profiler may cost, e.g. ``0.0005`` = 0.05 %
             (the default; adaptive mode).
+        share_budget: Whether what :meth:`charge` reports (a monitor's export work) is paid
+            from the same budget (default), leaving the cycles the rest; ``False``: reported
+            in ``duty_cycle.shared_spent_s`` only.
         min_period_steps: Floor of the adaptive period, and the steps before the probe cycle.
         max_period_steps: Ceiling of the adaptive period: a cycle starts at least this often
             even if the budget has not earned it (reported in ``duty_cycle.within_budget``).
@@ -195,6 +214,7 @@ class TorchProfilerSource:
         clock_ns: Callable[[], int] = time.time_ns,
         cpu_clock_ns: Callable[[], int] = time.thread_time_ns,
         max_pending_cycles: int = 4,
+        share_budget: bool = True,
     ) -> None:
         if active_steps < 1:
             raise ConfigError(f"active_steps must be >= 1, got {active_steps}")
@@ -218,6 +238,7 @@ class TorchProfilerSource:
         self._active_steps = active_steps
         self._fixed_period = period_steps
         self._budget = overhead_budget
+        self._share_budget = share_budget
         self._min_period = min_period_steps
         self._max_period = max_period_steps
         self._backend: ProfilerBackend = backend if backend is not None else TorchProfilerBackend()
@@ -237,6 +258,7 @@ class TorchProfilerSource:
         self._baseline_ns: float | None = None
         self._steps_since_start = 0  # step boundaries since the last cycle started
         self._credit_ns = 0.0  # budget earned minus training-thread cost charged
+        self._earned_ns = 0.0  # training time that earned budget (pauses capped)
         self._training_spent_ns = 0.0
         self._cycle_training_ns: float | None = None  # smoothed, per full cycle
         self._last_training_ns: float | None = None
@@ -248,6 +270,7 @@ class TorchProfilerSource:
         self._drain_spent_ns = 0
         self._cycle_drain_ns: float | None = None  # smoothed, per full cycle
         self._last_drain_ns: float | None = None
+        self._shared_spent_ns = 0.0  # charge(): other stepwatch work paid from the budget
         self.dropped_cycles = 0
         """Finished cycles discarded because drain() fell behind (cumulative)."""
 
@@ -290,6 +313,7 @@ class TorchProfilerSource:
                     # baseline steps plus 7 (one of them may have been a pause).
                     elapsed = min(elapsed, round((steps - 1 + _PAUSE_FACTOR) * baseline))
                 self._credit_ns += self._budget * elapsed
+                self._earned_ns += elapsed
             if self._closed:
                 return _NEVER
             if not self._due():
@@ -325,7 +349,7 @@ class TorchProfilerSource:
             return 0
         # Drained cycles only add to what is spent, so this available credit is an upper
         # bound, and the steps until the cycle a lower one.
-        available = self._credit_ns - self._drain_spent_ns
+        available = self._available_ns()
         by_credit = max(0.0, (predicted - available) / (self._budget * baseline))
         until = min(self._max_period - since, max(self._min_period - since, by_credit))
         return max(0, int(until / 2) - _BASELINE_STEPS)
@@ -343,7 +367,7 @@ class TorchProfilerSource:
         # Cycles not drained yet will cost the export thread too: reserve for them now.
         drain = self._cycle_drain_ns
         unpaid = len(self._pending) * drain if drain is not None else 0.0
-        if self._credit_ns - self._drain_spent_ns - unpaid >= predicted:
+        if self._available_ns() - unpaid >= predicted:
             return True
         if since >= self._max_period:
             self._forced = True
@@ -390,10 +414,12 @@ class TorchProfilerSource:
             predicted = self._cycle_training_ns
             cost = 0.0 if predicted is None else predicted * min(1.0, steps / self._active_steps)
             self._credit_ns += self._budget * steps * baseline - cost
+            self._earned_ns += steps * baseline
             self._training_spent_ns += cost
             self._last_training_ns = cost
             return stopped
         self._credit_ns += self._budget * steps * baseline - cost
+        self._earned_ns += steps * baseline
         self._training_spent_ns += cost
         self._last_training_ns = cost
         # Scaled to a full cycle: the profiler's start is paid once per cycle, the rest (the
@@ -404,6 +430,11 @@ class TorchProfilerSource:
         self._cycle_training_ns = _smooth(self._cycle_training_ns, full_cycle)
         return stopped
 
+    def _available_ns(self) -> float:
+        """Credit left for cycles: earned, less what cycles and shared work have spent."""
+        shared = self._shared_spent_ns if self._share_budget else 0.0
+        return self._credit_ns - self._drain_spent_ns - shared
+
     def _predicted_cycle_ns(self) -> float | None:
         training = self._cycle_training_ns
         if training is None:
@@ -412,9 +443,25 @@ class TorchProfilerSource:
         return training + (drain if drain is not None else 0.0)
 
     # ------------------------------------------------------------------ export thread
+    def charge(self, cpu_ns: float) -> None:
+        """Other stepwatch work's CPU time, paid from this budget (``share_budget``).
+
+        A :class:`~stepwatch.exporters.StepMonitor` calls it after each export with that
+        export's CPU time (its drain of this source excluded, which :meth:`drain` charges
+        itself) and the export thread's since the previous one. Never raises.
+        """
+        if cpu_ns > 0:
+            self._shared_spent_ns += cpu_ns
+
     def drain(self) -> KernelWindow:
-        """Ops of the cycles finished since the last drain, as one window (export thread)."""
+        """Ops of the cycles finished since the last drain, as one window (export thread).
+
+        Its CPU time is charged to the budget: each cycle's reading (which also predicts the
+        next cycles' cost) and the rest of the call (the summary), the warm-up's excepted.
+        """
         with self._lock:
+            called = self._cpu_clock_ns()
+            uncharged = 0  # the cycles' own readings, charged (or not) one by one below
             while self._pending:
                 cycle = self._pending.popleft()
                 if cycle.interrupted:
@@ -429,6 +476,7 @@ class TorchProfilerSource:
                 except Exception:
                     _log.exception("reading torch.profiler results failed; cycle dropped")
                 cost = max(0, self._cpu_clock_ns() - started)
+                uncharged += cost
                 self._last_drain_ns = float(cost)
                 if cycle.warmup:
                     self._warmup_ns = (self._warmup_ns or 0.0) + cost
@@ -436,7 +484,9 @@ class TorchProfilerSource:
                 self._drain_spent_ns += cost
                 per_cycle = cost * self._active_steps / max(1, len(cycle.boundaries))
                 self._cycle_drain_ns = _smooth(self._cycle_drain_ns, per_cycle)
-            return self._summariser.drain()
+            window = self._summariser.drain()
+            self._drain_spent_ns += max(0, self._cpu_clock_ns() - called - uncharged)
+            return window
 
     def _add_cycle(self, cycle: _Cycle, ops: Sequence[OpRecord]) -> None:
         own, top = self_time_events(ops)
@@ -456,12 +506,19 @@ class TorchProfilerSource:
         if baseline is None and len(self._recent_ns) >= _BASELINE_MIN_STEPS:
             baseline = statistics.median(list(self._recent_ns))
         predicted = self._predicted_cycle_ns()
+        earned = self._earned_ns
+        shared_share = self._shared_spent_ns / earned if earned > 0 else None
         if self._fixed_period is not None:
             period = self._fixed_period
         elif predicted is None or not baseline:
             period = self._min_period
         else:
-            needed = math.ceil(predicted / (self._budget * baseline)) + self._active_steps
+            left = self._budget - (shared_share or 0.0) if self._share_budget else self._budget
+            needed = (
+                math.ceil(predicted / (left * baseline)) + self._active_steps
+                if left > 0
+                else self._max_period
+            )
             period = min(self._max_period, max(self._min_period, needed))
         expected = predicted / (period * baseline) if predicted is not None and baseline else None
         return ProfilerDutyCycle(
@@ -480,6 +537,8 @@ class TorchProfilerSource:
             warmup_cost_s=_seconds(self._warmup_ns),
             interrupted_cycles=self._interrupted,
             drain_spent_s=self._drain_spent_ns / 1e9,
+            shared_spent_s=self._shared_spent_ns / 1e9,
+            shared_share=shared_share,
         )
 
     def close(self) -> None:
