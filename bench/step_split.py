@@ -19,8 +19,13 @@ share of the step. ``--profiler`` attaches a ``TorchProfilerSource`` (the defaul
 apart the rounds one of its cycles covered (its cost is its budget, reported separately by
 bench/overhead.py).
 
+``--aa`` adds a fourth arm, ``plain-again``, a second plain step compared like the others: the
+bench's noise floor, which should read zero within its CI. At 1024 wide on this project's VM
+the CIs are ±10–13 µs even over 10,000 rounds; at ``--hidden 256 --batch 64`` (~0.74 ms
+steps) ±1 µs over 20,000 (docs/exporters.md, "One budget off the training step").
+
 Run: ``.venv/bin/python bench/step_split.py [--ranks 1] [--rounds 2000] [--hidden 1024]
-[--batch 96] [--profiler]``
+[--batch 96] [--profiler] [--aa]``
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ def _rank(rank: int, port: int, options: dict[str, Any]) -> None:
     batch = options["batch"]
 
     def step(arm: str) -> None:
-        chosen = monitor if arm != "plain" else None
+        chosen = monitor if not arm.startswith("plain") else None
         overhead.train_step(chosen, model, optimizer, loss_fn, generator, batch)
 
     for _ in range(options["warmup"]):  # the profiler's warm-up and probe cycles included
@@ -83,16 +88,17 @@ def _rank(rank: int, port: int, options: dict[str, Any]) -> None:
     switch = overhead.HookSwitch(model, optimizer)
     switch.set(False)
     order = random.Random(options["seed"])
-    cpu_ns: dict[str, list[int]] = {arm: [] for arm in ARMS}
+    arms_run = ARMS + (("plain-again",) if options["aa"] else ())
+    cpu_ns: dict[str, list[int]] = {arm: [] for arm in arms_run}
     step_ns: list[int] = []
     kept = 0
     for _ in range(options["rounds"]):
-        arms = list(ARMS)
+        arms = list(arms_run)
         order.shuffle(arms)
         profiled = source is not None and source._running is not None
         measured: dict[str, int] = {}
         for arm in arms:
-            if arm != "plain":
+            if not arm.startswith("plain"):
                 switch.set(True)
                 recorder.sampler = samplers[arm]
             started, wall = time.thread_time_ns(), time.perf_counter_ns()
@@ -100,13 +106,13 @@ def _rank(rank: int, port: int, options: dict[str, Any]) -> None:
             measured[arm] = time.thread_time_ns() - started
             if arm == "plain":
                 step_ns.append(time.perf_counter_ns() - wall)
-            else:
+            elif not arm.startswith("plain"):
                 switch.set(False)
         profiled = profiled or (source is not None and source._running is not None)
         if profiled:  # a profiling cycle covered the round: its cost is the profiler's
             continue
         kept += 1
-        for arm in ARMS:
+        for arm in arms_run:
             cpu_ns[arm].append(measured[arm])
     monitor.close(timeout_s=1.0)
     _report(rank, cpu_ns, step_ns, kept, options, ideal_stride, sample_interval)
@@ -124,15 +130,17 @@ def _report(
     plain = cpu_ns["plain"]
     step_s = statistics.median(step_ns) / 1e9
     stride = ideal_stride(step_s, sample_interval(10.0))
+    compared = [arm for arm in ("plain-again", "untimed", "timed") if arm in cpu_ns]
     diffs = {
-        arm: [(a - b) / 1e3 for a, b in zip(cpu_ns[arm], plain, strict=True)]
-        for arm in ("untimed", "timed")
+        arm: [(a - b) / 1e3 for a, b in zip(cpu_ns[arm], plain, strict=True)] for arm in compared
     }
     rng = random.Random(options["seed"] + rank)
     rounds = len(plain)
-    boot: dict[str, list[float]] = {"untimed": [], "timed": [], "auto": []}
+    boot: dict[str, list[float]] = {arm: [] for arm in [*compared, "auto"]}
     for _ in range(1000):
         picks = [rng.randrange(rounds) for _ in range(rounds)]
+        if "plain-again" in diffs:
+            boot["plain-again"].append(statistics.fmean(diffs["plain-again"][i] for i in picks))
         untimed = statistics.fmean(diffs["untimed"][i] for i in picks)
         timed = statistics.fmean(diffs["timed"][i] for i in picks)
         boot["untimed"].append(untimed)
@@ -146,10 +154,11 @@ def _report(
         f"profiling cycle); plain step {step_s * 1e3:.1f} ms wall, "
         f"{statistics.median(plain) / 1e6:.1f} ms training-thread CPU",
     ]
-    for arm, value in (("untimed", untimed), ("timed", timed)):
+    for arm in compared:
         low, high = ci[arm]
+        value = statistics.fmean(diffs[arm])
         lines.append(
-            f"rank {rank}: {arm:<8} {value:+7.1f} µs/step (95% CI {low:+.1f} .. {high:+.1f}; "
+            f"rank {rank}: {arm:<11} {value:+7.1f} µs/step (95% CI {low:+.1f} .. {high:+.1f}; "
             f"median {statistics.median(diffs[arm]):+.1f})"
         )
     low, high = ci["auto"]
@@ -168,6 +177,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--profiler", action="store_true")
+    parser.add_argument(
+        "--aa", action="store_true", help="a second plain arm: the bench's noise floor (A/A)"
+    )
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     import hook_cost
