@@ -8,15 +8,24 @@ detectors' hang finding that much later. The export thread therefore also looks 
 max(``stall_s``, ``stall_steps`` × the usual step), it exports at once: first the steps
 finished before the stall (if any wait), then, a probe later, a window that says where the
 rank is. Then nothing early until a step finishes again; the regular windows go on. The probe
-reads one counter: it costs the export thread a wake-up a second, not the training thread.
+reads one counter. In Python each look takes the GIL (~35 µs of the export thread in a DDP job,
+~130 µs in a loop that rarely releases it, and a forced hand-over for the training thread), so
+where the C recorder is built the looks run in C without the GIL (``_fastrecord.ExportWaiter``):
+the thread takes the GIL back only to export, at a stall or at close (docs/exporters.md, "One
+budget off the training step").
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sized
 from typing import Any, Final
+
+WAITER: Any = None  # _fastrecord.ExportWaiter where built (Linux): the looks in C
+with contextlib.suppress(ImportError):  # without it (no C extension, not Linux): in Python
+    from stepwatch.exporters._fastrecord import ExportWaiter as WAITER
 
 #: How often the export thread looks at the step count between two exports.
 PROBE_S: Final = 1.0
@@ -60,13 +69,26 @@ class ExportCadence:
             return True
         if self._note(now_s, steps) or self._told or steps == 0:
             return False
-        stall_s = max(STALL_S, STALL_STEPS * (self._step_s or 0.0))
-        if now_s - self._changed_s < stall_s:
+        if now_s - self._changed_s < self.quiet_s():
             return False
         # Stalled: the steps still waiting go first; the next early window says where it is.
         self._told = pending == 0
         self.early_exports += 1
         return True
+
+    def quiet_s(self) -> float:
+        """How long the step count must stand still for an early export."""
+        return max(STALL_S, STALL_STEPS * (self._step_s or 0.0))
+
+    def wait_args(self) -> tuple[float, bool, int, float]:
+        """What a look elsewhere (``ExportWaiter.wait``) needs: the quiet time, whether a stall
+        would export now (a step finished since the last early export), the count, its time."""
+        return self.quiet_s(), not self._told and self._steps > 0, self._steps, self._changed_s
+
+    def observe(self, steps: int, changed_s: float) -> None:
+        """Take in looks made elsewhere: the count, and when it last moved."""
+        if steps != self._steps:
+            self._note(changed_s, steps)
 
     def _note(self, now_s: float, steps: int) -> bool:
         """Take in the step count; True when steps finished since the last look."""
@@ -82,6 +104,19 @@ class ExportCadence:
         return True
 
 
+class StopEvent(threading.Event):
+    """The export thread's stop signal; ``set()`` also ends a wait in C (close)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiter = WAITER() if WAITER is not None else None
+
+    def set(self) -> None:
+        super().set()
+        if self.waiter is not None:
+            self.waiter.wake()
+
+
 def run_exports(
     interval_s: float,
     stop: threading.Event,
@@ -90,9 +125,30 @@ def run_exports(
     export: Callable[[], Any],
 ) -> ExportCadence:
     """The export thread's loop until ``stop`` is set: ``export()`` when :class:`ExportCadence`
-    says so, from ``recorder.steps_recorded`` and the steps waiting in ``buffer``."""
+    says so, from ``recorder.steps_recorded`` and the steps waiting in ``buffer``. The looks
+    between exports run in C without the GIL where they can (module docstring)."""
     cadence = ExportCadence(interval_s, time.monotonic())
-    while not stop.wait(cadence.wait_s(time.monotonic())):
+    waiter = getattr(stop, "waiter", None)
+    if waiter is not None and cadence.probe_s < interval_s:
+        try:
+            waiter.wait(recorder, 0.0, 1.0, 1.0, False, 0, 0.0)  # a C recorder: it can look
+        except TypeError:
+            waiter = None
+    else:
+        waiter = None
+    while not stop.is_set():
+        if waiter is None:
+            if stop.wait(cadence.wait_s(time.monotonic())):
+                break
+        else:
+            remaining = cadence.next_tick_s - time.monotonic()
+            if remaining > 0:
+                steps, changed_s, _ = waiter.wait(
+                    recorder, remaining, cadence.probe_s, *cadence.wait_args()
+                )
+                cadence.observe(steps, changed_s)
+            if stop.is_set():
+                break
         if cadence.due(time.monotonic(), recorder.steps_recorded, pending=len(buffer)):
             export()
     return cadence

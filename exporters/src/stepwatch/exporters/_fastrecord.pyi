@@ -81,3 +81,17 @@ class ForwardGate:
 class BackwardStart:
     def __init__(self, state: Any, device: Any = None) -> None: ...
     def __call__(self, *args: object, **kwargs: object) -> None: ...
+
+class ExportWaiter:
+    def __init__(self) -> None: ...
+    def wait(
+        self,
+        recorder: Any,
+        timeout_s: float,
+        probe_s: float,
+        quiet_s: float,
+        armed: bool,
+        steps: int,
+        changed_s: float,
+    ) -> tuple[int, float, int]: ...
+    def wake(self) -> None: ...

@@ -24,7 +24,7 @@ from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters._account import ExportAccount, MonitorStats
 from stepwatch.exporters._auto_device import Instrumentation, install_hooks
-from stepwatch.exporters._cadence import run_exports
+from stepwatch.exporters._cadence import StopEvent, run_exports
 from stepwatch.exporters._config import (
     DEFAULT_TIMEOUT_S,
     ExporterConfig,
@@ -249,7 +249,7 @@ class StepMonitor:
         self._last_window_end_ns = self._wall_anchor_ns
         # End (monotonic ns) of the last step that left the buffer: the rank's last progress.
         self._last_progress_ns = self._mono_anchor_ns
-        self._stop = threading.Event()
+        self._stop = StopEvent()
         self._close_deadline = 0.0
         self._closed = False
         self._interrupted = False  # close() cut an export short
