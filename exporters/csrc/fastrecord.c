@@ -2620,11 +2620,13 @@ static PyObject *configure(PyObject *module, PyObject *args) {
  * Python loop runs. */
 #if defined(__linux__)
 #include <pthread.h>
+#include <unistd.h>
 
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t mutex;
     pthread_cond_t cond;
+    pid_t pid;  /* the process that made it: a forked child never locks the mutex */
     int woken;
     int ready;
 } ExportWaiter;
@@ -2654,6 +2656,7 @@ static PyObject *ExportWaiter_new(PyTypeObject *type, PyObject *args, PyObject *
         return NULL;
     }
     self->ready = 1;
+    self->pid = getpid();
     return (PyObject *)self;
 }
 
@@ -2685,6 +2688,9 @@ static PyObject *ExportWaiter_wait(ExportWaiter *self, PyObject *args) {
     if (!(probe_s > 0.0)) {
         PyErr_SetString(PyExc_ValueError, "probe_s must be positive");
         return NULL;
+    }
+    if (getpid() != self->pid) {  /* a forked child: its copy of the mutex may be locked */
+        return Py_BuildValue("(Ldi)", steps, changed_s, 2);
     }
     RecorderCore *core = (RecorderCore *)recorder;
     int reason = 0;
@@ -2730,6 +2736,12 @@ static PyObject *ExportWaiter_wait(ExportWaiter *self, PyObject *args) {
 
 static PyObject *ExportWaiter_wake(ExportWaiter *self, PyObject *unused) {
     (void)unused;
+    if (getpid() != self->pid) {
+        /* A forked child (a monitor closed at its exit): no thread waits here, and the mutex
+         * may have been copied locked by the parent's export thread. */
+        self->woken = 1;
+        Py_RETURN_NONE;
+    }
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->mutex);
     self->woken = 1;

@@ -159,3 +159,46 @@ def test_a_recorder_in_python_keeps_the_python_looks() -> None:
     stop.set()
     thread.join(timeout=2.0)
     assert not thread.is_alive() and 2 <= len(exports) <= 4
+
+
+def test_a_forked_child_never_waits_on_the_parents_copy() -> None:
+    """A child forked while the export thread waits in C gets the waiter's mutex copied as it
+    was (maybe locked, by a thread the child does not have): in the child the waiter neither
+    waits nor locks; wake() (close at the child's exit) just marks it woken."""
+    import os
+
+    monitor = StepMonitor(
+        job_id="fork",
+        rank=0,
+        world_size=1,
+        exporter=InMemoryExporter(),
+        health=False,
+        export_interval_s=10.0,
+    )
+    for _ in range(5):
+        _step(monitor)
+    time.sleep(0.2)  # the export thread is in its C wait
+    waiter = monitor._stop.waiter  # type: ignore[attr-defined]
+    pid = os.fork()
+    if pid == 0:  # the child: a wait returns at once, woken; wake() returns
+        code = 1
+        try:
+            started = time.monotonic()
+            reason = waiter.wait(monitor._recorder, 5.0, 1.0, 10.0, True, 5, started)[2]
+            waiter.wake()
+            code = 0 if reason == 2 and time.monotonic() - started < 1.0 else 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.02)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on the waiter")
+    assert os.waitstatus_to_exitcode(status) == 0
+    monitor.close()  # the parent's waiter still works
+    assert monitor.stats.steps_exported == 5
