@@ -48,6 +48,8 @@ static PyObject *str_now_ns, *str_mark, *str_record, *str_exc_info, *str_step_en
 static PyObject *str_clock_key, *str_clock_msg, *kwnames_explicit, *kwnames_explicit_now;
 static PyObject *kwnames_exc_info;
 static PyObject *str_class; /* "__class__" */
+static PyObject *str_communication; /* "communication": the exposed wait's phase */
+static PyObject *add_to(PyObject *phases, PyObject *name, PyObject *elapsed);
 
 typedef struct {
     PyObject_HEAD
@@ -59,6 +61,9 @@ typedef struct {
     long long steps_recorded;
     long long buffer_dropped;
     long long kernel_skip;   /* step ends the kernel source asked not to be told of */
+    long long wait_ns;       /* the exposed wait closed by an untimed step's optimizer pre-hook,
+                              * added to phases_ns["communication"] at the step's end (do_end):
+                              * the hook itself touches no dict (issue 15, cold memory) */
     char sampled;
     char explicit_steps;
     char auto_step_open;
@@ -385,7 +390,32 @@ static long long skip_count(PyObject *told) {
     return skip > 0 ? skip : 0;
 }
 
+/* The pending exposed wait (wait_ns) into phases_ns["communication"], where the optimizer
+ * pre-hook used to add it; 0 or -1 with an exception set (the wait is kept for the next try). */
+static int fold_wait(RecorderCore *self) {
+    long long wait = self->wait_ns;
+    if (wait == 0) {
+        return 0;
+    }
+    if (self->phases_ns == NULL || str_communication == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "the recorder has no phase dict");
+        return -1;
+    }
+    PyObject *number = PyLong_FromLongLong(wait);
+    PyObject *added = number == NULL ? NULL : add_to(self->phases_ns, str_communication, number);
+    Py_XDECREF(number);
+    if (added == NULL) {
+        return -1;
+    }
+    Py_DECREF(added);
+    self->wait_ns = 0;
+    return 0;
+}
+
 static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
+    if (fold_wait(self) < 0) {
+        return NULL;
+    }
     if (self->step_depth != 1 || self->device_timer == NULL || self->buffer == NULL ||
         self->phases_ns == NULL || self->sampled_ns == NULL || self->kernel_source == NULL) {
         return slow_end(self, explicit_, now_ns);
@@ -769,6 +799,8 @@ static PyMemberDef RecorderCore_members[] = {
     MEMBER("steps_recorded", T_LONGLONG, steps_recorded, "Steps finished and buffered."),
     MEMBER("buffer_dropped", T_LONGLONG, buffer_dropped, "Steps dropped: the buffer was full."),
     MEMBER("_kernel_skip", T_LONGLONG, kernel_skip, "Step ends the kernel source skips."),
+    MEMBER("_wait_ns", T_LONGLONG, wait_ns,
+           "Exposed wait (ns) of the open step not yet in _phases_ns['communication']."),
     MEMBER("sampled", T_BOOL, sampled, "Auto mode times this step's phases."),
     MEMBER("explicit_steps", T_BOOL, explicit_steps, "The loop marks steps with step()."),
     MEMBER("_auto_step_open", T_BOOL, auto_step_open, "Auto mode opened the open step."),
@@ -1452,7 +1484,7 @@ static PyObject *str_register_hook_dict, *str_forward_post, *str_hook_output, *s
 static PyObject *str_forward_failed, *str_enabled, *str_in_backward, *str_data_start_ns, *str_data;
 /* DeviceAutoState's marks (_auto_device): the same attributes, read and written in C too. */
 static PyObject *str_forward_mark, *str_backward_mark, *str_optimizer_mark, *str_data_mark;
-static PyObject *str_mark_key, *str_mark_msg, *str_recorder, *str_optimizer_calls, *str_nested_call;
+static PyObject *str_mark_key, *str_mark_msg, *str_recorder, *str_nested_call;
 
 /* The state's __dict__ (borrowed), or NULL (no exception) when it has none. */
 static PyObject *state_dict(PyObject *state) {
@@ -1581,6 +1613,10 @@ typedef struct {
     PyObject *name;         /* pre: "communication" */
     PyObject *state;        /* the auto-mode state for a timed step's path, or NULL: slow */
     PyObject *device;       /* DeviceAutoState's device timer (marks, as its hooks take), or NULL */
+    PyObject *partner;      /* post: the pre gate, which keeps the count of open calls; or NULL */
+    long long calls;        /* pre: the optimizer's step() calls open (_opthooks), kept here and
+                             * not in the state's __dict__: a dict the hook would touch on every
+                             * step, cold after the optimizer's own pass over memory */
     char is_pre;
     char active;
 } OptimizerGate;
@@ -1729,43 +1765,38 @@ done:
     return result;
 }
 
-/* _opthooks.outer_pre / outer_post on the state's count of open step() calls: 1 when this hook
- * is the outermost call's (it acts), 0 when a nested call's (nothing to do). The state's
- * ``nested_call(optimizer)`` is asked only with calls already open. A state without the count
- * (an older or odd one) acts, as before. */
+/* _opthooks.outer_pre / outer_post on the count of open step() calls the pre gate keeps
+ * (``calls``; a post gate reaches it through ``partner``): 1 when this hook is the outermost
+ * call's (it acts), 0 when a nested call's (nothing to do). The state's
+ * ``nested_call(optimizer)`` is asked only with calls already open. A post gate without a
+ * partner keeps no count and acts. */
 static int outermost_call(OptimizerGate *self, PyObject *const *args, Py_ssize_t nargs) {
-    PyObject *dict = state_dict(self->state);
-    long long calls = 0;
-    if (dict == NULL || dict_ll(dict, str_optimizer_calls, &calls) < 0) {
+    OptimizerGate *owner = self->is_pre ? self : (OptimizerGate *)self->partner;
+    if (owner == NULL) {
         return 1;
     }
+    long long calls = owner->calls;
     if (self->is_pre) {
         if (calls > 0 && nargs >= 1) {
-            PyObject *check = PyDict_GetItemWithError(dict, str_nested_call); /* borrowed */
+            PyObject *dict = state_dict(self->state);
+            PyObject *check = dict == NULL ? NULL : PyDict_GetItemWithError(dict, str_nested_call);
             PyObject *answer = check == NULL ? NULL : PyObject_CallOneArg(check, args[0]);
             int is_nested = answer == NULL ? 0 : PyObject_IsTrue(answer);
             Py_XDECREF(answer);
             PyErr_Clear();
             if (is_nested == 1) {
-                if (dict_set_ll(dict, str_optimizer_calls, calls + 1) < 0) {
-                    PyErr_Clear();
-                }
+                owner->calls = calls + 1;
                 return 0;
             }
         }
-        calls = 1;
-    } else {
-        if (calls > 1) {
-            if (dict_set_ll(dict, str_optimizer_calls, calls - 1) < 0) {
-                PyErr_Clear();
-            }
-            return 0;
-        }
-        calls = 0;
+        owner->calls = 1;
+        return 1;
     }
-    if (dict_set_ll(dict, str_optimizer_calls, calls) < 0) {
-        PyErr_Clear();
+    if (calls > 1) {
+        owner->calls = calls - 1;
+        return 0;
     }
+    owner->calls = 0;
     return 1;
 }
 
@@ -1806,8 +1837,14 @@ static PyObject *OptimizerGate_vectorcall(PyObject *callable, PyObject *const *a
             return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
         }
         self->stamp->ns = 0;
-        if (device_interval(recorder, 0, self->name, stamp_mark(self->stamp), end) < 0 ||
-            (now > last && add_ns(recorder->phases_ns, self->name, now - last) < 0)) {
+        if (end == NULL) {
+            /* The host clock's wait: kept in the recorder's struct, into the phase dict at the
+             * step's end (fold_wait), so that this hook touches no dict or int object. */
+            if (now > last) {
+                recorder->wait_ns += now - last;
+            }
+        } else if (device_interval(recorder, 0, self->name, stamp_mark(self->stamp), end) < 0 ||
+                   (now > last && add_ns(recorder->phases_ns, self->name, now - last) < 0)) {
             report_misuse((PyObject *)recorder, str_auto_key, str_pre_failed, 1);
         }
         Py_XDECREF(end);
@@ -1824,14 +1861,15 @@ static PyObject *OptimizerGate_call(PyObject *self, PyObject *args, PyObject *kw
     return PyVectorcall_Call(self, args, kwargs);
 }
 
-/* OptimizerGate(kind, recorder, slow, stamp_or_comm_starts[, state[, device]]): kind "pre" (a
- * ClockStamp; a MarkStamp with a device) or  * "post" (the list of issued collectives). */
+/* OptimizerGate(kind, recorder, slow, stamp_or_comm_starts[, state[, device[, partner]]]): kind
+ * "pre" (a ClockStamp; a MarkStamp with a device) or "post" (the list of issued collectives;
+ * ``partner``: the pre gate, which keeps the count of open step() calls). */
 static PyObject *OptimizerGate_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     const char *kind;
-    PyObject *recorder, *slow, *extra, *state = NULL, *device = NULL;
+    PyObject *recorder, *slow, *extra, *state = NULL, *device = NULL, *partner = NULL;
     if ((kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) ||
-        !PyArg_ParseTuple(args, "sO!OO|OO:OptimizerGate", &kind, &RecorderCoreType, &recorder,
-                          &slow, &extra, &state, &device)) {
+        !PyArg_ParseTuple(args, "sO!OO|OOO:OptimizerGate", &kind, &RecorderCoreType, &recorder,
+                          &slow, &extra, &state, &device, &partner)) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_TypeError, "OptimizerGate(kind, recorder, slow, extra)");
         }
@@ -1844,6 +1882,14 @@ static PyObject *OptimizerGate_new(PyTypeObject *type, PyObject *args, PyObject 
     }
     if (device == Py_None) {
         device = NULL;
+    }
+    if (partner == Py_None) {
+        partner = NULL;
+    }
+    if (partner != NULL && (is_pre || !PyObject_TypeCheck(partner, &OptimizerGateType) ||
+                            !((OptimizerGate *)partner)->is_pre)) {
+        PyErr_SetString(PyExc_TypeError, "a post gate's partner is its pre gate");
+        return NULL;
     }
     if (is_pre ? !(device == NULL ? PyObject_TypeCheck(extra, &ClockStampType)
                                   : PyObject_TypeCheck(extra, &MarkStampType))
@@ -1874,6 +1920,8 @@ static PyObject *OptimizerGate_new(PyTypeObject *type, PyObject *args, PyObject 
     }
     Py_XINCREF(device);
     self->device = device;
+    Py_XINCREF(partner);
+    self->partner = partner;
     Py_INCREF(recorder);
     self->recorder = (RecorderCore *)recorder;
     Py_INCREF(slow);
@@ -1899,6 +1947,7 @@ static int OptimizerGate_traverse(OptimizerGate *self, visitproc visit, void *ar
     Py_VISIT(self->comm_starts);
     Py_VISIT(self->state);
     Py_VISIT(self->device);
+    Py_VISIT(self->partner);
     return 0;
 }
 
@@ -1910,6 +1959,7 @@ static int OptimizerGate_clear(OptimizerGate *self) {
     Py_CLEAR(self->name);
     Py_CLEAR(self->state);
     Py_CLEAR(self->device);
+    Py_CLEAR(self->partner);
     return 0;
 }
 
@@ -1944,6 +1994,10 @@ static PyMemberDef OptimizerGate_members[] = {
     {"active", T_BOOL, offsetof(OptimizerGate, active), 0,
      "False once the instrumentation is removed: the gate does nothing"},
     {"slow", T_OBJECT, offsetof(OptimizerGate, slow), READONLY, "The Python hook"},
+    {"calls", T_LONGLONG, offsetof(OptimizerGate, calls), 0,
+     "A pre gate's count of its optimizer's open step() calls (_opthooks)"},
+    {"partner", T_OBJECT, offsetof(OptimizerGate, partner), READONLY,
+     "A post gate's pre gate (the count's keeper), or None"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -2808,7 +2862,7 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_clock_key, "clock") || intern(&str_auto_key, "auto") ||
         intern(&str_enabled, "enabled") || intern(&str_in_backward, "in_backward") ||
         intern(&str_pre_failed, "auto-mode optimizer pre-hook failed") || intern(&str_new_phase_context, "new_phase_context") ||
-        intern(&str_class, "__class__") || intern(&str_forward_depth, "forward_depth") ||
+        intern(&str_class, "__class__") || intern(&str_communication, "communication") || intern(&str_forward_depth, "forward_depth") ||
         intern(&str_forward_start_ns, "forward_start_ns") || intern(&str_thread_id, "thread_id") ||
         intern(&str_backward_hooks, "backward_hooks") ||
         intern(&str_optimizer_start_ns, "optimizer_start_ns") ||
@@ -2825,7 +2879,7 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_optimizer_mark, "optimizer_mark") || intern(&str_data_mark, "data_mark") ||
         intern(&str_mark_key, "device-mark") ||
         intern(&str_mark_msg, "device timer mark() raised") || intern(&str_recorder, "recorder") ||
-        intern(&str_optimizer_calls, "optimizer_calls") || intern(&str_nested_call, "nested_call") ||
+        intern(&str_nested_call, "nested_call") ||
         intern(&str_clock_msg, "the clock raised in phase(); phase ignored")) {
         return NULL;
     }

@@ -50,17 +50,50 @@ def test_the_pre_gate_records_the_wait_of_an_untimed_step_in_c() -> None:
     recorder.sampled = True  # a timed step: the Python hook, with torch's arguments
     assert gate("opt", ("a",), {"k": 1}) == "slow" and calls == [("opt", ("a",), {"k": 1})]
     recorder.sampled = False
-    assert gate("opt", (), {}) is None and recorder._phases_ns == {}  # no last gradient yet
+    recorder.begin_step(explicit=True)
+    assert gate("opt", (), {}) is None and recorder._wait_ns == 0  # no last gradient yet
     stamp(None)
     before = time.perf_counter_ns()
     stamped = stamp.ns
     gate("opt", (), {})
-    waited = recorder._phases_ns["communication"]
+    waited = recorder._wait_ns
     assert before - stamped <= waited <= time.perf_counter_ns() - stamped
     assert stamp.ns == 0 and len(calls) == 1  # reset, as _AutoState._close_wait does
+    # Kept in the recorder's struct, not in the phase dict: the hook touches no dict.
+    assert recorder._phases_ns == {}
     stamp(None)
     gate("opt", (), {})
-    assert recorder._phases_ns["communication"] > waited  # a second wait in the step adds
+    assert recorder._wait_ns > waited  # a second wait in the step adds
+    total = recorder._wait_ns
+    recorder.add_phase_ns("communication", 7)  # a wait closed elsewhere (a forward) adds too
+    recorder.end_step(explicit=True)
+    assert recorder.buffer[-1][3] == {"communication": total + 7}  # in the step's phases
+    assert recorder._wait_ns == 0 and recorder._phases_ns == {}
+    recorder.begin_step(explicit=True)
+    recorder.end_step(explicit=True)
+    assert recorder.buffer[-1][3] == {}  # and in no later step's
+
+
+def test_the_count_of_open_calls_is_kept_in_the_pre_gate() -> None:
+    from stepwatch.exporters import _fastrecord
+
+    recorder, calls, slow = _recorder_and_calls()
+    stamp = _fastrecord.ClockStamp()
+    pre = _fastrecord.OptimizerGate("pre", recorder, slow, stamp)
+    post = _fastrecord.OptimizerGate("post", recorder, slow, [], None, None, pre)
+    assert post.partner is pre and pre.partner is None and pre.calls == 0
+    recorder.sampled, recorder.explicit_steps = False, True
+    pre("opt", (), {})
+    assert pre.calls == 1
+    post("opt", (), {})
+    assert pre.calls == 0
+    pre.calls = 3  # nested calls open: a post-hook closes one and does nothing else
+    recorder.sampled = True
+    assert post("opt", (), {}) is None and pre.calls == 2 and calls == []
+    with pytest.raises(TypeError):
+        _fastrecord.OptimizerGate("post", recorder, slow, [], None, None, post)  # not a pre
+    with pytest.raises(TypeError):
+        _fastrecord.OptimizerGate("pre", recorder, slow, stamp, None, None, pre)
 
 
 def test_the_post_gate_passes_all_but_a_plain_untimed_step() -> None:
@@ -199,9 +232,12 @@ def test_the_forward_gate_keeps_the_signature_and_the_untimed_path_in_c(tmp_path
             model(torch.randn(4, 8)).sum().backward()  # its wait ends at this forward
             first_wait = recorder._phases_ns["communication"]
             assert first_wait > 0
-            optimizer.step()
-            assert recorder._phases_ns["communication"] > first_wait  # plus the second's
+            optimizer.step()  # the second's: in the recorder's struct until the step ends
+            assert recorder._phases_ns["communication"] == first_wait
+            second_wait = recorder._wait_ns
+            assert second_wait > 0
             optimizer.zero_grad()
+        assert recorder.buffer[-1][3]["communication"] == first_wait + second_wait
         other = DistributedDataParallel(torch.nn.Linear(8, 4))
         object.__setattr__(other, "__class__", timed_class)  # another instance: plain forward
         assert other(torch.randn(2, 8)).shape == (2, 4)

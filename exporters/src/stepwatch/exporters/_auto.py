@@ -163,7 +163,7 @@ class _AutoState:
         # step, sampled or not, and resets it.
         self.gradient_stamp: Any = new_clock_stamp(self.clock_ns)
         self.gates: tuple[Any, ...] = ()  # the optimizer hooks' C gates (_opthooks.gates)
-        self.optimizer_calls = 0  # the optimizer's step() calls open (_opthooks)
+        self._optimizer_calls = 0  # the optimizer's step() calls open (_opthooks), no C gates
         self.nested_call = nested  # for the C gates: is this step() inside another?
         self.class_swap: Any = None  # _forward._ClassSwap until gradients accumulate
         # Where a stack of the training thread is, for a rank stuck in a step whose phases
@@ -175,6 +175,21 @@ class _AutoState:
         self._on_backward_start = self.backward_start
         self._direct_tensor_hooks = direct_tensor_hooks_work(torch)
         self._has_torch_function = torch.overrides.has_torch_function_unary
+
+    @property
+    def optimizer_calls(self) -> int:
+        """The optimizer's ``step()`` calls open (``_opthooks``): the pre C gate's count where
+        the gates run, else the state's own."""
+        gates = self.gates
+        return int(gates[0].calls) if gates else self._optimizer_calls
+
+    @optimizer_calls.setter
+    def optimizer_calls(self, calls: int) -> None:
+        gates = self.gates
+        if gates:
+            gates[0].calls = calls
+        else:
+            self._optimizer_calls = calls
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _AutoState:
         """A deep copy of an instrumented model (an EMA copy, say) is not instrumented.

@@ -51,6 +51,8 @@ class MarkStamp:
 class OptimizerGate:
     active: bool
     slow: Any
+    calls: int
+    partner: OptimizerGate | None
     def __init__(
         self,
         kind: str,
@@ -59,6 +61,7 @@ class OptimizerGate:
         extra: Any,
         state: Any = None,
         device: Any = None,
+        partner: OptimizerGate | None = None,
     ) -> None: ...
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> Any: ...
 

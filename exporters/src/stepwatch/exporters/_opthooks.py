@@ -17,8 +17,11 @@ between steps); only the outermost call's hooks act:
   raised (torch skips the post-hooks then), and starts again from this call;
 - a post-hook closes one call; it acts when it closes the last.
 
-The C gates (``_fastrecord.OptimizerGate``) keep the same count in the state's ``__dict__`` and
-call :func:`nested` only in the nested or stale case.
+The C gates (``_fastrecord.OptimizerGate``) keep the same count in the pre gate's struct
+(``calls``; the post gate reaches it as its ``partner``), which ``state.optimizer_calls`` reads
+then, and call :func:`nested` only in the nested or stale case. In the state's ``__dict__`` the
+count cost each step two lookups in a dict that is cold by the time the optimizer hooks run
+(the optimizer's pass over parameters, gradients and momenta has evicted it; issue 15).
 """
 
 from __future__ import annotations
@@ -110,8 +113,8 @@ def gates(state: Any, hooks_in_c: Any) -> tuple[Any, Any]:
         return state.optimizer_pre, state.optimizer_post
     gate, recorder, stamp = _fastrecord.OptimizerGate, state.recorder, state.gradient_stamp
     pre = gate("pre", recorder, state.step_pre, stamp, state, device)
-    post = gate("post", recorder, state.step_post, state.comm_starts_ns, state, device)
-    state.gates = (pre, post)
+    post = gate("post", recorder, state.step_post, state.comm_starts_ns, state, device, pre)
+    state.gates = (pre, post)  # the pre gate keeps the count now (state.optimizer_calls)
     return pre, post
 
 
