@@ -79,6 +79,10 @@ typedef struct {
     PyObject *boundary;      /* an auto step's end: (its now_ns, its end mark), or NULL */
     PyObject *clock_ns;      /* callable -> int */
     PyObject *forward_swaps; /* tuple of (model, untimed class, timed class), or NULL */
+    PyObject *swaps_seen;    /* the forward_swaps tuple last read (a strong reference), or NULL */
+    PyObject *swap_one[3];   /* its one entry's items when it has one entry (borrowed: kept
+                              * alive by swaps_seen), else NULLs: a step's begin then touches
+                              * neither tuple, cold after the model's memory traffic */
     PyObject *weakrefs;
 } RecorderCore;
 
@@ -258,8 +262,31 @@ static PyObject *device_mark(RecorderCore *self) {
  * class of a step whose phases are timed or of one whose are not, where it has one of the two
  * (any other class is someone else's and left alone). Never fails: a refused assignment leaves
  * the class as it was (the forward gate then handles the step, as before). */
-static void swap_forward_classes(PyObject *swaps, int sampled) {
+static void swap_one_class(PyObject *model, PyObject *untimed, PyObject *timed, int sampled) {
+    PyObject *target = sampled ? timed : untimed;
+    PyObject *current = (PyObject *)Py_TYPE(model);
+    if (current != target && (current == untimed || current == timed) &&
+        PyObject_GenericSetAttr(model, str_class, target) < 0) {
+        PyErr_Clear();
+    }
+}
+
+static void swap_forward_classes(RecorderCore *self, int sampled) {
+    PyObject *swaps = self->forward_swaps;
     if (swaps == NULL || !PyTuple_Check(swaps)) {
+        return;
+    }
+    if (swaps != self->swaps_seen) {
+        Py_INCREF(swaps);
+        Py_XSETREF(self->swaps_seen, swaps);
+        PyObject *entry = PyTuple_GET_SIZE(swaps) == 1 ? PyTuple_GET_ITEM(swaps, 0) : NULL;
+        int one = entry != NULL && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 3;
+        for (int i = 0; i < 3; i++) {
+            self->swap_one[i] = one ? PyTuple_GET_ITEM(entry, i) : NULL;
+        }
+    }
+    if (self->swap_one[0] != NULL) {
+        swap_one_class(self->swap_one[0], self->swap_one[1], self->swap_one[2], sampled);
         return;
     }
     Py_ssize_t count = PyTuple_GET_SIZE(swaps);
@@ -268,15 +295,8 @@ static void swap_forward_classes(PyObject *swaps, int sampled) {
         if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
             continue;
         }
-        PyObject *model = PyTuple_GET_ITEM(entry, 0);
-        PyObject *untimed = PyTuple_GET_ITEM(entry, 1);
-        PyObject *timed = PyTuple_GET_ITEM(entry, 2);
-        PyObject *target = sampled ? timed : untimed;
-        PyObject *current = (PyObject *)Py_TYPE(model);
-        if (current != target && (current == untimed || current == timed) &&
-            PyObject_GenericSetAttr(model, str_class, target) < 0) {
-            PyErr_Clear();
-        }
+        swap_one_class(PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1),
+                       PyTuple_GET_ITEM(entry, 2), sampled);
     }
 }
 
@@ -326,7 +346,7 @@ static PyObject *do_begin(RecorderCore *self, int explicit_, PyObject *now_ns) {
     self->step_start_ns = now;
     if (self->watchers) {
         self->sampled = (char)sampled;
-        swap_forward_classes(self->forward_swaps, sampled);
+        swap_forward_classes(self, sampled);
     }
     Py_RETURN_NONE;
 }
@@ -737,6 +757,7 @@ static int RecorderCore_traverse(RecorderCore *self, visitproc visit, void *arg)
     Py_VISIT(self->boundary);
     Py_VISIT(self->clock_ns);
     Py_VISIT(self->forward_swaps);
+    Py_VISIT(self->swaps_seen);
     return 0;
 }
 
@@ -753,6 +774,8 @@ static int RecorderCore_clear(RecorderCore *self) {
     Py_CLEAR(self->boundary);
     Py_CLEAR(self->clock_ns);
     Py_CLEAR(self->forward_swaps);
+    Py_CLEAR(self->swaps_seen);
+    self->swap_one[0] = self->swap_one[1] = self->swap_one[2] = NULL;
     return 0;
 }
 
@@ -1128,12 +1151,29 @@ static PyTypeObject PhaseContextType = {
 
 /* monitor.phase(name): the context already made for ``name``, else the recorder's
  * new_phase_context(name) (which validates, caps and remembers it). */
+#define PHASE_CACHE 4
+
+/* The names last looked up and their contexts (strong references), compared by identity: a
+ * loop's phase names are constants of its code, the same objects every step, and a name's
+ * context never changes once made (phase_contexts only grows). A hit touches neither the dict
+ * nor the name, which are cold after the model's memory traffic (issue 15). */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *contexts; /* dict: name -> context (the recorder's phase_contexts) */
     PyObject *recorder;
+    PyObject *cached_names[PHASE_CACHE];
+    PyObject *cached_contexts[PHASE_CACHE];
+    unsigned int cache_next; /* the slot the next miss fills */
 } PhaseLookup;
+
+static void phase_cache_clear(PhaseLookup *self) {
+    for (int i = 0; i < PHASE_CACHE; i++) {
+        Py_CLEAR(self->cached_names[i]);
+        Py_CLEAR(self->cached_contexts[i]);
+    }
+    self->cache_next = 0;
+}
 
 static PyObject *str_new_phase_context;
 
@@ -1150,6 +1190,7 @@ static int PhaseLookup_init(PhaseLookup *self, PyObject *args, PyObject *kwargs)
     Py_XSETREF(self->recorder, recorder);
     Py_INCREF(contexts);
     Py_XSETREF(self->contexts, contexts);
+    phase_cache_clear(self);
     return 0;
 }
 
@@ -1162,9 +1203,22 @@ static PyObject *PhaseLookup_vectorcall(PyObject *callable, PyObject *const *arg
         return NULL;
     }
     PyObject *name = args[0];
+    for (int i = 0; i < PHASE_CACHE; i++) {
+        if (self->cached_names[i] == name) {
+            PyObject *cached = self->cached_contexts[i];
+            Py_INCREF(cached);
+            return cached;
+        }
+    }
     if (self->contexts != NULL && PyUnicode_CheckExact(name)) {
         PyObject *context = PyDict_GetItemWithError(self->contexts, name);
         if (context != NULL) {
+            unsigned int slot = self->cache_next % PHASE_CACHE;
+            self->cache_next = slot + 1;
+            Py_INCREF(name);
+            Py_XSETREF(self->cached_names[slot], name);
+            Py_INCREF(context);
+            Py_XSETREF(self->cached_contexts[slot], context);
             Py_INCREF(context);
             return context;
         }
@@ -1190,12 +1244,17 @@ static PyObject *PhaseLookup_new(PyTypeObject *type, PyObject *args, PyObject *k
 static int PhaseLookup_traverse(PhaseLookup *self, visitproc visit, void *arg) {
     Py_VISIT(self->contexts);
     Py_VISIT(self->recorder);
+    for (int i = 0; i < PHASE_CACHE; i++) {
+        Py_VISIT(self->cached_names[i]);
+        Py_VISIT(self->cached_contexts[i]);
+    }
     return 0;
 }
 
 static int PhaseLookup_clear(PhaseLookup *self) {
     Py_CLEAR(self->contexts);
     Py_CLEAR(self->recorder);
+    phase_cache_clear(self);
     return 0;
 }
 
