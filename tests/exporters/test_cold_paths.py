@@ -141,3 +141,41 @@ def test_a_class_someone_else_set_is_left_alone() -> None:
     _step(recorder, 1 << 40)
     _step(recorder, 1)
     assert type(model) is Other
+
+
+def test_the_recorder_reads_a_changed_stride_at_the_next_step() -> None:
+    recorder = _recorder()
+    sampler = PhaseSampler(1)
+    recorder.sampler = sampler
+    timed: list[bool] = []
+    for stride in (1, 1 << 40, 1, 1 << 40):
+        sampler.stride = stride  # the export thread adapting it, on the same sampler
+        recorder.begin_step(explicit=True)
+        timed.append(bool(recorder.sampled))
+        recorder.end_step(explicit=True)
+    assert timed == [True, False, True, False]
+    other = PhaseSampler(1)  # another sampler with another stride
+    sampler.stride = 1 << 40
+    recorder.sampler = other
+    recorder.begin_step(explicit=True)
+    assert recorder.sampled
+    recorder.end_step(explicit=True)
+    recorder.sampler = sampler
+    recorder.begin_step(explicit=True)
+    assert not recorder.sampled  # back to the first: its stride is read again
+    recorder.end_step(explicit=True)
+
+
+def test_the_c_and_python_samplers_pick_the_same_steps() -> None:
+    recorder = _recorder()
+    sampler = PhaseSampler(4)
+    recorder.sampler = sampler
+    picked = []
+    for index in range(64):
+        if index == 32:
+            sampler.stride = 8
+        recorder.begin_step(explicit=True)
+        picked.append((bool(recorder.sampled), sampler.sampled(index)))
+        recorder.end_step(explicit=True)
+    assert all(c == python for c, python in picked)
+    assert sum(c for c, _ in picked[:32]) >= 4 and sum(c for c, _ in picked[32:]) < 16

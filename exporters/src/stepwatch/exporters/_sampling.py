@@ -83,12 +83,23 @@ def ideal_stride(step_s: float, interval_s: float = SAMPLE_INTERVAL_S) -> int:
     return min(1 << math.ceil(math.log2(ideal)), MAX_STRIDE)
 
 
+def _no_recorder() -> None:
+    """No C recorder to tell of a changed stride."""
+
+
+try:  # the C recorders cache a sampler's stride; a set stride tells them (exporters/csrc)
+    from stepwatch.exporters._fastrecord import sampler_changed as _stride_changed
+except ImportError:  # pragma: no cover - built by the package's install
+    _stride_changed = _no_recorder
+
+
 class PhaseSampler:
     """Decides, per step index, whether auto mode times that step's phases.
 
     The training thread calls :meth:`sampled` once per step (at the step's start); the export
-    thread calls :meth:`observe` with each window's step durations. ``stride`` is a plain
-    attribute: the training thread reads it, the export thread writes it.
+    thread calls :meth:`observe` with each window's step durations. The export thread writes
+    ``stride``, the training thread reads it; setting it tells the C recorders, which keep the
+    stride they read rather than look in this object on every step (``_fastrecord``).
 
     Args:
         every: ``"auto"`` (the stride follows the step time) or a fixed stride ``>= 1`` (1:
@@ -112,6 +123,16 @@ class PhaseSampler:
         #: Set by the export thread once a window said what its sampled phases rest on
         #: (``_recorder.sampled_steps``).
         self.reported = False
+
+    @property
+    def stride(self) -> int:
+        """One step in ``stride`` is timed phase by phase (1: every step)."""
+        return self._stride
+
+    @stride.setter
+    def stride(self, stride: int) -> None:
+        self._stride = stride
+        _stride_changed()
 
     def sampled(self, index: int) -> bool:
         """Whether step ``index`` is timed phase by phase."""
