@@ -49,6 +49,7 @@ static PyObject *perf_counter_ns;  /* time.perf_counter_ns: read with clock_gett
 static PyObject *str_stride_value; /* "_stride": PhaseSampler's stride property's value */
 static PyObject *str_stride, *str_on_step_end, *str_misuse, *str_append, *str_explicit;
 static PyObject *str_now_ns, *str_mark, *str_record, *str_exc_info, *str_step_end_key, *str_step_end_msg;
+static PyObject *str_wait_msg; /* a wait that could not be added to the step's phases */
 static PyObject *str_clock_key, *str_clock_msg, *kwnames_explicit, *kwnames_explicit_now;
 static PyObject *kwnames_exc_info;
 static PyObject *str_class; /* "__class__" */
@@ -462,7 +463,8 @@ static int fold_wait(RecorderCore *self) {
 
 static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
     if (fold_wait(self) < 0) {
-        return NULL;
+        /* Never raised into the loop: reported, and the wait kept for the next step's end. */
+        report_misuse((PyObject *)self, str_step_end_key, str_wait_msg, 1);
     }
     if (self->step_depth != 1 || self->device_timer == NULL || self->buffer == NULL ||
         self->phases_ns == NULL || self->sampled_ns == NULL || self->kernel_source == NULL) {
@@ -2950,6 +2952,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_mark, "mark") || intern(&str_record, "record") || intern(&str_exc_info, "exc_info") ||
         intern(&str_step_end_key, "step-end") ||
         intern(&str_step_end_msg, "recording a step failed; step ignored") ||
+        intern(&str_wait_msg, "the exposed wait could not be added to the step's phases; "
+                              "kept for the next step") ||
         intern(&str_clock_key, "clock") || intern(&str_auto_key, "auto") ||
         intern(&str_enabled, "enabled") || intern(&str_in_backward, "in_backward") ||
         intern(&str_pre_failed, "auto-mode optimizer pre-hook failed") || intern(&str_new_phase_context, "new_phase_context") ||

@@ -74,6 +74,28 @@ def test_the_pre_gate_records_the_wait_of_an_untimed_step_in_c() -> None:
     assert recorder.buffer[-1][3] == {}  # and in no later step's
 
 
+def test_a_wait_that_cannot_be_folded_is_reported_not_raised() -> None:
+    from stepwatch.exporters import _fastrecord
+
+    recorder, _, slow = _recorder_and_calls()
+    stamp = _fastrecord.ClockStamp()
+    gate = _fastrecord.OptimizerGate("pre", recorder, slow, stamp)
+    recorder.sampled = False
+    recorder.begin_step(explicit=True)
+    stamp(None)
+    gate("opt", (), {})
+    waited = recorder._wait_ns
+    assert waited > 0
+    phases = recorder._phases_ns
+    recorder._phases_ns = ["not", "a", "dict"]  # the fold into it fails
+    recorder.end_step(explicit=True)  # does not raise into the loop
+    assert recorder.misuse_count == 1 and recorder._wait_ns == waited  # kept for later
+    recorder._phases_ns = phases
+    recorder.begin_step(explicit=True)
+    recorder.end_step(explicit=True)
+    assert recorder.buffer[-1][3] == {"communication": waited} and recorder._wait_ns == 0
+
+
 def test_the_count_of_open_calls_is_kept_in_the_pre_gate() -> None:
     from stepwatch.exporters import _fastrecord
 
