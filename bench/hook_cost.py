@@ -391,6 +391,34 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def one_rank_ddp(hidden: int, batch: int, job_id: str) -> tuple[Any, Any, Any, Any, Any]:
+    """A 1-rank gloo DDP job of bench/overhead.py's MLP, one thread, auto mode installed on a
+    monitor exporting nowhere, 50 steps run: (monitor, model, optimizer, loss_fn, generator)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import overhead
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from stepwatch.exporters import StepMonitor
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    model = DistributedDataParallel(overhead.mlp(hidden))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    monitor = StepMonitor(
+        job_id=job_id, rank=0, world_size=1, exporter=NullExporter(), health=False
+    )
+    monitor.instrument(model, optimizer)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        overhead.train_step(monitor, model, optimizer, loss_fn, generator, batch)
+    return monitor, model, optimizer, loss_fn, generator
+
+
 def measure(kind: str, arms_filter: list[str] | None, args: argparse.Namespace) -> None:
     baseline = _load_auto_at(args.baseline_rev) if args.baseline_rev else None
     bench = Bench(kind, baseline, args.hidden, args.batch)

@@ -24,12 +24,8 @@ Run: ``.venv/bin/python bench/hook_sandwich.py [--hidden 1024] [--steps 1000]
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,34 +37,14 @@ SPANS = ("pre", "post", "end")
 
 def _measure(hidden: int, steps: int, batch: int) -> dict[str, tuple[float, float]]:
     """Median ns of each span with the gates active and inactive (module docstring)."""
-    os.environ["OMP_NUM_THREADS"] = "1"
     import hook_cost
     import overhead
-    import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    from stepwatch.exporters import StepMonitor
     from stepwatch.exporters._sampling import PhaseSampler
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{hook_cost._free_port()}", rank=0, world_size=1
-    )
-    model = DistributedDataParallel(overhead.mlp(hidden))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    monitor = StepMonitor(
-        job_id="hook-sandwich",
-        rank=0,
-        world_size=1,
-        exporter=hook_cost.NullExporter(),
-        health=False,
-    )
-    monitor.instrument(model, optimizer)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        overhead.train_step(monitor, model, optimizer, loss_fn, generator, batch)
+    job = hook_cost.one_rank_ddp(hidden, batch, "hook-sandwich")
+    monitor, model, optimizer, loss_fn, generator = job
     monitor._recorder.sampler = PhaseSampler(1 << 62)  # no step timed
     pre_hooks = optimizer._optimizer_step_pre_hooks
     post_hooks = optimizer._optimizer_step_post_hooks
@@ -124,46 +100,20 @@ def _report(label: str, hidden: int, medians: dict[str, tuple[float, float]]) ->
 
 
 def main() -> None:
+    import step_instructions
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--steps", type=int, default=1000, help="steps of each state")
-    parser.add_argument("--compare", default="", help="a git revision against this tree")
-    parser.add_argument("--repeat", type=int, default=2, help="--compare: processes a tree")
-    parser.add_argument("--label", default="this tree", help=argparse.SUPPRESS)
+    step_instructions.add_tree_options(parser)
     args = parser.parse_args()
     if not args.compare:
         _report(args.label, args.hidden, _measure(args.hidden, args.steps, args.batch))
         return
-    import step_instructions
-
-    root = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory() as temporary:
-        base = Path(temporary) / "base"
-        trees = [
-            (args.compare, step_instructions._checkout(args.compare, base)),
-            ("this tree", root / "exporters" / "src"),
-        ]
-        try:
-            for _ in range(args.repeat):
-                for label, source in trees:
-                    command = [sys.executable, __file__, "--label", label]
-                    command += ["--hidden", str(args.hidden), "--batch", str(args.batch)]
-                    command += ["--steps", str(args.steps)]
-                    done = subprocess.run(
-                        command,
-                        capture_output=True,
-                        text=True,
-                        env={**os.environ, "PYTHONPATH": str(source)},
-                        check=False,
-                    )
-                    lines = [line for line in done.stdout.splitlines() if "wide," in line]
-                    print("\n".join(lines) or done.stderr[-2000:], flush=True)
-        finally:
-            with contextlib.suppress(Exception):
-                subprocess.run(
-                    ["git", "worktree", "remove", "--force", str(base)], cwd=root, check=False
-                )
+    arguments = ["--hidden", str(args.hidden), "--batch", str(args.batch)]
+    arguments += ["--steps", str(args.steps)]
+    step_instructions.alternate_trees(__file__, args.compare, args.repeat, arguments)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ median of the arm's blocks) and the difference to ``none``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import statistics
@@ -91,6 +92,40 @@ def _checkout(rev: str, folder: Path) -> Path:
         capture_output=True,
     )
     return folder / "exporters" / "src"
+
+
+def add_tree_options(parser: argparse.ArgumentParser) -> None:
+    """``--compare REV``, ``--repeat N`` and the hidden ``--label`` of
+    :func:`alternate_trees`'s child processes."""
+    parser.add_argument("--compare", default="", help="a git revision against this tree")
+    parser.add_argument("--repeat", type=int, default=2, help="--compare: processes a tree")
+    parser.add_argument("--label", default="this tree", help=argparse.SUPPRESS)
+
+
+def alternate_trees(script: str, revision: str, repeat: int, arguments: list[str]) -> None:
+    """Run ``script --label L ARGUMENTS`` on git ``revision`` (a worktree with its extensions
+    built) and on this tree in alternate processes, ``repeat`` times each, printing the lines
+    each prints that start with its label (its stderr's end if none)."""
+    with tempfile.TemporaryDirectory() as temporary:
+        base = Path(temporary) / "base"
+        trees = [(revision, _checkout(revision, base)), ("this tree", ROOT / "exporters" / "src")]
+        try:
+            for _ in range(repeat):
+                for label, source in trees:
+                    done = subprocess.run(
+                        [sys.executable, script, "--label", label, *arguments],
+                        capture_output=True,
+                        text=True,
+                        env={**os.environ, "PYTHONPATH": str(source)},
+                        check=False,
+                    )
+                    lines = [line for line in done.stdout.splitlines() if line.startswith(label)]
+                    print("\n".join(lines) or done.stderr[-2000:], flush=True)
+        finally:
+            with contextlib.suppress(Exception):
+                subprocess.run(
+                    ["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False
+                )
 
 
 def _measure(source_dir: Path, steps: int, warmup: int, out: Path) -> dict[str, list[float]]:

@@ -1,7 +1,8 @@
 """The exporters' optional C extensions; the rest of the build is in pyproject.toml.
 
-- ``stepwatch.exporters._fastrecord`` (``csrc/fastrecord.c``): the training thread's step
-  boundary and ``step()``/``phase()`` contexts, and the export thread's pass over the steps;
+- ``stepwatch.exporters._fastrecord`` (``csrc/fastrecord.c``, ``csrc/stepbuffer.h``): the
+  training thread's step boundary and ``step()``/``phase()`` contexts, the finished steps'
+  buffer, and the export thread's pass over the steps;
 - ``stepwatch.exporters._fasthist`` (``csrc/fasthist.c``): the histogram recording loops.
 
 Both are ``optional``: where one does not compile (no C compiler), setuptools warns and the
@@ -28,6 +29,7 @@ setup(
         Extension(
             f"stepwatch.exporters.{name}",
             [f"csrc/{source}"],
+            depends=["csrc/stepbuffer.h"],
             extra_compile_args=ARGS,
             optional=True,
         )

@@ -14,7 +14,9 @@
  *   not, marked by the loop or by auto mode, on the auto-mode state's own attributes;
  *   anything unusual goes to the Python hooks;
  * - the class swap at each step's start (swap_forward_classes): the model's own class on a
- *   step whose phases are not timed.
+ *   step whose phases are not timed;
+ * - StepBuffer (stepbuffer.h): the finished steps, a deque to the export thread, plain C slots
+ *   to a host-timed step's end (compact_end).
  *
  * The C code takes the common case only: a step not already open (or, at its end, the
  * outermost one), a buffer with room, a clock that answers with an int, a device timer (if
@@ -55,6 +57,8 @@ static PyObject *kwnames_exc_info;
 static PyObject *str_class; /* "__class__" */
 static PyObject *str_communication; /* "communication": the exposed wait's phase */
 static PyObject *add_to(PyObject *phases, PyObject *name, PyObject *elapsed);
+
+#include "stepbuffer.h"
 
 typedef struct {
     PyObject_HEAD
@@ -461,7 +465,97 @@ static int fold_wait(RecorderCore *self) {
     return 0;
 }
 
+/* What follows a step's end once it is buffered: the recorder's counts and the kernel source
+ * told (or not, as it asked). */
+static void step_ended(RecorderCore *self, long long index) {
+    self->step_index = index + 1;
+    self->steps_recorded += 1;
+    if (self->kernel_source != Py_None) {
+        if (self->kernel_skip > 0) {
+            self->kernel_skip -= 1; /* the source asked not to be told of this one */
+        } else {
+            PyObject *number = PyLong_FromLongLong(index);
+            PyObject *told = number == NULL
+                                 ? NULL
+                                 : PyObject_CallMethodOneArg(self->kernel_source,
+                                                             str_on_step_end, number);
+            Py_XDECREF(number);
+            if (told == NULL) {
+                report_misuse((PyObject *)self, str_step_end_key, str_step_end_msg, 1);
+            } else {
+                self->kernel_skip = skip_count(told);
+                Py_DECREF(told);
+            }
+        }
+    }
+}
+
+/* A host-timed step's end into the StepBuffer's next slot (stepbuffer.h): its numbers, its
+ * phase dict when it has phases (an empty one stays for the next step), the exposed wait not
+ * yet folded, its auto-mode phases; no tuple, int or dict made. NULL with no exception set
+ * when not taken (the general path then runs, nothing changed). */
+static PyObject *compact_end(RecorderCore *self, PyObject *now_ns) {
+    StepBuffer *buffer = (StepBuffer *)self->buffer;
+    PyObject *phases = self->phases_ns;
+    if (buffer->count >= self->buffer_steps || !PyDict_CheckExact(phases) ||
+        (self->watchers && unsampled == NULL)) {
+        return NULL;
+    }
+    long long end;
+    if (resolve_now(self, now_ns, &end) < 0) {
+        return NULL;
+    }
+    int swap_sampled = self->watchers && self->sampled;
+    PyObject *fresh = NULL, *fresh_sampled = NULL;
+    if (PyDict_GET_SIZE(phases) != 0 && (fresh = PyDict_New()) == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (swap_sampled && (fresh_sampled = PyDict_New()) == NULL) {
+        Py_XDECREF(fresh);
+        PyErr_Clear();
+        return NULL;
+    }
+    StepEntry *entry = step_buffer_push(buffer);
+    if (entry == NULL) {
+        Py_XDECREF(fresh);
+        Py_XDECREF(fresh_sampled);
+        PyErr_Clear();
+        return NULL;
+    }
+    long long index = self->step_index;
+    entry->index = index;
+    entry->start = self->step_start_ns;
+    entry->end = end;
+    entry->wait = self->wait_ns;
+    self->wait_ns = 0;
+    if (fresh != NULL) {
+        entry->phases = phases; /* the recorder's reference, handed over */
+        self->phases_ns = fresh;
+    }
+    if (swap_sampled) {
+        entry->auto_ = self->sampled_ns;
+        self->sampled_ns = fresh_sampled;
+    } else {
+        entry->auto_ = self->watchers ? unsampled : Py_None;
+        Py_INCREF(entry->auto_);
+    }
+    /* Committed: the step is in the buffer. */
+    self->step_depth = 0;
+    self->auto_step_open = 0;
+    step_ended(self, index);
+    Py_RETURN_NONE;
+}
+
 static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
+    if (self->step_depth == 1 && self->device_timer == Py_None && self->buffer != NULL &&
+        Py_TYPE(self->buffer) == &StepBufferType && self->phases_ns != NULL &&
+        self->sampled_ns != NULL && self->kernel_source != NULL) {
+        PyObject *done = compact_end(self, now_ns);
+        if (done != NULL) {
+            return done;
+        }
+    }
     if (fold_wait(self) < 0) {
         /* Never raised into the loop: reported, and the wait kept for the next step's end. */
         report_misuse((PyObject *)self, str_step_end_key, str_wait_msg, 1);
@@ -571,26 +665,7 @@ static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
     if (swap_sampled) {
         Py_SETREF(self->sampled_ns, fresh_sampled);
     }
-    self->step_index = index + 1;
-    self->steps_recorded += 1;
-    if (self->kernel_source != Py_None) {
-        if (self->kernel_skip > 0) {
-            self->kernel_skip -= 1; /* the source asked not to be told of this one */
-        } else {
-            PyObject *number = PyLong_FromLongLong(index);
-            PyObject *told = number == NULL
-                                 ? NULL
-                                 : PyObject_CallMethodOneArg(self->kernel_source,
-                                                             str_on_step_end, number);
-            Py_XDECREF(number);
-            if (told == NULL) {
-                report_misuse((PyObject *)self, str_step_end_key, str_step_end_msg, 1);
-            } else {
-                self->kernel_skip = skip_count(told);
-                Py_DECREF(told);
-            }
-        }
-    }
+    step_ended(self, index);
     (void)explicit_;
     Py_RETURN_NONE;
 }
@@ -2988,7 +3063,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         PyType_Ready(&PhaseContextType) < 0 || PyType_Ready(&PhaseLookupType) < 0 ||
         PyType_Ready(&ClockStampType) < 0 || PyType_Ready(&EventMarkerType) < 0 ||
         PyType_Ready(&MarkStampType) < 0 || PyType_Ready(&OptimizerGateType) < 0 ||
-        PyType_Ready(&ForwardGateType) < 0 || PyType_Ready(&BackwardStartType) < 0) {
+        PyType_Ready(&ForwardGateType) < 0 || PyType_Ready(&BackwardStartType) < 0 ||
+        PyType_Ready(&StepBufferType) < 0) {
         return NULL;
     }
 #if defined(__linux__)
@@ -3009,7 +3085,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         PyModule_AddType(module, &MarkStampType) < 0 ||
         PyModule_AddType(module, &OptimizerGateType) < 0 ||
         PyModule_AddType(module, &ForwardGateType) < 0 ||
-        PyModule_AddType(module, &BackwardStartType) < 0) {
+        PyModule_AddType(module, &BackwardStartType) < 0 ||
+        PyModule_AddType(module, &StepBufferType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -5,13 +5,13 @@ it to whatever times steps and phases on the training thread: its own ``step()``
 ``phase()`` contexts and the auto-mode hooks (``_auto``). Those use only the small interface
 below; the export thread only drains :attr:`StepRecorder.buffer` and reads the counters.
 
-The hot path reads a monotonic clock and appends one finished-step record to a deque: no lock,
-no SDK call, no allocation beyond the record. Nothing raises: misuse is logged and counted.
-
-Where the C extension ``_fastrecord`` is built (``exporters/csrc/fastrecord.c``), monitors use
+The hot path reads a monotonic clock and appends one finished-step record: no lock, no SDK
+call, no allocation beyond the record. Nothing raises: misuse is logged and counted. Where the
+C extension ``_fastrecord`` is built (``exporters/csrc/fastrecord.c``), monitors use
 :data:`FAST_RECORDER`: the same class on a C base that keeps the hot state in a struct and runs
-the step boundary and the ``step()``/``phase()`` contexts without a Python frame; anything
-unusual it hands to this module's Python methods. ``STEPWATCH_EXPORTERS_NO_C=1`` turns it off.
+the step boundary and the ``step()``/``phase()`` contexts without a Python frame, its buffer a
+``StepBuffer`` (a deque to readers; a host-timed step's end fills a plain C slot); anything
+unusual goes to this module's Python methods. ``STEPWATCH_EXPORTERS_NO_C=1`` turns it off.
 """
 
 from __future__ import annotations
@@ -136,13 +136,13 @@ def _values(
                 }
             for name, ns in step_phases.items():
                 seconds = device_phases.pop(name, None)
-                _append(phases, name, ns * 1e-9 if seconds is None else seconds)
+                phases.setdefault(name, []).append(ns * 1e-9 if seconds is None else seconds)
             for name, seconds in device_phases.items():
-                _append(phases, name, seconds)
+                phases.setdefault(name, []).append(seconds)
         else:
             durations.append((end_ns - start_ns) * 1e-9)
             for name, ns in step_phases.items():
-                _append(phases, name, ns * 1e-9)
+                phases.setdefault(name, []).append(ns * 1e-9)
     return durations, phases, sampled, watched
 
 
@@ -167,10 +167,6 @@ def _fast_host_values(
     if FAST_RECORDER is None or type(records) is not list or type(carry) is not int:
         return None
     return _fastrecord.host_values(records, carry)
-
-
-def _append(phases: dict[str, list[float]], name: str, seconds: float) -> None:
-    phases.setdefault(name, []).append(seconds)
 
 
 class Clock(Protocol):
@@ -294,15 +290,16 @@ class StepRecorder:
         clock: The monitor's clock.
         clock_ns: ``clock.monotonic_ns`` (``time.perf_counter_ns`` itself for the system clock).
         device_timer: As given.
-        buffer: Finished steps, oldest first; the export thread pops from the left.
+        buffer: Finished steps, oldest first (a deque); the export thread pops from the left.
         steps_recorded: Steps finished and put in the buffer.
         buffer_dropped: Steps dropped because the buffer was full.
         misuse_count: Calls ignored for bad usage.
     """
 
-    # The contexts' classes (the C recorder's are C types with the same interface).
+    # The contexts' and buffer's classes (the C recorder's: C types, the same interface).
     _step_context_type: Callable[[Any], Any] = _StepContext
     _phase_context_type: Callable[[Any, str], Any] = _PhaseContext
+    _buffer_type: Callable[[], Any] = collections.deque
 
     def __init__(
         self,
@@ -320,7 +317,7 @@ class StepRecorder:
         self._kernel_source = kernel_source
         self._kernel_skip = 0  # step ends the kernel source asked not to be told of
         self._log = log
-        self.buffer: collections.deque[StepRecord] = collections.deque()
+        self.buffer: collections.deque[StepRecord] = self._buffer_type()
         self._buffer_steps = buffer_steps
         self.step_context: _StepContext = self._step_context_type(self)
         self.phase_contexts: dict[str, _PhaseContext] = {}
@@ -486,9 +483,8 @@ class StepRecorder:
     def open_phase(self) -> tuple[str, int] | None:
         """The innermost ``phase()`` open now and when it was entered (monotonic ns), or None.
 
-        Read by the export thread from what ``phase()`` already records on entry (its depth and
-        start time): nothing is added to the hot path. A phase entered at the same moment as
-        another is told apart by the later start; nested phases give the inner one.
+        Read by the export thread from what ``phase()`` records on entry (depth, start): nothing
+        added to the hot path. Of two phases, the later start; nested ones, the inner one.
         """
         try:
             best: tuple[str, int] | None = None
@@ -539,6 +535,7 @@ if _fastrecord is not None and os.environ.get("STEPWATCH_EXPORTERS_NO_C", "") in
 
         _step_context_type = _fastrecord.StepContext
         _phase_context_type = _fastrecord.PhaseContext
+        _buffer_type = _fastrecord.StepBuffer
 
         def monitor_calls(self) -> dict[str, Any]:
             # The C step context returns itself when called; PhaseLookup is phase()'s body.

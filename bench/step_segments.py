@@ -1,0 +1,144 @@
+"""Where in a training step stepwatch's cost falls, segment by segment, paired step by step (CPU
+DDP; issue 15).
+
+``bench/step_split.py`` prints a whole step's cost; at 1024 wide its estimates move ±5 µs from
+run to run, as much as a change worth making. Split into the segments the loop's own code
+marks, the differences are resolved better: each segment is short, so the model's jitter in it
+is small. This bench runs bench/overhead.py's loop on a 1-rank gloo DDP job with auto mode
+installed, and within each round, in a random order, three steps:
+
+- ``off``: the monitor's hooks switched off and no ``monitor.step()`` (a plain step);
+- ``untimed``: auto mode on, the step's phases not timed (what most steps are with
+  ``phase_sampling="auto"``: 7 in 8 at a 20 ms step);
+- ``timed``: auto mode on, the step's phases timed.
+
+``time.perf_counter_ns`` stamps each segment: ``enter`` (``with monitor.step()``'s entry),
+``data`` (the ``phase("data")`` block), ``forward``, ``loss`` (the loss and ``zero_grad``),
+``backward``, ``optimizer``, ``exit`` (the end of ``optimizer.step()`` to after the ``with``
+block) and ``step`` (all of it). Printed per segment: the 10 % trimmed mean of the paired
+differences untimed − off, timed − off and timed − untimed, in µs, and what ``auto`` pays a
+step on average at 1 in ``--stride`` timed.
+
+``--compare REV`` runs this tree and git ``REV`` (a worktree with its extensions built) in
+alternate processes, ``--repeat`` times each.
+
+Run: ``.venv/bin/python bench/step_segments.py [--hidden 1024] [--rounds 1000] [--stride 8]
+[--compare REV] [--repeat 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SEGMENTS = ("enter", "data", "forward", "loss", "backward", "optimizer", "exit", "step")
+ARMS = ("off", "untimed", "timed")
+
+
+def _trimmed(values: list[int], share: float = 0.1) -> float:
+    ordered = sorted(values)
+    cut = int(len(ordered) * share)
+    kept = ordered[cut : len(ordered) - cut] or ordered
+    return sum(kept) / len(kept)
+
+
+def _measure(hidden: int, rounds: int, batch: int) -> dict[str, list[tuple[int, ...]]]:
+    """Each arm's segment durations (ns), one tuple a round (module docstring)."""
+    import hook_cost
+    import overhead
+    import torch
+    import torch.distributed as dist
+
+    from stepwatch.exporters._sampling import PhaseSampler
+
+    job = hook_cost.one_rank_ddp(hidden, batch, "step-segments")
+    monitor, model, optimizer, loss_fn, generator = job
+    recorder = monitor._recorder
+    samplers = {"untimed": PhaseSampler(1 << 62), "timed": PhaseSampler(1)}
+    switch = overhead.HookSwitch(model, optimizer)
+    clock = time.perf_counter_ns
+    null = contextlib.nullcontext()
+    order = random.Random(3)
+    spans: dict[str, list[tuple[int, ...]]] = {arm: [] for arm in ARMS}
+    for _ in range(rounds):
+        arms = list(ARMS)
+        order.shuffle(arms)
+        for arm in arms:
+            on = arm != "off"
+            switch.set(on)
+            if on:
+                recorder.sampler = samplers[arm]
+            t0 = clock()
+            with monitor.step() if on else null:
+                t1 = clock()
+                with monitor.phase("data") if on else null:
+                    inputs = torch.randn(batch, 128, generator=generator)
+                    targets = torch.randint(0, 10, (batch,), generator=generator)
+                t2 = clock()
+                output = model(inputs)
+                t3 = clock()
+                loss = loss_fn(output, targets)
+                optimizer.zero_grad(set_to_none=True)
+                t4 = clock()
+                loss.backward()
+                t5 = clock()
+                optimizer.step()
+                t6 = clock()
+            t7 = clock()
+            del output, loss
+            spans[arm].append(
+                (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6, t7 - t0)
+            )
+    switch.set(True)
+    monitor.close(timeout_s=1.0)
+    dist.destroy_process_group()
+    return spans
+
+
+def _paired(spans: dict[str, list[tuple[int, ...]]], a: str, b: str, position: int) -> float:
+    """Trimmed mean (ns) of arm ``a``'s segment minus arm ``b``'s, round by round."""
+    rounds = zip(spans[a], spans[b], strict=True)
+    return _trimmed([x[position] - y[position] for x, y in rounds])
+
+
+def _report(label: str, hidden: int, stride: int, spans: dict[str, list[tuple[int, ...]]]) -> None:
+    rounds = len(spans["off"])
+    print(f"{label}: {hidden} wide, {rounds} rounds; trimmed mean of paired differences, µs")
+    pairs = (("untimed", "off"), ("timed", "off"), ("timed", "untimed"))
+    print(f"{label}:   {'segment':<10}" + "".join(f"{a + ' - ' + b:>18}" for a, b in pairs))
+    for position, name in enumerate(SEGMENTS):
+        cells = "".join(f"{_paired(spans, a, b, position) / 1e3:>+18.2f}" for a, b in pairs)
+        print(f"{label}:   {name:<10}{cells}")
+    step = SEGMENTS.index("step")
+    untimed, timed = _paired(spans, "untimed", "off", step), _paired(spans, "timed", "off", step)
+    average = ((stride - 1) * untimed + timed) / stride
+    print(f"{label}: auto at 1 in {stride} timed: {average / 1e3:+.2f} µs a step", flush=True)
+
+
+def main() -> None:
+    import step_instructions
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=1000, help="rounds of the three arms")
+    parser.add_argument("--stride", type=int, default=8, help="1 in this many steps timed")
+    step_instructions.add_tree_options(parser)
+    args = parser.parse_args()
+    if not args.compare:
+        spans = _measure(args.hidden, args.rounds, args.batch)
+        _report(args.label, args.hidden, args.stride, spans)
+        return
+    arguments = ["--hidden", str(args.hidden), "--batch", str(args.batch)]
+    arguments += ["--rounds", str(args.rounds), "--stride", str(args.stride)]
+    step_instructions.alternate_trees(__file__, args.compare, args.repeat, arguments)
+
+
+if __name__ == "__main__":
+    main()
