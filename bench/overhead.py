@@ -189,10 +189,15 @@ class HookSwitch:
 
     def set(self, on: bool) -> None:
         object.__setattr__(self.model, "__class__", self.on_class if on else self.off_class)
-        for (target, name), hooks_on, hooks_off in zip(
-            self.targets, self.on, self.off, strict=True
-        ):
-            object.__setattr__(target, name, hooks_on if on else hooks_off)
+        off_now = getattr(self.targets[0][0], self.targets[0][1]) is self.off[0]
+        if on == off_now:  # a switch (else what is installed stays)
+            if not on:  # what is there goes back when switched on: the optimizer's post-hook
+                # dict may be the stand-in its pre gate put there for untimed steps
+                self.on = [getattr(target, name) for target, name in self.targets]
+            for (target, name), hooks_on, hooks_off in zip(
+                self.targets, self.on, self.off, strict=True
+            ):
+                object.__setattr__(target, name, hooks_on if on else hooks_off)
         if self.parameter_hooks is not None:
             if on:
                 self.parameter_hooks.update(self.parameter_saved)

@@ -56,6 +56,7 @@ static PyObject *str_clock_key, *str_clock_msg, *kwnames_explicit, *kwnames_expl
 static PyObject *kwnames_exc_info;
 static PyObject *str_class; /* "__class__" */
 static PyObject *str_communication; /* "communication": the exposed wait's phase */
+static PyObject *str_post_hooks; /* "_optimizer_step_post_hooks": torch's post-hook dict */
 static PyObject *add_to(PyObject *phases, PyObject *name, PyObject *elapsed);
 
 #include "stepbuffer.h"
@@ -1783,6 +1784,13 @@ typedef struct {
     long long calls;        /* pre: the optimizer's step() calls open (_opthooks), kept here and
                              * not in the state's __dict__: a dict the hook would touch on every
                              * step, cold after the optimizer's own pass over memory */
+    /* pre, with hide_post(post): the post gate out of torch's loop on untimed steps (post_out) */
+    PyObject *post_gate;    /* the partner post gate, or NULL: never hidden */
+    PyObject *post_owner;   /* the one optimizer whose post hooks are hidden, or NULL */
+    PyObject *post_real;    /* its post-hook dict, while post_out */
+    PyObject *post_empty;   /* the empty dict of the same type standing in for it */
+    char post_out;          /* the empty dict is installed */
+    char post_never;        /* hiding given up (another optimizer, other hooks, a change) */
     char is_pre;
     char active;
 } OptimizerGate;
@@ -1931,6 +1939,125 @@ done:
     return result;
 }
 
+/* Hiding the post gate (issue 15, cold memory). On a step whose phases are not timed, in a
+ * loop that marks its steps, with no collective timed, the post gate has nothing to do; yet
+ * torch calling it at all (its loop over the post hooks, the call) costs ~1.4-1.7 us at 1024
+ * wide. So where the optimizer's post-hook dict holds the post gate alone, the pre gate of such
+ * a step installs an empty dict of the same type in its place (``_optimizer_step_post_hooks``:
+ * torch reads it after the step, so this call's loop already sees it), and puts the dict back
+ * at the first step that needs it. While hidden, the pre gate keeps no count (no post gate
+ * takes it back). A hook registered meanwhile went into the empty dict: that dict becomes the
+ * optimizer's, the post gate first in it, and hiding stops (the hook's handle refers to it);
+ * so does a dict someone else installed, another optimizer, or a post-hook dict with other
+ * hooks. */
+static void hidden_post_restore(OptimizerGate *self) {
+    if (!self->post_out) {
+        return;
+    }
+    self->post_out = 0;
+    PyObject *owner = self->post_owner, *empty = self->post_empty, *real = self->post_real;
+    PyObject *current = owner == NULL ? NULL : PyObject_GetAttr(owner, str_post_hooks);
+    if (current == NULL) {
+        PyErr_Clear();
+        self->post_never = 1;
+    } else if (current != empty) {
+        self->post_never = 1; /* someone else's dict now: theirs stays */
+    } else if (PyDict_GET_SIZE(empty) == 0) {
+        if (PyObject_SetAttr(owner, str_post_hooks, real) < 0) {
+            PyErr_Clear();
+            self->post_never = 1;
+        }
+    } else {
+        /* Hooks registered while hidden: keep their dict (their handles refer to it), with the
+         * post gate put back first, as it was registered before them. */
+        PyObject *key = NULL, *value = NULL, *gate_key = NULL;
+        Py_ssize_t position = 0;
+        while (real != NULL && PyDict_Next(real, &position, &key, &value)) {
+            if (value == self->post_gate) {
+                gate_key = key;
+                break;
+            }
+        }
+        PyObject *done = NULL;
+        if (gate_key != NULL && PyObject_SetItem(empty, gate_key, self->post_gate) == 0) {
+            done = PyObject_CallMethod(empty, "move_to_end", "OO", gate_key, Py_False);
+            if (done == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                PyErr_Clear(); /* a plain dict: the gate runs last, still runs */
+                done = Py_None;
+                Py_INCREF(done);
+            }
+        }
+        Py_XDECREF(done);
+        PyErr_Clear();
+        self->post_never = 1;
+        Py_CLEAR(self->post_empty); /* the optimizer's dict now */
+    }
+    Py_XDECREF(current);
+    Py_CLEAR(self->post_real);
+}
+
+/* 1 when the post gate is out of this call's loop (see above), 0 otherwise. */
+static int hidden_post(OptimizerGate *self, RecorderCore *recorder, PyObject *const *args,
+                       Py_ssize_t nargs) {
+    if (self->post_gate == NULL || self->post_never) {
+        return 0;
+    }
+    PyObject *optimizer = nargs >= 1 ? args[0] : NULL;
+    OptimizerGate *post = (OptimizerGate *)self->post_gate;
+    int idle = !recorder->sampled && recorder->explicit_steps && self->calls == 0 &&
+               optimizer != NULL && post->comm_starts != NULL &&
+               PyList_CheckExact(post->comm_starts) && PyList_GET_SIZE(post->comm_starts) == 0;
+    if (!idle) {
+        hidden_post_restore(self);
+        return 0;
+    }
+    if (self->post_out) {
+        if (optimizer == self->post_owner) {
+            return 1;
+        }
+        hidden_post_restore(self); /* a second optimizer: not worth telling apart */
+        self->post_never = 1;
+        return 0;
+    }
+    if (self->post_owner != NULL && optimizer != self->post_owner) {
+        self->post_never = 1; /* a second optimizer: not worth telling apart */
+        return 0;
+    }
+    PyObject *hooks = PyObject_GetAttr(optimizer, str_post_hooks);
+    if (hooks == NULL) {
+        PyErr_Clear();
+        self->post_never = 1;
+        return 0;
+    }
+    PyObject *key = NULL, *value = NULL;
+    Py_ssize_t position = 0;
+    int alone = PyDict_Check(hooks) && PyDict_GET_SIZE(hooks) == 1 &&
+                PyDict_Next(hooks, &position, &key, &value) && value == self->post_gate;
+    if (!alone) {
+        Py_DECREF(hooks);
+        self->post_never = 1;
+        return 0;
+    }
+    if (self->post_empty == NULL) {
+        self->post_empty = PyObject_CallNoArgs((PyObject *)Py_TYPE(hooks));
+    }
+    if (self->post_empty == NULL || !PyDict_Check(self->post_empty) ||
+        PyDict_GET_SIZE(self->post_empty) != 0 ||
+        PyObject_SetAttr(optimizer, str_post_hooks, self->post_empty) < 0) {
+        PyErr_Clear();
+        Py_DECREF(hooks);
+        self->post_never = 1;
+        return 0;
+    }
+    Py_XSETREF(self->post_real, hooks);
+    if (self->post_owner == NULL) {
+        Py_INCREF(optimizer);
+        self->post_owner = optimizer;
+    }
+    self->post_out = 1;
+    return 1;
+}
+
 /* _opthooks.outer_pre / outer_post on the count of open step() calls the pre gate keeps
  * (``calls``; a post gate reaches it through ``partner``): 1 when this hook is the outermost
  * call's (it acts), 0 when a nested call's (nothing to do). The state's
@@ -1970,8 +2097,12 @@ static PyObject *OptimizerGate_vectorcall(PyObject *callable, PyObject *const *a
                                           size_t nargsf, PyObject *kwnames) {
     OptimizerGate *self = (OptimizerGate *)callable;
     RecorderCore *recorder = self->recorder;
-    if (!self->active || recorder == NULL ||
-        !outermost_call(self, args, PyVectorcall_NARGS(nargsf))) {
+    if (!self->active || recorder == NULL) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    int hidden = self->is_pre && hidden_post(self, recorder, args, nargs);
+    if (!hidden && !outermost_call(self, args, nargs)) {
         Py_RETURN_NONE;
     }
     if (recorder->sampled || (!self->is_pre && !recorder->explicit_steps)) {
@@ -2114,6 +2245,10 @@ static int OptimizerGate_traverse(OptimizerGate *self, visitproc visit, void *ar
     Py_VISIT(self->state);
     Py_VISIT(self->device);
     Py_VISIT(self->partner);
+    Py_VISIT(self->post_gate);
+    Py_VISIT(self->post_owner);
+    Py_VISIT(self->post_real);
+    Py_VISIT(self->post_empty);
     return 0;
 }
 
@@ -2126,6 +2261,11 @@ static int OptimizerGate_clear(OptimizerGate *self) {
     Py_CLEAR(self->state);
     Py_CLEAR(self->device);
     Py_CLEAR(self->partner);
+    Py_CLEAR(self->post_gate);
+    Py_CLEAR(self->post_owner);
+    Py_CLEAR(self->post_real);
+    Py_CLEAR(self->post_empty);
+    self->post_out = 0;
     return 0;
 }
 
@@ -2148,7 +2288,59 @@ static PyObject *OptimizerGate_copy(OptimizerGate *self, PyObject *const *args, 
     return (PyObject *)copy;
 }
 
+/* pre.hide_post(post): let this pre gate hide ``post`` on untimed steps (above). */
+static PyObject *OptimizerGate_hide_post(OptimizerGate *self, PyObject *post) {
+    if (!self->is_pre || !PyObject_TypeCheck(post, &OptimizerGateType) ||
+        ((OptimizerGate *)post)->is_pre || ((OptimizerGate *)post)->partner != (PyObject *)self) {
+        PyErr_SetString(PyExc_TypeError, "hide_post: a pre gate hides its own post gate");
+        return NULL;
+    }
+    hidden_post_restore(self);
+    Py_INCREF(post);
+    Py_XSETREF(self->post_gate, post);
+    self->post_never = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *OptimizerGate_get_active(OptimizerGate *self, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(self->active);
+}
+
+/* Cleared when the instrumentation is removed: a hidden post gate's dict goes back first. */
+static int OptimizerGate_set_active(OptimizerGate *self, PyObject *value, void *closure) {
+    (void)closure;
+    int truth = value == NULL ? -1 : PyObject_IsTrue(value);
+    if (truth < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "active cannot be deleted");
+        }
+        return -1;
+    }
+    if (!truth) {
+        hidden_post_restore(self);
+        self->post_never = 1;
+    }
+    self->active = (char)truth;
+    return 0;
+}
+
+static PyObject *OptimizerGate_get_post_hidden(OptimizerGate *self, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(self->post_out);
+}
+
+static PyGetSetDef OptimizerGate_getset[] = {
+    {"active", (getter)OptimizerGate_get_active, (setter)OptimizerGate_set_active,
+     "False once the instrumentation is removed: the gate does nothing", NULL},
+    {"post_hidden", (getter)OptimizerGate_get_post_hidden, NULL,
+     "A pre gate's post gate is out of torch's post-hook loop now (untimed steps)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMethodDef OptimizerGate_methods[] = {
+    {"hide_post", (PyCFunction)OptimizerGate_hide_post, METH_O,
+     "hide_post(post): hide this pre gate's post gate from torch on untimed steps."},
     {"__copy__", (PyCFunction)(void (*)(void))OptimizerGate_copy, METH_FASTCALL,
      "An inert gate."},
     {"__deepcopy__", (PyCFunction)(void (*)(void))OptimizerGate_copy, METH_FASTCALL,
@@ -2157,8 +2349,6 @@ static PyMethodDef OptimizerGate_methods[] = {
 };
 
 static PyMemberDef OptimizerGate_members[] = {
-    {"active", T_BOOL, offsetof(OptimizerGate, active), 0,
-     "False once the instrumentation is removed: the gate does nothing"},
     {"slow", T_OBJECT, offsetof(OptimizerGate, slow), READONLY, "The Python hook"},
     {"calls", T_LONGLONG, offsetof(OptimizerGate, calls), 0,
      "A pre gate's count of its optimizer's open step() calls (_opthooks)"},
@@ -2180,6 +2370,7 @@ static PyTypeObject OptimizerGateType = {
     .tp_clear = (inquiry)OptimizerGate_clear,
     .tp_methods = OptimizerGate_methods,
     .tp_members = OptimizerGate_members,
+    .tp_getset = OptimizerGate_getset,
 };
 
 /* ------------------------------------------------------------------ BackwardStart */
@@ -3032,7 +3223,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_clock_key, "clock") || intern(&str_auto_key, "auto") ||
         intern(&str_enabled, "enabled") || intern(&str_in_backward, "in_backward") ||
         intern(&str_pre_failed, "auto-mode optimizer pre-hook failed") || intern(&str_new_phase_context, "new_phase_context") ||
-        intern(&str_class, "__class__") || intern(&str_communication, "communication") || intern(&str_forward_depth, "forward_depth") ||
+        intern(&str_class, "__class__") || intern(&str_communication, "communication") ||
+        intern(&str_post_hooks, "_optimizer_step_post_hooks") || intern(&str_forward_depth, "forward_depth") ||
         intern(&str_forward_start_ns, "forward_start_ns") || intern(&str_thread_id, "thread_id") ||
         intern(&str_backward_hooks, "backward_hooks") ||
         intern(&str_optimizer_start_ns, "optimizer_start_ns") ||

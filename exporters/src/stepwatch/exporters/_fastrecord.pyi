@@ -54,6 +54,9 @@ class OptimizerGate:
     slow: Any
     calls: int
     partner: OptimizerGate | None
+    @property
+    def post_hidden(self) -> bool: ...
+    def hide_post(self, post: OptimizerGate) -> None: ...
     def __init__(
         self,
         kind: str,

@@ -114,6 +114,7 @@ def gates(state: Any, hooks_in_c: Any) -> tuple[Any, Any]:
     gate, recorder, stamp = _fastrecord.OptimizerGate, state.recorder, state.gradient_stamp
     pre = gate("pre", recorder, state.step_pre, stamp, state, device)
     post = gate("post", recorder, state.step_post, state.comm_starts_ns, state, device, pre)
+    pre.hide_post(post)  # out of torch's post-hook loop on untimed steps (fastrecord.c)
     state.gates = (pre, post)  # the pre gate keeps the count now (state.optimizer_calls)
     return pre, post
 
