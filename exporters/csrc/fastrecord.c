@@ -2320,6 +2320,8 @@ static int OptimizerGate_set_active(OptimizerGate *self, PyObject *value, void *
     if (!truth) {
         hidden_post_restore(self);
         self->post_never = 1;
+        Py_CLEAR(self->post_owner); /* the optimizer is not held past the instrumentation */
+        Py_CLEAR(self->post_empty);
     }
     self->active = (char)truth;
     return 0;
