@@ -5,19 +5,22 @@ DDP; issue 15).
 run to run, as much as a change worth making. Split into the segments the loop's own code
 marks, the differences are resolved better: each segment is short, so the model's jitter in it
 is small. This bench runs bench/overhead.py's loop on a 1-rank gloo DDP job with auto mode
-installed, and within each round, in a random order, three steps:
+installed, and within each round, in a random order:
 
 - ``off``: the monitor's hooks switched off and no ``monitor.step()`` (a plain step);
-- ``untimed``: auto mode on, the step's phases not timed (what most steps are with
-  ``phase_sampling="auto"``: 7 in 8 at a 20 ms step);
+- two steps whose phases are not timed (what most steps are with ``phase_sampling="auto"``: 7
+  in 8 at a 20 ms step), one after the other: ``first`` follows another kind of step and pays
+  the changes back (the model's own class, the optimizer's post gate out of torch's loop),
+  ``untimed`` follows an untimed step, as 6 in 8 steps do at 1 in 8;
 - ``timed``: auto mode on, the step's phases timed.
 
 ``time.perf_counter_ns`` stamps each segment: ``enter`` (``with monitor.step()``'s entry),
 ``data`` (the ``phase("data")`` block), ``forward``, ``loss`` (the loss and ``zero_grad``),
 ``backward``, ``optimizer``, ``exit`` (the end of ``optimizer.step()`` to after the ``with``
 block) and ``step`` (all of it). Printed per segment: the 10 % trimmed mean of the paired
-differences untimed − off, timed − off and timed − untimed, in µs, and what ``auto`` pays a
-step on average at 1 in ``--stride`` timed.
+differences untimed − off, first − off, timed − off and timed − untimed, in µs, and what
+``auto`` pays a step on average at 1 in ``--stride`` timed (``stride − 2`` untimed steps, one
+first, one timed).
 
 ``--compare REV`` runs this tree and git ``REV`` (a worktree with its extensions built) in
 alternate processes, ``--repeat`` times each.
@@ -65,15 +68,15 @@ def _measure(hidden: int, rounds: int, batch: int) -> dict[str, list[tuple[int, 
     clock = time.perf_counter_ns
     null = contextlib.nullcontext()
     order = random.Random(3)
-    spans: dict[str, list[tuple[int, ...]]] = {arm: [] for arm in ARMS}
+    spans: dict[str, list[tuple[int, ...]]] = {arm: [] for arm in ("first", *ARMS)}
     for _ in range(rounds):
-        arms = list(ARMS)
-        order.shuffle(arms)
-        for arm in arms:
+        units = [("off",), ("first", "untimed"), ("timed",)]
+        order.shuffle(units)
+        for arm in (arm for unit in units for arm in unit):
             on = arm != "off"
             switch.set(on)
             if on:
-                recorder.sampler = samplers[arm]
+                recorder.sampler = samplers["timed" if arm == "timed" else "untimed"]
             t0 = clock()
             with monitor.step() if on else null:
                 t1 = clock()
@@ -110,14 +113,16 @@ def _paired(spans: dict[str, list[tuple[int, ...]]], a: str, b: str, position: i
 def _report(label: str, hidden: int, stride: int, spans: dict[str, list[tuple[int, ...]]]) -> None:
     rounds = len(spans["off"])
     print(f"{label}: {hidden} wide, {rounds} rounds; trimmed mean of paired differences, µs")
-    pairs = (("untimed", "off"), ("timed", "off"), ("timed", "untimed"))
+    pairs = (("untimed", "off"), ("first", "off"), ("timed", "off"), ("timed", "untimed"))
     print(f"{label}:   {'segment':<10}" + "".join(f"{a + ' - ' + b:>18}" for a, b in pairs))
     for position, name in enumerate(SEGMENTS):
         cells = "".join(f"{_paired(spans, a, b, position) / 1e3:>+18.2f}" for a, b in pairs)
         print(f"{label}:   {name:<10}{cells}")
     step = SEGMENTS.index("step")
-    untimed, timed = _paired(spans, "untimed", "off", step), _paired(spans, "timed", "off", step)
-    average = ((stride - 1) * untimed + timed) / stride
+    untimed, first, timed = (
+        _paired(spans, arm, "off", step) for arm in ("untimed", "first", "timed")
+    )
+    average = ((stride - 2) * untimed + first + timed) / stride
     print(f"{label}: auto at 1 in {stride} timed: {average / 1e3:+.2f} µs a step", flush=True)
 
 
@@ -127,7 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=96)
-    parser.add_argument("--rounds", type=int, default=1000, help="rounds of the three arms")
+    parser.add_argument("--rounds", type=int, default=1000, help="rounds of the four steps")
     parser.add_argument("--stride", type=int, default=8, help="1 in this many steps timed")
     step_instructions.add_tree_options(parser)
     args = parser.parse_args()
