@@ -224,7 +224,10 @@ def test_a_long_step_on_every_rank_is_not_a_hang(stack: LocalStack) -> None:
     with Job(stack.otlp_http_endpoint) as job:
         _wait(lambda: job.steps >= 30, timeout_s=30)
         job.go.clear()
-        job.hold = lambda rank, step: "eval"  # every rank evaluates for 5 s: 2.5x the threshold
+        # Every rank evaluates for 5 s (2.5x the threshold), from the same step: a hold that
+        # changed between two ranks' reads of one step left the later ones in the collective.
+        start = job.steps + 2  # the ranks are at most a step apart (the barrier)
+        job.hold = lambda rank, step: "eval" if step >= start else None
 
         def all_evaluating() -> bool:
             ranks = read_progress(client, job.id, now_unix_nano=time.time_ns()).ranks
