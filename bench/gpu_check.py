@@ -281,6 +281,11 @@ def part_marks(count: int = 20_000, rounds: int = 3) -> dict[str, Any]:
     def ring_mark() -> None:  # steady state: each mark also destroys the oldest event
         ring.append(marker())
 
+    pooled = _fastrecord.EventMarker(factory, 256)
+
+    def pool_mark() -> None:  # let go at once: each mark records a kept event again
+        pooled()
+
     ways: dict[str, Callable[[], Any]] = {
         "torch.cuda.Event + record (Python)": cuda_event,
         "torch.Event + record (Python frame)": torch_event,
@@ -288,6 +293,7 @@ def part_marks(count: int = 20_000, rounds: int = 3) -> dict[str, Any]:
         "MarkStamp call (C, autograd's last-gradient stamp)": stamp,
         "CudaEventTimer.mark (as configured)": timer.mark,
         "EventMarker, a ring of 256 (+ the oldest event's destruction)": ring_mark,
+        "EventMarker with a pool (an event recorded again)": pool_mark,
     }
     per_mark: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
@@ -581,14 +587,18 @@ def part_frames(out_dir: str, steps: int = 40) -> dict[str, Any]:
 # --- in-process A/B of the hooks -----------------------------------------------------------------
 
 
-def part_abhooks(rounds: int = 30, block: int = 50, hidden: int = 256, batch: int = 64) -> Any:
+def part_abhooks(
+    rounds: int = 30, block: int = 50, hidden: int = 256, batch: int = 64, events: Any = None
+) -> Any:
     """The training thread's cost of auto mode's hooks, in one process: blocks of ``block``
     host-bound steps (no synchronisation), with no instrumentation and with each monitor's
-    in turn (instrumented, then removed), round after round. No export thread runs and no
-    kernel source: the hooks, the recorder and the marks alone. Paired per round, so the
-    process-to-process spread of ``hostbound`` (±15 %) is out. On a GPU, arms ``bare-marks-N``
-    (no monitor) make N CUDA events a step the way the device timer does, and keep the last
-    512: what the events themselves cost in this loop, their destruction included."""
+    in turn (instrumented, then removed; its steps exported after the block's timing, as the
+    export thread would), round after round. No export thread runs and no kernel source: the
+    hooks, the recorder and the marks alone. Paired per round, so the process-to-process
+    spread of ``hostbound`` (±15 %) is out. On a GPU (or with ``events`` True: a test's
+    stand-in ``torch.Event``), device-timed monitors with the timer's event pool and without,
+    and arms ``bare-WAY-N`` (no monitor) that make N CUDA events a step: what the events
+    themselves cost in this loop, made, recorded, destroyed or recorded again."""
     import functools
 
     import torch
@@ -596,6 +606,7 @@ def part_abhooks(rounds: int = 30, block: int = 50, hidden: int = 256, batch: in
     from stepwatch.exporters import InMemoryExporter, StepMonitor
 
     cuda = torch.cuda.is_available()
+    events = cuda if events is None else events
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
     layers: list[Any] = []
@@ -616,32 +627,63 @@ def part_abhooks(rounds: int = 30, block: int = 50, hidden: int = 256, batch: in
             **options,
         )
 
-    bare = {"bare-marks-2": 2, "bare-marks-7": 7} if cuda else {}  # no monitor: N events a
-    # step, made and recorded in C, held in a ring so the oldest are destroyed as a run goes
+    from stepwatch.exporters._device import CudaEventTimer
+
+    # No monitor: N CUDA events a step, made and recorded in C (EventMarker) and spread over
+    # the step as a device timer's marks are: "new" keeps the last 512 (each mark then
+    # destroys the oldest, as when steps held none), "held" keeps a block's (destroyed after
+    # its timing, as the export thread would), "pool" is the marker's pool (recorded again).
+    bare: dict[str, tuple[int, str]] = {}
+    if events:
+        bare = {
+            f"bare-{way}-{count}": (count, way)
+            for count, way in ((3, "new"), (3, "pool"), (7, "new"), (7, "held"), (7, "pool"))
+        }
     ring: collections.deque[Any] = collections.deque(maxlen=512)
-    marker: Any = None
-    if cuda:
+    held: list[Any] = []
+    makers: dict[str, Any] = {}
+    if events:
         from stepwatch.exporters import _fastrecord
 
-        marker = _fastrecord.EventMarker(functools.partial(torch.Event, "cuda", enable_timing=True))
+        factory = functools.partial(torch.Event, "cuda", enable_timing=True)
+        makers = {"new": _fastrecord.EventMarker(factory), "held": _fastrecord.EventMarker(factory)}
+        makers["pool"] = _fastrecord.EventMarker(factory, 4096)
+    keep = {"new": ring.append, "held": held.append, "pool": lambda _event: None}
     # 1 in 8: what "auto" picks at a 20 ms step once windows are built (with no window, as
-    # here, it would time every step); phases on the device where there is one, the default.
+    # here, it would time every step); phases on the device where there is one, the default,
+    # with the timer's event pool and without (each block's steps exported after its timing,
+    # so their events are let go as the export thread does).
     monitors = {
         "device-1-in-8": monitor(phase_sampling=8),
         "host-1-in-8": monitor(device_timer="cpu", phase_sampling=8),
         "device-every-step": monitor(phase_sampling=1),
         "host-every-step": monitor(device_timer="cpu", phase_sampling=1),
     }
+    if events:
+        monitors["device-1-in-8-no-pool"] = monitor(
+            device_timer=CudaEventTimer(pool=0), phase_sampling=8
+        )
+        monitors["device-every-step-no-pool"] = monitor(
+            device_timer=CudaEventTimer(pool=0), phase_sampling=1
+        )
 
-    marks = 0
+    marks, mark, put = 0, None, ring.append
+    spread = (0, 0, 1, 1, 2, 2, 3)  # before the forward, after it, after backward, after step
+
+    def at(position: int) -> None:
+        for index in range(marks):
+            if spread[index % 7] == position:
+                put(mark())
 
     def one() -> None:
-        for _ in range(marks):
-            ring.append(marker())
+        at(0)
         loss = model(data).square().mean()
+        at(1)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        at(2)
         optimizer.step()
+        at(3)
 
     for _ in range(30):
         one()
@@ -649,7 +691,8 @@ def part_abhooks(rounds: int = 30, block: int = 50, hidden: int = 256, batch: in
     for _ in range(rounds):
         for arm in times:
             handle = monitors[arm].instrument(model, optimizer) if arm in monitors else None
-            marks = bare.get(arm, 0)
+            marks, way = bare.get(arm, (0, "new"))
+            mark, put = makers.get(way), keep[way]
             for _ in range(5):
                 one()
             if cuda:
@@ -660,6 +703,11 @@ def part_abhooks(rounds: int = 30, block: int = 50, hidden: int = 256, batch: in
             times[arm].append((time.perf_counter() - begin) / block)
             if handle is not None:
                 handle.remove()
+            if cuda:
+                torch.cuda.synchronize()
+            if arm in monitors:
+                monitors[arm].export_now()  # its steps let go of their events
+            held.clear()
     for each in monitors.values():
         each.close(timeout_s=5.0)
     added = {
@@ -676,6 +724,17 @@ def part_abhooks(rounds: int = 30, block: int = 50, hidden: int = 256, batch: in
             for arm, v in added.items()
         },
         "misuse": {name: m.stats.misuse for name, m in monitors.items()},
+        "events": {
+            name: [getattr(marker, key, None) for key in ("made", "reused", "held")]
+            for name, marker in [
+                *((f"bare-{way}", maker) for way, maker in makers.items()),
+                *(
+                    (name, getattr(m._device_timer, "mark", None))
+                    for name, m in monitors.items()
+                    if m._device_timer is not None
+                ),
+            ]
+        },
     }
 
 
@@ -706,11 +765,12 @@ def inner_mark(position):  # bare timing events between the step's kernels, as p
         held.append(event)
 if arm != "off" and not marks and not inner:
     from stepwatch.exporters import StepMonitor
+    from stepwatch.exporters._device import CudaEventTimer
     from stepwatch.exporters.kernels import CuptiSource
     monitor = StepMonitor(
         job_id="ovh", rank=0, world_size=1, endpoint=sys.argv[5],
         kernel_source=None if arm == "no-cupti" else CuptiSource(), health=True,
-        device_timer="cpu" if arm == "host-phases" else "auto",
+        device_timer={"host-phases": "cpu", "no-pool": CudaEventTimer(pool=0)}.get(arm, "auto"),
         phase_sampling=1 if arm == "every-step" else "auto",
         export_interval_s=3600.0 if arm == "on-no-export" else None)
     handle = monitor.instrument(model, optimizer)
@@ -866,8 +926,9 @@ def main() -> int:
     parser.add_argument(
         "--overhead-arms",
         default="off,on,host-phases,no-cupti,every-step",
-        help="off first; also on-no-export, marks-N",
+        help="off first; also on-no-export, no-pool, marks-N",
     )
+    parser.add_argument("--abhooks-rounds", type=int, default=30)
     parser.add_argument("--host-bound-hidden", type=int, default=256)
     parser.add_argument("--host-bound-batch", type=int, default=64)
     parser.add_argument("--host-bound-steps", type=int, default=3000)
@@ -889,7 +950,7 @@ def main() -> int:
         "timer": part_timer,
         "marks": part_marks,
         "frames": lambda: part_frames(args.out),
-        "abhooks": part_abhooks,
+        "abhooks": lambda: part_abhooks(args.abhooks_rounds),
         "straggler": lambda: part_job(args.out, "straggler"),
         "regression": lambda: part_job(args.out, "regression"),
         "straggler4": lambda: part_job(args.out, "straggler", 4),

@@ -64,7 +64,24 @@ class _DeviceModel(torch.nn.Module):
 
 
 def _run(tmp_path: Path, *, steps: int, sampling: int) -> tuple[dict[str, Any], StepMonitor, int]:
-    clock, device, exporter = ManualClock(), VirtualDevice(), InMemoryExporter()
+    device = VirtualDevice()
+    exporter, monitor = device_job(tmp_path, device, steps=steps, sampling=sampling)
+    return _summary(exporter), monitor, device.marks
+
+
+def device_job(
+    tmp_path: Path,
+    device: VirtualDevice,
+    *,
+    steps: int,
+    sampling: int,
+    export_every: int = 0,
+    uneven: bool = False,
+) -> tuple[InMemoryExporter, StepMonitor]:
+    """A 1-rank DDP job on ``device`` (auto mode): its windows, exported every
+    ``export_every`` steps (0: at close), and its monitor. ``uneven``: the data's device time
+    varies from step to step."""
+    clock, exporter = ManualClock(), InMemoryExporter()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         model = _DeviceModel(device, clock)
@@ -88,15 +105,17 @@ def _run(tmp_path: Path, *, steps: int, sampling: int) -> tuple[dict[str, Any], 
         monitor.instrument(ddp, optimizer)
         first.register_post_accumulate_grad_hook(lambda _: device.run(WAIT_NS, clock))
         generator = torch.Generator().manual_seed(1)
-        for _ in range(steps):
-            device.run(DATA_NS, clock)  # e.g. the batch's copy to the device
+        for step in range(steps):
+            device.run(DATA_NS + (step % 7 if uneven else 0), clock)  # e.g. the batch's copy
             optimizer.zero_grad(set_to_none=True)
             ddp(torch.randn(4, 8, generator=generator)).pow(2).mean().backward()
             optimizer.step()
+            if export_every and step % export_every == export_every - 1:
+                monitor.export_now()
         monitor.close()
     finally:
         dist.destroy_process_group()
-    return _summary(exporter), monitor, device.marks
+    return exporter, monitor
 
 
 def test_every_auto_phase_is_the_devices_time(tmp_path: Path) -> None:

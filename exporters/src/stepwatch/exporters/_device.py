@@ -35,6 +35,11 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
 
 
+EVENT_POOL = 32768
+"""Most CUDA events a :class:`CudaEventTimer` keeps for reuse (about what 10 s of 2 ms steps
+hold in flight at ~3.5 marks a step; more than that are made and destroyed as before)."""
+
+
 class DeviceTimer(Protocol):
     """Timestamps taken in the device's execution order."""
 
@@ -57,6 +62,11 @@ class CudaEventTimer:
     ``torch.Event`` is missing or refuses (older torch), ``torch.cuda.Event``, whose
     ``record()`` builds a ``Stream`` object in Python for each mark.
 
+    Args:
+        pool: The C marker keeps up to this many events and records one again once no step
+            or interval holds it (the export thread has timed it), instead of making a new
+            CUDA event for each mark and destroying it later; 0 makes one each time.
+
     Raises:
         ConfigError: torch or CUDA is not available.
     """
@@ -64,7 +74,7 @@ class CudaEventTimer:
     mark: Callable[[], Any]
     """Enqueue a timestamp at this point of the current stream (training thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, pool: int = EVENT_POOL) -> None:
         try:
             import torch
         except ImportError as exc:
@@ -74,7 +84,7 @@ class CudaEventTimer:
         self._event_type: Any = torch.cuda.Event
         self.mark = self._cuda_event_mark
         self.kind = "torch.cuda.Event"
-        marker = _event_marker(getattr(torch, "Event", None))
+        marker = _event_marker(getattr(torch, "Event", None), pool)
         if marker is not None:
             self.mark, self.kind = marker
 
@@ -92,7 +102,7 @@ class CudaEventTimer:
         return float(start.elapsed_time(end)) / 1000.0
 
 
-def _event_marker(event_type: Any) -> tuple[Callable[[], Any], str] | None:
+def _event_marker(event_type: Any, pool: int = 0) -> tuple[Callable[[], Any], str] | None:
     """A mark() on ``torch.Event`` (C++ all the way) and its name, or None where it does not
     work here: two marks are made, waited for and timed once, at set-up."""
     if event_type is None:
@@ -101,8 +111,8 @@ def _event_marker(event_type: Any) -> tuple[Callable[[], Any], str] | None:
         factory = functools.partial(event_type, "cuda", enable_timing=True)
         marker: Callable[[], Any]
         if _fastrecord is not None:
-            marker = _fastrecord.EventMarker(factory)
-            kind = "torch.Event (C marker)"
+            marker = _fastrecord.EventMarker(factory, pool)
+            kind = "torch.Event (C marker, pool)" if pool else "torch.Event (C marker)"
         else:
 
             def marker() -> Any:
