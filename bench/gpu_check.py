@@ -203,9 +203,34 @@ def part_cupti() -> dict[str, Any]:
             "summarise_us_per_record": round(drain_s / 20000 * 1e6, 3),
         }
     source.close()
+
+    def launch_us() -> float:
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(20000):
+            small.add_(1)
+        torch.cuda.synchronize()
+        return round((time.perf_counter() - begin) / 20000 * 1e6, 3)
+
+    # Whether a duty cycle would help: a launch once CUPTI's activity kinds are disabled again,
+    # and what switching them on and off costs (each switch timed, three rounds).
+    after_disable = [launch_us()]
+    switches: dict[str, list[float]] = {"enable_ms": [], "disable_ms": [], "launch_on_us": []}
+    for _ in range(3):
+        again = CuptiSource()
+        begin = time.perf_counter()
+        again.on_monitor_start()
+        switches["enable_ms"].append(round((time.perf_counter() - begin) * 1e3, 3))
+        switches["launch_on_us"].append(launch_us())
+        begin = time.perf_counter()
+        again.close()
+        switches["disable_ms"].append(round((time.perf_counter() - begin) * 1e3, 3))
+        after_disable.append(launch_us())
     first = steps[0]["classes"]
     return {
         "launch_us_per_kernel_without_cupti": round(launch_without_cupti_us, 3),
+        "launch_us_per_kernel_after_disable": after_disable,
+        "switching": switches,
         "first_step_gemm_records": sum(
             count for name, (count, _) in first.items() if name.startswith("gemm")
         ),

@@ -13,9 +13,12 @@
  * The oldest EVENT_MARKER_LOOK kept events are looked at, so one held for long (the last mark
  * of a monitor not in use) is passed over; where all are held, the ring grows (doubling, up
  * to pool), keeping the order; at its limit the oldest is handed over to its holders and a
- * new one takes its slot. Stats: made (events made), reused (marks on a kept event), held
- * (events kept now). Every call runs under the GIL; factory() and record() may let another
- * thread in, so the ring is read afresh after each. */
+ * new one takes its slot. A kept event that refuses to record again (a torch.Event keeps the
+ * device of its first record, so the current device changed) is replaced by a new one; after
+ * 64 refusals the pool retires and every mark makes its event, as without one. Stats: made
+ * (events made), reused (marks on a kept event), refused, held (events kept now). Every call
+ * runs under the GIL; factory() and record() may let another thread in, so the ring is read
+ * afresh after each. */
 
 typedef struct {
     PyObject_HEAD
@@ -28,10 +31,12 @@ typedef struct {
     Py_ssize_t held;
     unsigned long long made;
     unsigned long long reused;
+    unsigned long long refused;
 } EventMarker;
 
 #define EVENT_MARKER_FIRST_RING 16
 #define EVENT_MARKER_LOOK 8 /* kept events looked at from the oldest on for one nobody holds */
+#define EVENT_MARKER_REFUSALS 64 /* kept events that would not record again: the pool retires */
 
 /* event recorded; the reference is returned, or dropped with NULL on an error */
 static PyObject *marker_record(PyObject *event) {
@@ -93,6 +98,35 @@ static void marker_keep(EventMarker *self, PyObject *event) {
     Py_XDECREF(old); /* last: its destruction may run any code */
 }
 
+/* No more pooling: the ring's events are let go (each destroyed with its last holder). */
+static void marker_retire(EventMarker *self) {
+    PyObject **ring = self->ring;
+    Py_ssize_t size = self->size;
+    self->ring = NULL;
+    self->size = self->cursor = self->held = self->limit = 0;
+    for (Py_ssize_t i = 0; i < size; i++) {
+        Py_XDECREF(ring[i]);
+    }
+    PyMem_Free(ring);
+}
+
+/* A kept event refused to record again (a torch.Event keeps the device of its first record:
+ * marks moved to another device): the new event takes its slot, if the ring still has it
+ * there, else is kept as any new one. After EVENT_MARKER_REFUSALS of them the pool retires. The
+ * caller holds a reference to old. */
+static void marker_replace(EventMarker *self, Py_ssize_t slot, PyObject *old, PyObject *event) {
+    if (slot < self->size && self->ring[slot] == old) {
+        Py_INCREF(event);
+        self->ring[slot] = event;
+        Py_DECREF(old);
+    } else if (self->limit > 0) {
+        marker_keep(self, event);
+    }
+    if (self->refused >= EVENT_MARKER_REFUSALS) {
+        marker_retire(self);
+    }
+}
+
 static PyObject *EventMarker_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                                         PyObject *kwnames) {
     (void)args;
@@ -101,28 +135,44 @@ static PyObject *EventMarker_vectorcall(PyObject *callable, PyObject *const *arg
         return NULL;
     }
     EventMarker *self = (EventMarker *)callable;
+    PyObject *refused = NULL; /* a kept event that would not record again (owned) */
+    Py_ssize_t refused_slot = 0;
     Py_ssize_t look = self->size < EVENT_MARKER_LOOK ? self->size : EVENT_MARKER_LOOK;
     for (Py_ssize_t i = 0, slot = self->cursor; i < look; i++) {
         PyObject *kept = self->ring[slot];
         if (kept == NULL) {
             break; /* a grown ring's new slots, from the cursor on: fill them */
         }
+        Py_ssize_t at = slot;
         if (++slot >= self->size) {
             slot = 0;
         }
         if (Py_REFCNT(kept) == 1) {
             Py_INCREF(kept); /* no other mark takes it while it records */
             self->cursor = slot;
-            self->reused++;
-            return marker_record(kept);
+            PyObject *recorded = PyObject_CallMethodNoArgs(kept, str_record);
+            if (recorded != NULL) {
+                Py_DECREF(recorded);
+                self->reused++;
+                return kept;
+            }
+            PyErr_Clear(); /* a new event instead, in its slot; its error if that fails too */
+            self->refused++;
+            refused = kept;
+            refused_slot = at;
+            break;
         }
     }
     PyObject *event = PyObject_CallNoArgs(self->factory);
     if (event == NULL || (event = marker_record(event)) == NULL) {
+        Py_XDECREF(refused);
         return NULL;
     }
     self->made++;
-    if (self->limit > 0) {
+    if (refused != NULL) {
+        marker_replace(self, refused_slot, refused, event);
+        Py_DECREF(refused); /* last: its destruction may run any code */
+    } else if (self->limit > 0) {
         marker_keep(self, event);
     }
     return event;
@@ -166,14 +216,7 @@ static int EventMarker_traverse(EventMarker *self, visitproc visit, void *arg) {
 }
 
 static int EventMarker_clear(EventMarker *self) {
-    PyObject **ring = self->ring;
-    Py_ssize_t size = self->size;
-    self->ring = NULL;
-    self->size = self->cursor = self->held = 0;
-    for (Py_ssize_t i = 0; i < size; i++) {
-        Py_XDECREF(ring[i]);
-    }
-    PyMem_Free(ring);
+    marker_retire(self);
     Py_CLEAR(self->factory);
     return 0;
 }
@@ -190,6 +233,8 @@ static PyMemberDef EventMarker_members[] = {
     {"made", T_ULONGLONG, offsetof(EventMarker, made), READONLY, "Events made."},
     {"reused", T_ULONGLONG, offsetof(EventMarker, reused), READONLY,
      "Marks recorded on a kept event nobody else held."},
+    {"refused", T_ULONGLONG, offsetof(EventMarker, refused), READONLY,
+     "Kept events that would not record again (replaced by new ones)."},
     {NULL, 0, 0, 0, NULL},
 };
 

@@ -125,16 +125,17 @@ def test_at_its_limit_a_held_event_goes_to_its_holders_and_a_new_one_takes_its_s
     assert fourth.records == 2 and fifth.records == 2
 
 
-def test_a_refused_record_raises_and_keeps_the_event() -> None:
+def test_a_kept_event_that_refuses_is_replaced_and_a_new_one_that_refuses_raises() -> None:
     marker = _fastrecord.EventMarker(_Event, pool=16)
     event = marker()
     event.refuse = True
+    gone = weakref.ref(event)
     del event
     for _ in range(15):
         marker()  # fill the ring: the refusing event is the oldest again
-    with pytest.raises(RuntimeError, match="the device is gone"):
-        marker()
-    assert marker.held == 16 and marker.reused == 1  # counted as taken, kept in the ring
+    fresh = marker()  # a new event instead, in its slot
+    assert fresh.records == 1 and gone() is None
+    assert (marker.refused, marker.made, marker.held) == (1, 17, 16)
 
     class Refused(_Event):
         def record(self) -> None:
@@ -146,6 +147,63 @@ def test_a_refused_record_raises_and_keeps_the_event() -> None:
     assert (refusing.held, refusing.made) == (0, 0)  # a new event that fails is not kept
     with pytest.raises(ValueError):
         _fastrecord.EventMarker(_Event, pool=-1)
+
+    class Gone(_Event):
+        gone = False
+
+        def record(self) -> None:
+            if Gone.gone:
+                raise RuntimeError("the device is gone")
+            super().record()
+
+    marker = _fastrecord.EventMarker(Gone, pool=16)
+    for _ in range(16):
+        marker()
+    Gone.gone = True  # kept and new events alike refuse: the new one's error, the ring kept
+    with pytest.raises(RuntimeError, match="the device is gone"):
+        marker()
+    assert (marker.refused, marker.made, marker.held) == (1, 16, 16)
+    Gone.gone = False
+    assert marker().records == 2 and marker.reused == 1
+
+
+class _DeviceEvent(_Event):
+    """Like ``torch.Event``: the first record fixes its device; another refuses."""
+
+    current = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index: int | None = None
+
+    def record(self) -> None:
+        if self.index is not None and self.index != _DeviceEvent.current:
+            raise RuntimeError("Event device index does not match recording stream's")
+        self.index = _DeviceEvent.current
+        super().record()
+
+
+def test_a_kept_event_of_another_device_is_replaced_and_no_mark_fails() -> None:
+    _DeviceEvent.current = 0
+    marker = _fastrecord.EventMarker(_DeviceEvent, pool=64)
+    for _ in range(16):
+        marker()  # the first ring: 16 events of device 0, each let go at once
+    _DeviceEvent.current = 1
+    moved = [marker() for _ in range(16)]
+    assert all(event.index == 1 for event in moved)
+    assert (marker.refused, marker.made, marker.held) == (16, 32, 16)
+    del moved
+    assert all(marker().index == 1 for _ in range(40))  # the replacements, reused
+    assert (marker.refused, marker.made) == (16, 32)
+    # A process whose marks keep moving between devices: the pool retires after 64 refusals.
+    for _ in range(60):
+        _DeviceEvent.current ^= 1
+        for _ in range(16):
+            assert marker().index == _DeviceEvent.current
+    assert marker.refused == 64 and marker.pool == 0 and marker.held == 0
+    made = marker.made
+    marker()
+    assert marker.made == made + 1 and marker.held == 0
 
 
 def test_the_ring_is_released_with_the_marker_and_seen_by_the_collector() -> None:

@@ -44,6 +44,7 @@ class EventMarker:
     held: int
     made: int
     reused: int
+    refused: int
     def __init__(self, factory: Callable[[], Any], pool: int = 0) -> None: ...
     def __call__(self) -> Any: ...
 
