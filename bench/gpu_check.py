@@ -685,12 +685,18 @@ def part_abhooks(
         "host-every-step": monitor(device_timer="cpu", phase_sampling=1),
     }
     if events:
+        from bench.hook_cost import StandInDevice
+
         monitors["device-1-in-8-no-pool"] = monitor(
             device_timer=CudaEventTimer(pool=0), phase_sampling=8
         )
         monitors["device-every-step-no-pool"] = monitor(
             device_timer=CudaEventTimer(pool=0), phase_sampling=1
         )
+        # The device-timed path with marks that cost a C call (no CUDA event): what a
+        # device-timed step costs besides its events.
+        monitors["stand-in-1-in-8"] = monitor(device_timer=StandInDevice(), phase_sampling=8)
+        monitors["stand-in-every-step"] = monitor(device_timer=StandInDevice(), phase_sampling=1)
 
     marks, mark, put = 0, None, ring.append
     spread = (0, 0, 1, 1, 2, 2, 3)  # before the forward, after it, after backward, after step
@@ -744,6 +750,10 @@ def part_abhooks(
         "timers": {name: getattr(m._device_timer, "kind", None) for name, m in monitors.items()},
         "median_step_us": {arm: round(statistics.median(v) * 1e6, 2) for arm, v in times.items()},
         "added_us_median_paired": {arm: round(statistics.median(v), 2) for arm, v in added.items()},
+        "added_us_trimmed_mean_paired": {  # the 10 % trimmed mean: less noisy than the median
+            arm: round(statistics.fmean(v[len(v) // 10 : len(v) - len(v) // 10]), 2)
+            for arm, v in added.items()
+        },
         "added_us_quartiles": {
             arm: [round(v[len(v) // 4], 2), round(v[(3 * len(v)) // 4], 2)]
             for arm, v in added.items()
@@ -756,7 +766,7 @@ def part_abhooks(
                 *(
                     (name, getattr(m._device_timer, "mark", None))
                     for name, m in monitors.items()
-                    if m._device_timer is not None
+                    if hasattr(getattr(m._device_timer, "mark", None), "made")
                 ),
             ]
         },
