@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -235,6 +237,71 @@ def test_a_mark_never_hands_out_an_event_someone_still_holds(seed: int) -> None:
             held.append(event)
     assert marker.held <= 48
     assert marker.reused > marker.made  # most marks took a kept event
+
+
+def test_threads_marking_at_once_never_share_an_event() -> None:
+    """The training thread and autograd's device thread both mark; record() may let another
+    thread in (here it always does): each event handed out is in nobody else's hands."""
+
+    class Yielding(_Event):
+        def record(self) -> None:
+            time.sleep(0)  # the GIL to another thread, mid-mark
+            super().record()
+
+    marker = _fastrecord.EventMarker(Yielding, pool=8)  # small: a look-ahead sees all of it
+    errors: list[str] = []
+
+    def work(seed: int) -> None:
+        generator = random.Random(seed)
+        held: list[Any] = []
+        for _ in range(2_000):
+            event = marker()
+            if getattr(event, "owner", None) is not None:
+                errors.append(f"handed out while held by {event.owner}")
+            event.owner = seed
+            held.append(event)
+            if generator.random() < 0.3:
+                for old in held:
+                    old.owner = None
+                held.clear()
+        for old in held:
+            old.owner = None
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert marker.reused > 1_000  # of 8,000 marks, the threads holding up to ~10 each
+
+
+def test_an_event_being_recorded_again_is_not_taken_by_another_thread() -> None:
+    """Thread A's mark takes the one kept event and its record() lets B in (A waits there):
+    B's mark must make a new event, not take A's. The kept event's record is a closure that
+    holds no reference to it, as a C++ binding's record() need not."""
+    entered, release = threading.Event(), threading.Event()
+    marker = _fastrecord.EventMarker(_Event, pool=1)
+    kept = marker()
+    a_thread: list[Any] = [None]
+
+    def record() -> None:
+        if threading.current_thread() is a_thread[0]:
+            entered.set()
+            release.wait(10)
+
+    kept.record = record
+    del kept  # let go: only the ring holds it
+    got: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: got.setdefault("a", marker()))
+    a_thread[0] = thread
+    thread.start()
+    assert entered.wait(10)
+    got["b"] = marker()  # while A's record waits
+    release.set()
+    thread.join(10)
+    assert got["a"] is not got["b"]
+    assert (marker.made, marker.reused) == (2, 1)
 
 
 def _windows(exporter: InMemoryExporter) -> list[dict[str, Any]]:
