@@ -29,7 +29,7 @@ setup(
         Extension(
             f"stepwatch.exporters.{name}",
             [f"csrc/{source}"],
-            depends=["csrc/stepbuffer.h", "csrc/eventmarker.h"],
+            depends=["csrc/stepbuffer.h", "csrc/eventmarker.h", "csrc/enginegate.h"],
             extra_compile_args=ARGS,
             optional=True,
         )

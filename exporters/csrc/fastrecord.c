@@ -16,7 +16,9 @@
  * - the class swap at each step's start (swap_forward_classes): the model's own class on a
  *   step whose phases are not timed;
  * - StepBuffer (stepbuffer.h): the finished steps, a deque to the export thread, plain C slots
- *   to a host-timed step's end (compact_end).
+ *   to a host-timed step's end (compact_end);
+ * - EngineGate (enginegate.h): the autograd engine's run_backward, where a timed forward arms
+ *   the backward-start hook instead of hooking its output.
  *
  * The C code takes the common case only: a step not already open (or, at its end, the
  * outermost one), a buffer with room, a clock that answers with an int, a device timer (if
@@ -2394,6 +2396,10 @@ static PyTypeObject BackwardStartType = {
     .tp_clear = (inquiry)BackwardStart_clear,
 };
 
+/* ------------------------------------------------------------------ EngineGate */
+
+#include "enginegate.h"
+
 /* ------------------------------------------------------------------ ForwardGate */
 
 /* The instrumented model's ``forward`` (_forward's class swap) with the path of a step whose
@@ -2422,6 +2428,8 @@ typedef struct {
     PyObject *hook_key;     /* the state's key in an output's tensor-hook dict */
     PyObject *hook;         /* the backward-start hook (the state's bound backward_start) */
     PyObject *device;       /* DeviceAutoState's device timer (its forward and data marks), or NULL */
+    EngineGate *engine;     /* where the backward-start hook is armed (enginegate.h), or NULL:
+                             * a tensor hook on the output */
 } ForwardGate;
 
 /* attribute ``name`` of ``object`` as a truth value; -1 with an exception set. Read from the
@@ -2471,6 +2479,12 @@ static int hook_output_fast(ForwardGate *self, PyObject *dict, PyObject *output)
     Py_DECREF(value);
     if (requires_grad <= 0) {
         return requires_grad < 0 ? -1 : 1;
+    }
+    if (self->engine != NULL) { /* the next backward marks the start (enginegate.h) */
+        int armed = engine_arm(self->engine, self->hook, (PyObject *)self->recorder);
+        if (armed != 0) {
+            return armed;
+        }
     }
     value = PyObject_CallOneArg(self->has_torch_function, output);
     if (value == NULL) {
@@ -2725,6 +2739,7 @@ static int ForwardGate_traverse(ForwardGate *self, visitproc visit, void *arg) {
     Py_VISIT(self->hook_key);
     Py_VISIT(self->hook);
     Py_VISIT(self->device);
+    Py_VISIT(self->engine);
     return 0;
 }
 
@@ -2743,6 +2758,7 @@ static int ForwardGate_clear(ForwardGate *self) {
     Py_CLEAR(self->hook_key);
     Py_CLEAR(self->hook);
     Py_CLEAR(self->device);
+    Py_CLEAR(self->engine);
     return 0;
 }
 
@@ -2753,17 +2769,26 @@ static void ForwardGate_dealloc(ForwardGate *self) {
 }
 
 /* time_in_c(tensor_type, grad_enabled, has_torch_function, hook_dict_type, hook_key, hook[,
- * device]): what a timed step's path in C needs (see forward_timed); ``device``: the device
- * timer of a DeviceAutoState (its marks), None or left out for the host clock alone. */
+ * device[, engine]]): what a timed step's path in C needs (see forward_timed); ``device``: the
+ * device timer of a DeviceAutoState (its marks), None or left out for the host clock alone;
+ * ``engine``: the EngineGate where the hook is armed, None or left out for a tensor hook. */
 static PyObject *ForwardGate_time_in_c(ForwardGate *self, PyObject *const *args,
                                        Py_ssize_t nargs) {
-    if (nargs != 6 && nargs != 7) {
+    if (nargs < 6 || nargs > 8) {
         PyErr_SetString(PyExc_TypeError, "time_in_c(tensor_type, grad_enabled, "
                                          "has_torch_function, hook_dict_type, hook_key, hook"
-                                         "[, device])");
+                                         "[, device[, engine]])");
         return NULL;
     }
-    if (nargs == 7 && args[6] != Py_None) {
+    if (nargs == 8 && args[7] != Py_None) {
+        if (!PyObject_TypeCheck(args[7], &EngineGateType)) {
+            PyErr_SetString(PyExc_TypeError, "time_in_c: engine must be an EngineGate");
+            return NULL;
+        }
+        Py_INCREF(args[7]);
+        Py_XSETREF(self->engine, (EngineGate *)args[7]);
+    }
+    if (nargs >= 7 && args[6] != Py_None) {
         if (!PyObject_TypeCheck((PyObject *)self->stamp, &MarkStampType)) {
             PyErr_SetString(PyExc_TypeError, "time_in_c: a device needs the gate's MarkStamp");
             return NULL;
@@ -2788,7 +2813,7 @@ static PyObject *ForwardGate_time_in_c(ForwardGate *self, PyObject *const *args,
 static PyMethodDef ForwardGate_methods[] = {
     {"time_in_c", (PyCFunction)(void (*)(void))ForwardGate_time_in_c, METH_FASTCALL,
      "time_in_c(tensor_type, grad_enabled, has_torch_function, hook_dict_type, hook_key, hook"
-     "[, device]): a timed step's forward in C too."},
+     "[, device[, engine]]): a timed step's forward in C too."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -3161,6 +3186,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_mark_key, "device-mark") ||
         intern(&str_mark_msg, "device timer mark() raised") || intern(&str_recorder, "recorder") ||
         intern(&str_nested_call, "nested_call") ||
+        intern(&str_accumulate_grad, "accumulate_grad") ||
+        intern(&str_step_depth, "step_depth") || intern(&str_step_index_attr, "_step_index") ||
         intern(&str_clock_msg, "the clock raised in phase(); phase ignored")) {
         return NULL;
     }
@@ -3175,7 +3202,7 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         PyType_Ready(&ClockStampType) < 0 || PyType_Ready(&EventMarkerType) < 0 ||
         PyType_Ready(&MarkStampType) < 0 || PyType_Ready(&OptimizerGateType) < 0 ||
         PyType_Ready(&ForwardGateType) < 0 || PyType_Ready(&BackwardStartType) < 0 ||
-        PyType_Ready(&StepBufferType) < 0) {
+        PyType_Ready(&StepBufferType) < 0 || PyType_Ready(&EngineGateType) < 0) {
         return NULL;
     }
 #if defined(__linux__)
@@ -3197,7 +3224,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         PyModule_AddType(module, &OptimizerGateType) < 0 ||
         PyModule_AddType(module, &ForwardGateType) < 0 ||
         PyModule_AddType(module, &BackwardStartType) < 0 ||
-        PyModule_AddType(module, &StepBufferType) < 0) {
+        PyModule_AddType(module, &StepBufferType) < 0 ||
+        PyModule_AddType(module, &EngineGateType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -402,6 +402,7 @@ class _LeafOutput(torch.nn.Module):
         return {"ignored": inputs, "out": [self.weight]}
 
 
+@pytest.mark.usefixtures("tensor_hooks")
 def test_backward_start_is_marked_on_an_output_without_autograd_node() -> None:
     clock = ManualClock()
     exporter = InMemoryExporter()
@@ -428,6 +429,7 @@ def test_backward_start_is_marked_on_an_output_without_autograd_node() -> None:
     assert monitor.stats.misuse == 0
 
 
+@pytest.mark.usefixtures("tensor_hooks")
 def test_remove_detaches_the_pending_backward_start_hook() -> None:
     exporter = InMemoryExporter()
     monitor = _monitor(exporter)
@@ -466,6 +468,7 @@ class _SelfHookingModel(torch.nn.Module):
         self.gradients_seen += 1
 
 
+@pytest.mark.usefixtures("tensor_hooks")
 @pytest.mark.parametrize("direct", [True, False], ids=["direct-hook-dict", "register_hook"])
 def test_backward_start_alongside_the_models_own_output_hooks(direct: bool) -> None:
     """Both registration paths; the model's hooks keep running once per backward."""
@@ -555,6 +558,7 @@ class _SubclassOutput(torch.nn.Module):
         return self.linear(inputs).as_subclass(_Subclass)
 
 
+@pytest.mark.usefixtures("tensor_hooks")
 def test_backward_start_on_a_tensor_subclass_output_goes_through_register_hook() -> None:
     exporter = InMemoryExporter()
     monitor = _monitor(exporter)

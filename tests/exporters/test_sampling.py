@@ -240,6 +240,7 @@ def test_auto_mode_times_a_sample_and_its_histograms_still_count_every_step() ->
         assert torch.equal(ours, theirs)
 
 
+@pytest.mark.usefixtures("tensor_hooks")
 def test_an_unsampled_step_registers_no_backward_hook() -> None:
     monitor = _sampling_monitor(4)
     model = _model(0)

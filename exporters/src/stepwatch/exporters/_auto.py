@@ -8,10 +8,11 @@ One line, no change to the training loop: ``monitor.instrument(model, optimizer)
   hook, so ``nn.Module.__call__`` keeps its fast path. A forward that raises still closes
   the phase. Module hooks are the fallback (a forward set on the instance, a class that
   refuses the swap);
-- backward: from the moment the gradient reaches the model's output (a tensor hook on the
-  output, registered at the end of each forward) to the next ``optimizer.step()`` or forward
-  on the training thread (by then ``loss.backward()`` has returned, DDP's allreduce wait
-  included);
+- backward: from the moment the backward is asked for (the next ``.backward()`` after a timed
+  forward whose output requires grad: ``_engine``'s gate on torch's autograd engine; a tensor
+  hook on the output, when the gradient reaches it, where the gate cannot be installed) to the
+  next ``optimizer.step()`` or forward on the training thread (by then ``loss.backward()`` has
+  returned, DDP's allreduce wait included);
 - optimizer: ``Optimizer.register_step_pre_hook`` → ``register_step_post_hook``;
 - communication, by default: the *exposed* wait, from the moment the model's last gradient
   is ready (a hook on its first parameter, whose gradient autograd produces last, which is
@@ -67,6 +68,8 @@ import threading
 from typing import Any
 
 from stepwatch.core._errors import ConfigError
+from stepwatch.exporters._engine import acquire as acquire_engine
+from stepwatch.exporters._engine import release as release_engine
 from stepwatch.exporters._forward import (
     HOOK_KEYS,
     HookDict,
@@ -120,6 +123,10 @@ class Instrumentation:
         pending_handle, state.backward_handle = state.backward_handle, None
         if pending_handle is not None:
             pending_handle.remove()
+        engine, state.engine = state.engine, None
+        if engine is not None:
+            engine.disarm(state._on_backward_start)
+            release_engine(engine)
 
 
 class _AutoState:
@@ -146,6 +153,8 @@ class _AutoState:
         self.backward_hooks: dict[int, Any] | None = None
         self.hook_key = -next(HOOK_KEYS)
         self.backward_handle: Any = None
+        # Where a timed forward arms the backward-start hook instead (_engine), or None.
+        self.engine: Any = None
         self.optimizer_start_ns: int | None = None
         self.data_start_ns: int | None = None
         # Issue and completion times of this step's collectives. Appends come from the training
@@ -315,6 +324,9 @@ class _AutoState:
         )
         if tensor is None or not tensor.requires_grad:
             return
+        engine = self.engine
+        if engine is not None and engine.arm(self._on_backward_start, self.recorder):
+            return  # the next backward marks the start (_engine)
         if self._direct_tensor_hooks and not self._has_torch_function(tensor):
             # What Tensor.register_hook does, without the OrderedDict and RemovableHandle
             # it builds per call (most of its cost in a step): our entry in the output's
@@ -531,6 +543,7 @@ def install_hooks(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     state = state_type(recorder)
+    state.engine = acquire_engine()
     pre, post = gates(state, hooks_in_c)
     handles: list[Any] = [
         time_forward(state, model, in_c=True),

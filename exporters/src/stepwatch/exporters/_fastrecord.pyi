@@ -88,7 +88,19 @@ class ForwardGate:
         hook_key: int,
         hook: Callable[..., None],
         device: Any = None,
+        engine: EngineGate | None = None,
     ) -> None: ...
+
+class EngineGate:
+    run: Any
+    backwards: int
+    marks: int
+    dropped: int
+    armed: int
+    def __init__(self, run_backward: Callable[..., Any]) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def arm(self, hook: Callable[[Any], object], recorder: Any) -> bool: ...
+    def disarm(self, hook: Callable[[Any], object]) -> bool: ...
 
 class BackwardStart:
     def __init__(self, state: Any, device: Any = None) -> None: ...

@@ -230,6 +230,7 @@ def _forward_gate(
             state.hook_key,
             state._on_backward_start,
             device,
+            getattr(state, "engine", None),
         )
     return functools.update_wrapper(gate, forward)  # __wrapped__: signature, _stack's codes
 

@@ -1,0 +1,145 @@
+"""The autograd engine's backward-start mark: a timed step's backward without a tensor hook.
+
+Auto mode times a step's backward from its start. Until the twentieth round of issue 15 the
+start was a tensor hook on the forward's output, registered by each timed forward; torch's side
+of it (the tensor's and its node's C++ hooks, the node's Python object made and freed, the
+autograd engine taking the GIL and wrapping the gradient in a Python tensor to call it) cost
+~17-20 µs of a timed step at 1024 wide on the CPU bench (docs/exporters.md).
+
+Every backward torch runs from Python (``Tensor.backward``, ``torch.autograd.backward``,
+``torch.autograd.grad``) goes through ``torch.autograd.graph._engine_run_backward``, which looks
+up ``Variable._execution_engine.run_backward`` at each call. :func:`acquire` installs there an
+instance of a subclass of torch's engine class whose ``run_backward`` is
+``_fastrecord.EngineGate``: it runs the engine's own method with the same arguments, and first,
+on a backward that accumulates gradients (not ``autograd.grad``), calls the backward-start
+hooks that timed forwards of the step still open have armed. A timed forward arms its hook
+(``EngineGate.arm``) where it registered the tensor hook before. The instance is still a
+``torch._C._ImperativeEngine`` (``queue_callback`` and the rest are the engine's own; the C++
+engine behind every instance is the same one).
+
+What moves: the backward's start is the moment the backward is asked for, not the moment its
+gradient reaches the model's output, so the autograd engine's own start (its pass over the
+graph) and the loss's backward now count in the backward phase. A ``.backward()`` of
+something else between a timed forward and the model's backward (a second model's loss, say)
+would start the phase early; a tensor hook knew which output it was on.
+
+Installed once a process, on the first instrumentation that can use it, after a probe (an
+``autograd.grad`` that must not fire an armed hook, then a ``.backward()`` that must): where
+the probe fails (a torch that no longer looks the engine up per call), the C extension is not
+there (or ``STEPWATCH_EXPORTERS_NO_C=1``) or the environment says
+``STEPWATCH_BACKWARD_MARK=tensor-hook``, :func:`acquire` returns None and auto mode registers
+tensor hooks as before. The original engine is put back when the last instrumentation using
+it is removed, if it is still the one installed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Final
+
+try:  # exporters/csrc/enginegate.h; off with STEPWATCH_EXPORTERS_NO_C=1, as the C recorder
+    from stepwatch.exporters import _fastrecord
+except ImportError:  # pragma: no cover - built by the package's install
+    _fastrecord = None  # type: ignore[assignment]
+if os.environ.get("STEPWATCH_EXPORTERS_NO_C", "") not in ("", "0"):
+    _fastrecord = None  # type: ignore[assignment]
+
+logger = logging.getLogger("stepwatch.exporters")
+
+#: The environment variable that keeps auto mode on tensor hooks (``tensor-hook``).
+ENV_BACKWARD_MARK: Final = "STEPWATCH_BACKWARD_MARK"
+
+_lock = threading.Lock()
+_installed: dict[str, Any] = {}  # "gate", "engine" (ours), "original"; empty: not installed
+_users = 0
+_refused = False  # the probe failed once: not tried again in this process
+
+
+def _variable_class() -> Any:
+    from torch.autograd.variable import Variable
+
+    return Variable
+
+
+def _probe(gate: Any) -> bool:
+    """Whether an armed hook fires at a ``.backward()`` and not at an ``autograd.grad``."""
+    import torch
+
+    fired: list[Any] = []
+    try:
+        with torch.enable_grad():
+            leaf = torch.ones(1, requires_grad=True)
+            gate.arm(fired.append, None)
+            torch.autograd.grad((leaf * 2.0).sum(), leaf)
+            if fired:
+                return False
+            torch.autograd.backward((leaf * 2.0).sum())  # as Tensor.backward does
+    except Exception:
+        logger.debug("the autograd engine's probe raised", exc_info=True)
+        return False
+    finally:
+        gate.disarm(fired.append)
+    return len(fired) == 1
+
+
+def acquire() -> Any | None:
+    """The installed ``EngineGate`` (installed by the first call), or None: use tensor hooks."""
+    global _users, _refused
+    if _fastrecord is None or not hasattr(_fastrecord, "EngineGate"):
+        return None
+    if os.environ.get(ENV_BACKWARD_MARK, "").strip().lower() in ("tensor-hook", "tensor_hook"):
+        return None
+    with _lock:
+        if _installed:
+            _users += 1
+            return _installed["gate"]
+        if _refused:
+            return None
+        try:
+            import torch
+
+            variable = _variable_class()
+            original = variable._execution_engine
+            if type(original) is not torch._C._ImperativeEngine:
+                _refused = True  # someone else's engine: theirs stays
+                return None
+            engine_type = type("_StepwatchEngine", (torch._C._ImperativeEngine,), {})
+            engine = engine_type()
+            gate = _fastrecord.EngineGate(original.run_backward)
+            engine.run_backward = gate
+            variable._execution_engine = engine
+        except Exception:
+            logger.debug("the autograd engine's gate could not be installed", exc_info=True)
+            _refused = True
+            return None
+        if not _probe(gate):
+            variable._execution_engine = original
+            _refused = True
+            logger.info(
+                "backward starts are marked by tensor hooks: this torch's autograd engine "
+                "did not call the gate as expected"
+            )
+            return None
+        _installed.update(gate=gate, engine=engine, original=original)
+        _users = 1
+        return gate
+
+
+def release(gate: Any) -> None:
+    """One user of ``gate`` fewer; the last one puts torch's engine back (if still ours)."""
+    global _users
+    with _lock:
+        if not _installed or _installed["gate"] is not gate:
+            return
+        _users -= 1
+        if _users > 0:
+            return
+        try:
+            variable = _variable_class()
+            if variable._execution_engine is _installed["engine"]:
+                variable._execution_engine = _installed["original"]
+        except Exception:  # pragma: no cover - torch gone at interpreter exit
+            pass
+        _installed.clear()
