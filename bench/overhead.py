@@ -168,7 +168,10 @@ class HookSwitch:
     dicts for empty ones and empties the parameter's post-accumulate-grad dict (refilled when
     switched on), so B steps run with no stepwatch hook at all and A steps with the very hooks
     a job keeps for its whole run: no registration per step, and none of its garbage for the
-    collector. These are torch internals; a missing one stops the bench.
+    collector. These are torch internals; a missing one stops the bench. Where auto mode marks
+    backward starts at the autograd engine (``stepwatch.exporters._engine``), B steps run on
+    torch's own engine (``Variable._execution_engine`` put back while switched off), so the
+    gate's check on every backward is in A's cost.
     """
 
     MODULE = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called")
@@ -186,6 +189,13 @@ class HookSwitch:
         first = next(p for p in model.parameters() if p.requires_grad)
         self.parameter_hooks = first._post_accumulate_grad_hooks
         self.parameter_saved = dict(self.parameter_hooks or {})
+        from torch.autograd.variable import Variable
+
+        from stepwatch.exporters import _engine
+
+        self.variable = Variable
+        installed = dict(_engine._installed)
+        self.engines = (installed["engine"], installed["original"]) if installed else None
 
     def set(self, on: bool) -> None:
         object.__setattr__(self.model, "__class__", self.on_class if on else self.off_class)
@@ -198,6 +208,10 @@ class HookSwitch:
                 self.targets, self.on, self.off, strict=True
             ):
                 object.__setattr__(target, name, hooks_on if on else hooks_off)
+        if self.engines is not None:
+            engine = self.engines[0] if on else self.engines[1]
+            if self.variable._execution_engine is not engine:
+                self.variable._execution_engine = engine
         if self.parameter_hooks is not None:
             if on:
                 self.parameter_hooks.update(self.parameter_saved)

@@ -69,14 +69,21 @@ def test_switched_off_hooks_record_nothing_and_switched_on_record_every_phase() 
                 ]
 
             assert hook_counts() == [1, 0, 0, 1, 1, 1]  # where instrument() puts its hooks
+            gate = state.engine  # the autograd engine's gate (_engine), where installed
+            engine = torch.autograd.variable.Variable._execution_engine
+            assert gate is None or engine.run_backward is gate
             switch.set(False)
             assert hook_counts() == [0, 0, 0, 0, 0, 0]
+            assert type(torch.autograd.variable.Variable._execution_engine) is (
+                torch._C._ImperativeEngine
+            )
             train(3)
             assert monitor.stats.steps_recorded == 0
             # No hook ran at all: no phase, no step opened, no gradient-ready time taken.
             assert not monitor._recorder._phases_ns and monitor._recorder.step_depth == 0
             assert state.gradient_stamp.ns == 0 and state.forward_depth == 0
             switch.set(True)
+            assert torch.autograd.variable.Variable._execution_engine is engine
             train(3)
             # Auto mode: a step ends at each optimizer.step(), the first one opened by forward.
             assert monitor.stats.steps_recorded == 3
