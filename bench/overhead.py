@@ -191,10 +191,13 @@ class HookSwitch:
         self.parameter_saved = dict(self.parameter_hooks or {})
         from torch.autograd.variable import Variable
 
-        from stepwatch.exporters import _engine
-
         self.variable = Variable
-        installed = dict(_engine._installed)
+        try:
+            from stepwatch.exporters import _engine
+        except ImportError:  # a tree before the gate (step_segments --compare)
+            installed: dict[str, Any] = {}
+        else:
+            installed = dict(_engine._installed)
         self.engines = (installed["engine"], installed["original"]) if installed else None
 
     def set(self, on: bool) -> None:

@@ -25,8 +25,14 @@ first, one timed).
 ``--compare REV`` runs this tree and git ``REV`` (a worktree with its extensions built) in
 alternate processes, ``--repeat`` times each.
 
+``--engine-arm`` adds ``torch-engine`` to the untimed steps of each round, after ``first``
+and before or after ``untimed`` at random: an untimed step on torch's own autograd engine
+rather than stepwatch's gate
+(``stepwatch.exporters._engine``), and prints ``untimed − torch-engine`` per segment: what the
+gate's check costs every backward, where the model's memory traffic makes it cold.
+
 Run: ``.venv/bin/python bench/step_segments.py [--hidden 1024] [--rounds 1000] [--stride 8]
-[--compare REV] [--repeat 2]``
+[--compare REV] [--repeat 2] [--engine-arm]``
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ def _trimmed(values: list[int], share: float = 0.1) -> float:
     return sum(kept) / len(kept)
 
 
-def _measure(hidden: int, rounds: int, batch: int) -> dict[str, list[tuple[int, ...]]]:
+def _measure(
+    hidden: int, rounds: int, batch: int, engine_arm: bool = False
+) -> dict[str, list[tuple[int, ...]]]:
     """Each arm's segment durations (ns), one tuple a round (module docstring)."""
     import hook_cost
     import overhead
@@ -68,15 +76,24 @@ def _measure(hidden: int, rounds: int, batch: int) -> dict[str, list[tuple[int, 
     clock = time.perf_counter_ns
     null = contextlib.nullcontext()
     order = random.Random(3)
+    if engine_arm and switch.engines is None:
+        raise SystemExit("--engine-arm: stepwatch's engine gate is not installed here")
+    untimed_unit = ("first", "untimed", "torch-engine") if engine_arm else ("first", "untimed")
     spans: dict[str, list[tuple[int, ...]]] = {arm: [] for arm in ("first", *ARMS)}
+    if engine_arm:
+        spans["torch-engine"] = []
     for _ in range(rounds):
-        units = [("off",), ("first", "untimed"), ("timed",)]
+        if engine_arm:  # the two after ``first`` in either order: neither is always second
+            untimed_unit = ("first", *order.sample(["untimed", "torch-engine"], 2))
+        units = [("off",), untimed_unit, ("timed",)]
         order.shuffle(units)
         for arm in (arm for unit in units for arm in unit):
             on = arm != "off"
             switch.set(on)
             if on:
                 recorder.sampler = samplers["timed" if arm == "timed" else "untimed"]
+            if arm == "torch-engine":
+                switch.variable._execution_engine = switch.engines[1]
             t0 = clock()
             with monitor.step() if on else null:
                 t1 = clock()
@@ -124,6 +141,12 @@ def _report(label: str, hidden: int, stride: int, spans: dict[str, list[tuple[in
     )
     average = ((stride - 2) * untimed + first + timed) / stride
     print(f"{label}: auto at 1 in {stride} timed: {average / 1e3:+.2f} µs a step", flush=True)
+    if "torch-engine" in spans:
+        cells = "".join(
+            f" {name} {_paired(spans, 'untimed', 'torch-engine', position) / 1e3:+.2f}"
+            for position, name in enumerate(SEGMENTS)
+        )
+        print(f"{label}: untimed - torch-engine, µs:{cells}", flush=True)
 
 
 def main() -> None:
@@ -134,10 +157,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=1000, help="rounds of the four steps")
     parser.add_argument("--stride", type=int, default=8, help="1 in this many steps timed")
+    parser.add_argument("--engine-arm", action="store_true", help="module docstring")
     step_instructions.add_tree_options(parser)
     args = parser.parse_args()
     if not args.compare:
-        spans = _measure(args.hidden, args.rounds, args.batch)
+        spans = _measure(args.hidden, args.rounds, args.batch, args.engine_arm)
         _report(args.label, args.hidden, args.stride, spans)
         return
     arguments = ["--hidden", str(args.hidden), "--batch", str(args.batch)]

@@ -3,8 +3,8 @@
  * Every backward torch runs from Python goes through torch.autograd.graph._engine_run_backward
  * (Tensor.backward, torch.autograd.backward and .grad), which looks up
  * ``Variable._execution_engine.run_backward`` at each call. _engine.py installs there an
- * instance of an _ImperativeEngine subclass whose ``run_backward`` (an instance attribute, so
- * not bound per call) is this gate: it calls the engine's own bound method with the same
+ * instance of an _ImperativeEngine subclass whose ``run_backward`` (a class attribute; the gate
+ * has no __get__, so it is not bound per call) is this gate: it calls the engine's own bound method with the same
  * arguments and, before that, on a backward that accumulates gradients (``.backward()``, not
  * ``autograd.grad``), calls the backward-start hooks armed since by a timed forward of the
  * step still open. A timed step's forward arms its state's hook here instead of registering a

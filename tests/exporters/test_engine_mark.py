@@ -77,6 +77,19 @@ def test_the_gate_passes_every_call_through_and_fires_on_accumulating_backwards_
     gate.arm(fired.append, None)
     gate(1)
     assert fired == [None, None]
+    # Megatron's pipeline schedules call the engine directly, every argument by keyword
+    gate.arm(fired.append, None)
+    megatron = {
+        "tensors": ("t",),
+        "grad_tensors": ("g",),
+        "keep_graph": False,
+        "create_graph": False,
+        "inputs": (),
+        "allow_unreachable": True,
+        "accumulate_grad": True,
+    }
+    assert gate(**megatron) == "ran"
+    assert fired == [None, None, None] and calls[-1] == ((), megatron)
 
 
 def test_arms_beyond_the_slots_are_refused_and_hooks_cannot_break_the_backward() -> None:

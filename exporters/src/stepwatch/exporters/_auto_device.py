@@ -12,8 +12,10 @@ doubled every rank's backward, so the job read as a backward regression on every
 host clock, so each phase is the device time between the marks of its start and end:
 
 - forward: marks where the forward wrapper opens and closes the phase;
-- backward: a mark in the output's gradient hook (autograd's device thread, whose current
-  stream is the forward's) to the mark at its end (the next ``optimizer.step()`` or forward);
+- backward: a mark when the backward is asked for (``_engine``'s gate on torch's autograd
+  engine, on the calling thread's current stream, the forward's; where the gate is not
+  installed, the output's gradient hook on autograd's device thread, whose current stream is
+  the forward's) to the mark at its end (the next ``optimizer.step()`` or forward);
 - communication (the exposed wait): the last parameter's post-accumulate-grad hook takes a
   device mark with its clock reading (``_fastrecord.MarkStamp``, no Python frame; the Python
   :class:`DeviceStamp` without the extension or with another clock), to the same end mark as

@@ -9,8 +9,8 @@ autograd engine taking the GIL and wrapping the gradient in a Python tensor to c
 Every backward torch runs from Python (``Tensor.backward``, ``torch.autograd.backward``,
 ``torch.autograd.grad``) goes through ``torch.autograd.graph._engine_run_backward``, which looks
 up ``Variable._execution_engine.run_backward`` at each call. :func:`acquire` installs there an
-instance of a subclass of torch's engine class whose ``run_backward`` is
-``_fastrecord.EngineGate``: it runs the engine's own method with the same arguments, and first,
+instance of a subclass of torch's engine class whose ``run_backward`` (a class attribute;
+the gate does not bind) is ``_fastrecord.EngineGate``: it runs the engine's own method with the same arguments, and first,
 on a backward that accumulates gradients (not ``autograd.grad``), calls the backward-start
 hooks that timed forwards of the step still open have armed. A timed forward arms its hook
 (``EngineGate.arm``) where it registered the tensor hook before. The instance is still a
@@ -105,10 +105,11 @@ def acquire() -> Any | None:
             if type(original) is not torch._C._ImperativeEngine:
                 _refused = True  # someone else's engine: theirs stays
                 return None
-            engine_type = type("_StepwatchEngine", (torch._C._ImperativeEngine,), {})
-            engine = engine_type()
             gate = _fastrecord.EngineGate(original.run_backward)
-            engine.run_backward = gate
+            # The gate is a class attribute (it binds to nothing: no __get__) and the instance
+            # has no __dict__: the lookup of run_backward is the type's cached one.
+            namespace = {"run_backward": gate, "__slots__": ()}
+            engine = type("_StepwatchEngine", (torch._C._ImperativeEngine,), namespace)()
             variable._execution_engine = engine
         except Exception:
             logger.debug("the autograd engine's gate could not be installed", exc_info=True)
