@@ -9,13 +9,13 @@ autograd engine taking the GIL and wrapping the gradient in a Python tensor to c
 Every backward torch runs from Python (``Tensor.backward``, ``torch.autograd.backward``,
 ``torch.autograd.grad``) goes through ``torch.autograd.graph._engine_run_backward``, which looks
 up ``Variable._execution_engine.run_backward`` at each call. :func:`acquire` installs there an
-instance of a subclass of torch's engine class whose ``run_backward`` (a class attribute;
-the gate does not bind) is ``_fastrecord.EngineGate``: it runs the engine's own method with the same arguments, and first,
-on a backward that accumulates gradients (not ``autograd.grad``), calls the backward-start
-hooks that timed forwards of the step still open have armed. A timed forward arms its hook
-(``EngineGate.arm``) where it registered the tensor hook before. The instance is still a
-``torch._C._ImperativeEngine`` (``queue_callback`` and the rest are the engine's own; the C++
-engine behind every instance is the same one).
+instance of a subclass of torch's engine class whose ``run_backward`` (a class attribute; the
+gate does not bind) is ``_fastrecord.EngineGate``: it runs the engine's own method with the
+same arguments, and first, on a backward that accumulates gradients (not ``autograd.grad``),
+calls the backward-start hooks that timed forwards of the step still open have armed. A timed
+forward arms its hook (``EngineGate.arm``) where it registered the tensor hook before. The
+instance is still a ``torch._C._ImperativeEngine`` (``queue_callback`` and the rest are the
+engine's own; the C++ engine behind every instance is the same one).
 
 What moves: the backward's start is the moment the backward is asked for, not the moment its
 gradient reaches the model's output, so the autograd engine's own start (its pass over the
