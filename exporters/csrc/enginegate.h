@@ -35,7 +35,6 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    vectorcallfunc vectorcall;
     PyObject *run; /* the engine's own run_backward (a bound method) */
     int armed;     /* arms[0:armed] are set */
     EngineArm arms[ENGINE_GATE_SLOTS];
@@ -49,22 +48,16 @@ static PyObject *str_accumulate_grad, *str_step_depth, *str_step_index_attr;
 
 /* 1 when the call accumulates gradients (torch's run_backward: accumulate_grad, its seventh
  * parameter, True by default), 0 when not. */
-static int engine_accumulates(PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+static int engine_accumulates(PyObject *args, PyObject *kwargs) {
     PyObject *value = NULL;
-    if (kwnames != NULL) {
-        Py_ssize_t count = PyTuple_GET_SIZE(kwnames);
-        for (Py_ssize_t i = 0; i < count; i++) {
-            PyObject *name = PyTuple_GET_ITEM(kwnames, i);
-            if (name == str_accumulate_grad ||
-                (PyUnicode_Check(name) && PyUnicode_Compare(name, str_accumulate_grad) == 0)) {
-                value = args[nargs + i];
-                break;
-            }
+    if (kwargs != NULL && PyDict_Check(kwargs)) {
+        value = PyDict_GetItemWithError(kwargs, str_accumulate_grad); /* borrowed */
+        if (value == NULL && PyErr_Occurred()) {
+            PyErr_Clear();
         }
     }
-    if (value == NULL && nargs >= 7) {
-        value = args[6];
+    if (value == NULL && PyTuple_Check(args) && PyTuple_GET_SIZE(args) >= 7) {
+        value = PyTuple_GET_ITEM(args, 6);
     }
     if (value == NULL || value == Py_True) {
         return 1;
@@ -152,22 +145,20 @@ static void engine_fire(EngineGate *self) {
     PyErr_Restore(type, value, traceback);
 }
 
-static PyObject *EngineGate_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
-                                       PyObject *kwnames) {
+/* The call as torch's engine gets it: the arguments' tuple and dict go through as they came
+ * (torch's run_backward takes them so, and _engine_run_backward calls it with *args and
+ * **kwargs: no vectorcall, which would turn them into an array and back twice). */
+static PyObject *EngineGate_call(PyObject *callable, PyObject *args, PyObject *kwargs) {
     EngineGate *self = (EngineGate *)callable;
     if (self->run == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "EngineGate is not initialised");
         return NULL;
     }
-    if (self->armed && engine_accumulates(args, nargsf, kwnames)) {
+    if (self->armed && engine_accumulates(args, kwargs)) {
         self->backwards++;
         engine_fire(self);
     }
-    return PyObject_Vectorcall(self->run, args, nargsf, kwnames);
-}
-
-static PyObject *EngineGate_call(PyObject *self, PyObject *args, PyObject *kwargs) {
-    return PyVectorcall_Call(self, args, kwargs);
+    return PyObject_Call(self->run, args, kwargs);
 }
 
 /* EngineGate(run): run is the engine's own run_backward */
@@ -186,7 +177,6 @@ static PyObject *EngineGate_new(PyTypeObject *type, PyObject *args, PyObject *kw
     }
     EngineGate *self = (EngineGate *)type->tp_alloc(type, 0);
     if (self != NULL) {
-        self->vectorcall = EngineGate_vectorcall;
         Py_INCREF(run);
         self->run = run;
     }
@@ -284,12 +274,11 @@ static PyGetSetDef EngineGate_getset[] = {
 static PyTypeObject EngineGateType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.EngineGate",
     .tp_basicsize = sizeof(EngineGate),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "EngineGate(run_backward): run_backward with armed backward-start hooks called "
               "first (see the comment).",
     .tp_new = EngineGate_new,
     .tp_call = EngineGate_call,
-    .tp_vectorcall_offset = offsetof(EngineGate, vectorcall),
     .tp_dealloc = (destructor)EngineGate_dealloc,
     .tp_traverse = (traverseproc)EngineGate_traverse,
     .tp_clear = (inquiry)EngineGate_clear,
