@@ -23,7 +23,16 @@
  * probe) fires at the next backward whatever the step. At most ENGINE_GATE_SLOTS hooks are
  * armed at once; arm() returns False beyond that (the caller registers the tensor hook). Hooks
  * are called with one argument (None, where a tensor hook gets the gradient); what they raise
- * is dropped (the auto-mode hooks report their own failures). */
+ * is dropped (the auto-mode hooks report their own failures).
+ *
+ * The exposed wait ends here too (close_waits): after the engine returns, from any backward,
+ * each registered last-gradient ClockStamp that is set (the model's last gradient came in this
+ * backward; DDP has waited for its allreduces before returning) is reset and the time since
+ * added to its recorder's pending wait (wait_ns, folded into the step's "communication" at its
+ * end), as the optimizer's pre gate did at the next optimizer.step(). The wait now ends when
+ * the backward returns: what the loop does between backward() and step() (gradient clipping,
+ * unscaling, logging) is not counted as waiting for the peers, and an untimed step's pre gate
+ * has nothing left to do (it leaves torch's loop: OptimizerGate.hide_pre). */
 
 #define ENGINE_GATE_SLOTS 8
 
@@ -41,6 +50,10 @@ typedef struct {
     unsigned long long backwards; /* accumulating backwards seen */
     unsigned long long marks;     /* hooks called */
     unsigned long long dropped;   /* arms dropped as stale (their step had closed) */
+    int closers;                  /* close_stamps[0:closers], close_recorders[0:closers] set */
+    ClockStamp *close_stamps[ENGINE_GATE_SLOTS];
+    RecorderCore *close_recorders[ENGINE_GATE_SLOTS];
+    unsigned long long closed;    /* waits ended here */
 } EngineGate;
 
 static PyTypeObject EngineGateType;
@@ -145,6 +158,27 @@ static void engine_fire(EngineGate *self) {
     PyErr_Restore(type, value, traceback);
 }
 
+/* After the engine returned (or raised): each set stamp's wait ended now (see the top). */
+static void engine_close_waits(EngineGate *self) {
+    long long now = 0;
+    for (int i = 0; i < self->closers; i++) {
+        ClockStamp *stamp = self->close_stamps[i];
+        long long last = stamp->ns;
+        if (last == 0) {
+            continue;
+        }
+        stamp->ns = 0;
+        if (now == 0 && monotonic_ns(&now) != 0) {
+            now = 0;
+            continue; /* no clock: the wait is not counted */
+        }
+        if (now > last) {
+            self->close_recorders[i]->wait_ns += now - last;
+        }
+        self->closed++;
+    }
+}
+
 /* The call as torch's engine gets it: the arguments' tuple and dict go through as they came
  * (torch's run_backward takes them so, and _engine_run_backward calls it with *args and
  * **kwargs: no vectorcall, which would turn them into an array and back twice). */
@@ -158,7 +192,11 @@ static PyObject *EngineGate_call(PyObject *callable, PyObject *args, PyObject *k
         self->backwards++;
         engine_fire(self);
     }
-    return PyObject_Call(self->run, args, kwargs);
+    PyObject *result = PyObject_Call(self->run, args, kwargs);
+    if (self->closers) {
+        engine_close_waits(self);
+    }
+    return result;
 }
 
 /* EngineGate(run): run is the engine's own run_backward */
@@ -185,6 +223,10 @@ static PyObject *EngineGate_new(PyTypeObject *type, PyObject *args, PyObject *kw
 
 static int EngineGate_traverse(EngineGate *self, visitproc visit, void *arg) {
     Py_VISIT(self->run);
+    for (int i = 0; i < self->closers; i++) {
+        Py_VISIT(self->close_stamps[i]);
+        Py_VISIT(self->close_recorders[i]);
+    }
     for (int i = 0; i < self->armed; i++) {
         Py_VISIT(self->arms[i].hook);
         Py_VISIT(self->arms[i].recorder);
@@ -201,8 +243,18 @@ static void engine_disarm_all(EngineGate *self) {
     }
 }
 
+static void engine_unclose_all(EngineGate *self) {
+    int count = self->closers;
+    self->closers = 0;
+    for (int i = 0; i < count; i++) {
+        Py_CLEAR(self->close_stamps[i]);
+        Py_CLEAR(self->close_recorders[i]);
+    }
+}
+
 static int EngineGate_clear(EngineGate *self) {
     Py_CLEAR(self->run);
+    engine_unclose_all(self);
     engine_disarm_all(self);
     return 0;
 }
@@ -242,6 +294,58 @@ static PyObject *EngineGate_disarm(EngineGate *self, PyObject *hook) {
     Py_RETURN_FALSE;
 }
 
+/* close_waits(stamp, recorder): the wait since ``stamp`` ends when a backward returns (the top);
+ * False when no slot is left. The same stamp again takes the new recorder. */
+static PyObject *EngineGate_close_waits(EngineGate *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyObject_TypeCheck(args[0], &ClockStampType) ||
+        !PyObject_TypeCheck(args[1], &RecorderCoreType)) {
+        PyErr_SetString(PyExc_TypeError, "close_waits(ClockStamp, RecorderCore)");
+        return NULL;
+    }
+    ClockStamp *stamp = (ClockStamp *)args[0];
+    RecorderCore *recorder = (RecorderCore *)args[1];
+    int slot = 0;
+    while (slot < self->closers && self->close_stamps[slot] != stamp) {
+        slot++;
+    }
+    if (slot == self->closers) {
+        if (self->closers >= ENGINE_GATE_SLOTS) {
+            Py_RETURN_FALSE;
+        }
+        Py_INCREF(stamp);
+        self->close_stamps[slot] = stamp;
+        self->close_recorders[slot] = NULL;
+        self->closers++;
+    }
+    Py_INCREF(recorder);
+    Py_XSETREF(self->close_recorders[slot], recorder);
+    Py_RETURN_TRUE;
+}
+
+/* unclose(stamp): its waits no longer end here (True when they did) */
+static PyObject *EngineGate_unclose(EngineGate *self, PyObject *stamp) {
+    for (int i = 0; i < self->closers; i++) {
+        if ((PyObject *)self->close_stamps[i] == stamp) {
+            ClockStamp *old_stamp = self->close_stamps[i];
+            RecorderCore *old_recorder = self->close_recorders[i];
+            self->closers--;
+            for (int j = i; j < self->closers; j++) {
+                self->close_stamps[j] = self->close_stamps[j + 1];
+                self->close_recorders[j] = self->close_recorders[j + 1];
+            }
+            Py_DECREF(old_stamp);
+            Py_DECREF(old_recorder);
+            Py_RETURN_TRUE;
+        }
+    }
+    Py_RETURN_FALSE;
+}
+
+static PyObject *EngineGate_get_closing(EngineGate *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(self->closers);
+}
+
 static PyObject *EngineGate_get_armed(EngineGate *self, void *closure) {
     (void)closure;
     return PyLong_FromLong(self->armed);
@@ -253,6 +357,11 @@ static PyMethodDef EngineGate_methods[] = {
      "recorder's open step (recorder None: the next one)."},
     {"disarm", (PyCFunction)EngineGate_disarm, METH_O,
      "disarm(hook) -> bool: its arm removed, if any."},
+    {"close_waits", (PyCFunction)(void (*)(void))EngineGate_close_waits, METH_FASTCALL,
+     "close_waits(stamp, recorder) -> bool: the exposed wait since the ClockStamp ends when a "
+     "backward returns, into the recorder's pending wait (False: no slot left)."},
+    {"unclose", (PyCFunction)EngineGate_unclose, METH_O,
+     "unclose(stamp) -> bool: its waits no longer end here."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -263,11 +372,14 @@ static PyMemberDef EngineGate_members[] = {
     {"marks", T_ULONGLONG, offsetof(EngineGate, marks), READONLY, "Hooks called."},
     {"dropped", T_ULONGLONG, offsetof(EngineGate, dropped), READONLY,
      "Arms dropped as stale (their step had closed)."},
+    {"closed", T_ULONGLONG, offsetof(EngineGate, closed), READONLY,
+     "Exposed waits ended when a backward returned (close_waits)."},
     {NULL, 0, 0, 0, NULL},
 };
 
 static PyGetSetDef EngineGate_getset[] = {
     {"armed", (getter)EngineGate_get_armed, NULL, "Hooks armed now.", NULL},
+    {"closing", (getter)EngineGate_get_closing, NULL, "Stamps whose waits end here.", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

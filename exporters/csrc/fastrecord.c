@@ -59,6 +59,7 @@ static PyObject *kwnames_exc_info;
 static PyObject *str_class; /* "__class__" */
 static PyObject *str_communication; /* "communication": the exposed wait's phase */
 static PyObject *str_post_hooks; /* "_optimizer_step_post_hooks": torch's post-hook dict */
+static PyObject *str_pre_hooks;  /* "_optimizer_step_pre_hooks": torch's pre-hook dict */
 static PyObject *add_to(PyObject *phases, PyObject *name, PyObject *elapsed);
 
 #include "stepbuffer.h"
@@ -98,6 +99,9 @@ typedef struct {
     PyObject *swap_one[3];   /* its one entry's items when it has one entry (borrowed: kept
                               * alive by swaps_seen), else NULLs: a step's begin then touches
                               * neither tuple, cold after the model's memory traffic */
+    PyObject *hidden_pre;    /* the optimizer pre gate whose hook dict is out of torch's loop
+                              * (untimed steps; OptimizerGate), or NULL: a timed step's begin
+                              * puts the dict back */
     PyObject *weakrefs;
 } RecorderCore;
 
@@ -239,8 +243,13 @@ static PyObject *sampler_changed(PyObject *module, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+static void restore_hidden_pre(RecorderCore *self); /* OptimizerGate, below */
+
 /* Python's begin_step(explicit=..., now_ns=...) on this recorder. */
 static PyObject *slow_begin(RecorderCore *self, int explicit_, PyObject *now_ns) {
+    if (self->hidden_pre != NULL) {
+        restore_hidden_pre(self); /* whatever this step is, its optimizer hooks run */
+    }
     if (py_begin_step == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "_fastrecord.configure() was not called");
         return NULL;
@@ -383,6 +392,9 @@ static PyObject *do_begin(RecorderCore *self, int explicit_, PyObject *now_ns) {
     if (self->watchers) {
         self->sampled = (char)sampled;
         swap_forward_classes(self, sampled);
+    }
+    if (self->hidden_pre != NULL && (sampled || !explicit_)) {
+        restore_hidden_pre(self);
     }
     Py_RETURN_NONE;
 }
@@ -866,6 +878,7 @@ static int RecorderCore_traverse(RecorderCore *self, visitproc visit, void *arg)
     Py_VISIT(self->clock_ns);
     Py_VISIT(self->forward_swaps);
     Py_VISIT(self->swaps_seen);
+    Py_VISIT(self->hidden_pre);
     Py_VISIT(self->stride_sampler);
     return 0;
 }
@@ -884,6 +897,7 @@ static int RecorderCore_clear(RecorderCore *self) {
     Py_CLEAR(self->clock_ns);
     Py_CLEAR(self->forward_swaps);
     Py_CLEAR(self->swaps_seen);
+    Py_CLEAR(self->hidden_pre);
     Py_CLEAR(self->stride_sampler);
     self->swap_one[0] = self->swap_one[1] = self->swap_one[2] = NULL;
     return 0;
@@ -1712,6 +1726,13 @@ typedef struct {
     char post_never;        /* hiding given up (another optimizer, other hooks, a change) */
     char is_pre;
     char active;
+    /* pre, with hide_pre(): itself out of torch's pre-hook loop on untimed steps, where the
+     * autograd engine's gate ends the exposed wait (enginegate.h), as the post gate above */
+    char pre_hideable;
+    char pre_out;
+    char pre_never;
+    PyObject *pre_real;     /* the optimizer's pre-hook dict, while pre_out */
+    PyObject *pre_empty;    /* its stand-in */
 } OptimizerGate;
 
 static PyTypeObject OptimizerGateType;
@@ -1869,36 +1890,75 @@ done:
  * optimizer's, the post gate first in it, and hiding stops (the hook's handle refers to it);
  * so does a dict someone else installed, another optimizer, or a post-hook dict with other
  * hooks. */
-static void hidden_post_restore(OptimizerGate *self) {
-    if (!self->post_out) {
+/* One of torch's hook dicts on ``owner`` (``attr``) holding ``gate`` alone, out of torch's
+ * loop: the stand-in (an empty dict of its type) installed in its place (1), or not (0, with
+ * *never set where hiding must stop). */
+static int stand_in_install(PyObject *owner, PyObject *attr, PyObject *gate, PyObject **real,
+                            PyObject **empty, char *out, char *never) {
+    PyObject *hooks = PyObject_GetAttr(owner, attr);
+    if (hooks == NULL) {
+        PyErr_Clear();
+        *never = 1;
+        return 0;
+    }
+    PyObject *key = NULL, *value = NULL;
+    Py_ssize_t position = 0;
+    int alone = PyDict_Check(hooks) && PyDict_GET_SIZE(hooks) == 1 &&
+                PyDict_Next(hooks, &position, &key, &value) && value == gate;
+    if (!alone) {
+        Py_DECREF(hooks);
+        *never = 1;
+        return 0;
+    }
+    if (*empty == NULL) {
+        *empty = PyObject_CallNoArgs((PyObject *)Py_TYPE(hooks));
+    }
+    if (*empty == NULL || !PyDict_Check(*empty) || PyDict_GET_SIZE(*empty) != 0 ||
+        PyObject_SetAttr(owner, attr, *empty) < 0) {
+        PyErr_Clear();
+        Py_DECREF(hooks);
+        *never = 1;
+        return 0;
+    }
+    Py_XSETREF(*real, hooks);
+    *out = 1;
+    return 1;
+}
+
+/* The dict back in place of its stand-in. A hook registered meanwhile went into the stand-in:
+ * that dict becomes the owner's, ``gate`` put back first in it, and hiding stops (the hook's
+ * handle refers to it); so does a dict someone else installed. */
+static void stand_in_restore(PyObject *owner, PyObject *attr, PyObject *gate, PyObject **real_slot,
+                             PyObject **empty_slot, char *out, char *never) {
+    if (!*out) {
         return;
     }
-    self->post_out = 0;
-    PyObject *owner = self->post_owner, *empty = self->post_empty, *real = self->post_real;
-    PyObject *current = owner == NULL ? NULL : PyObject_GetAttr(owner, str_post_hooks);
+    *out = 0;
+    PyObject *empty = *empty_slot, *real = *real_slot;
+    PyObject *current = owner == NULL ? NULL : PyObject_GetAttr(owner, attr);
     if (current == NULL) {
         PyErr_Clear();
-        self->post_never = 1;
+        *never = 1;
     } else if (current != empty) {
-        self->post_never = 1; /* someone else's dict now: theirs stays */
+        *never = 1; /* someone else's dict now: theirs stays */
     } else if (PyDict_GET_SIZE(empty) == 0) {
-        if (PyObject_SetAttr(owner, str_post_hooks, real) < 0) {
+        if (PyObject_SetAttr(owner, attr, real) < 0) {
             PyErr_Clear();
-            self->post_never = 1;
+            *never = 1;
         }
     } else {
         /* Hooks registered while hidden: keep their dict (their handles refer to it), with the
-         * post gate put back first, as it was registered before them. */
+         * gate put back first, as it was registered before them. */
         PyObject *key = NULL, *value = NULL, *gate_key = NULL;
         Py_ssize_t position = 0;
         while (real != NULL && PyDict_Next(real, &position, &key, &value)) {
-            if (value == self->post_gate) {
+            if (value == gate) {
                 gate_key = key;
                 break;
             }
         }
         PyObject *done = NULL;
-        if (gate_key != NULL && PyObject_SetItem(empty, gate_key, self->post_gate) == 0) {
+        if (gate_key != NULL && PyObject_SetItem(empty, gate_key, gate) == 0) {
             done = PyObject_CallMethod(empty, "move_to_end", "OO", gate_key, Py_False);
             if (done == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
                 PyErr_Clear(); /* a plain dict: the gate runs last, still runs */
@@ -1908,11 +1968,62 @@ static void hidden_post_restore(OptimizerGate *self) {
         }
         Py_XDECREF(done);
         PyErr_Clear();
-        self->post_never = 1;
-        Py_CLEAR(self->post_empty); /* the optimizer's dict now */
+        *never = 1;
+        Py_CLEAR(*empty_slot); /* the owner's dict now */
     }
     Py_XDECREF(current);
-    Py_CLEAR(self->post_real);
+    Py_CLEAR(*real_slot);
+}
+
+static void hidden_post_restore(OptimizerGate *self) {
+    stand_in_restore(self->post_owner, str_post_hooks, self->post_gate, &self->post_real,
+                     &self->post_empty, &self->post_out, &self->post_never);
+}
+
+/* Hiding the pre gate (issue 15). Where the autograd engine's gate ends the exposed wait when
+ * the backward returns (EngineGate.close_waits), an untimed step's pre gate finds nothing to
+ * do, but torch's loop calling it still costs ~1.1-1.6 us at 1024 wide. So the pre gate of such
+ * a step, its post gate already out, puts a stand-in in place of the pre-hook dict as well, and
+ * names itself to the recorder (hidden_pre): the begin of the next step that needs the optimizer
+ * hooks (a timed one, an auto one) puts the dict back, before the optimizer is called. A wait
+ * the pre gate still finds (a backward that did not pass the engine's gate) stops the hiding. */
+static void hidden_pre_restore(OptimizerGate *self) {
+    stand_in_restore(self->post_owner, str_pre_hooks, (PyObject *)self, &self->pre_real,
+                     &self->pre_empty, &self->pre_out, &self->pre_never);
+    RecorderCore *recorder = self->recorder;
+    if (recorder != NULL && recorder->hidden_pre == (PyObject *)self) {
+        Py_CLEAR(recorder->hidden_pre);
+    }
+}
+
+/* At a step's begin (no backward runs then): a last-gradient stamp still set is a wait the
+ * engine's gate did not end (a backward that did not pass it); it is dropped, not counted up to
+ * this step's optimizer, and the pre gate stays in torch's loop from now on. */
+static void restore_hidden_pre(RecorderCore *self) {
+    PyObject *gate = self->hidden_pre;
+    self->hidden_pre = NULL;
+    if (gate != NULL && PyObject_TypeCheck(gate, &OptimizerGateType)) {
+        OptimizerGate *pre = (OptimizerGate *)gate;
+        if (pre->stamp != NULL && pre->stamp->ns != 0) {
+            pre->stamp->ns = 0;
+            pre->pre_never = 1;
+        }
+        hidden_pre_restore(pre);
+    }
+    Py_XDECREF(gate);
+}
+
+/* On an untimed step whose post gate is out (``hidden``): the pre gate out too, where it may. */
+static void hide_pre(OptimizerGate *self, RecorderCore *recorder) {
+    if (!self->pre_hideable || self->pre_out || self->pre_never || self->post_owner == NULL ||
+        (recorder->hidden_pre != NULL && recorder->hidden_pre != (PyObject *)self)) {
+        return;
+    }
+    if (stand_in_install(self->post_owner, str_pre_hooks, (PyObject *)self, &self->pre_real,
+                         &self->pre_empty, &self->pre_out, &self->pre_never)) {
+        Py_INCREF(self);
+        Py_XSETREF(recorder->hidden_pre, (PyObject *)self);
+    }
 }
 
 /* 1 when the post gate is out of this call's loop (see above), 0 otherwise. */
@@ -1942,38 +2053,14 @@ static int hidden_post(OptimizerGate *self, RecorderCore *recorder, PyObject *co
         self->post_never = 1; /* a second optimizer: not worth telling apart */
         return 0;
     }
-    PyObject *hooks = PyObject_GetAttr(optimizer, str_post_hooks);
-    if (hooks == NULL) {
-        PyErr_Clear();
-        self->post_never = 1;
+    if (!stand_in_install(optimizer, str_post_hooks, self->post_gate, &self->post_real,
+                          &self->post_empty, &self->post_out, &self->post_never)) {
         return 0;
     }
-    PyObject *key = NULL, *value = NULL;
-    Py_ssize_t position = 0;
-    int alone = PyDict_Check(hooks) && PyDict_GET_SIZE(hooks) == 1 &&
-                PyDict_Next(hooks, &position, &key, &value) && value == self->post_gate;
-    if (!alone) {
-        Py_DECREF(hooks);
-        self->post_never = 1;
-        return 0;
-    }
-    if (self->post_empty == NULL) {
-        self->post_empty = PyObject_CallNoArgs((PyObject *)Py_TYPE(hooks));
-    }
-    if (self->post_empty == NULL || !PyDict_Check(self->post_empty) ||
-        PyDict_GET_SIZE(self->post_empty) != 0 ||
-        PyObject_SetAttr(optimizer, str_post_hooks, self->post_empty) < 0) {
-        PyErr_Clear();
-        Py_DECREF(hooks);
-        self->post_never = 1;
-        return 0;
-    }
-    Py_XSETREF(self->post_real, hooks);
     if (self->post_owner == NULL) {
         Py_INCREF(optimizer);
         self->post_owner = optimizer;
     }
-    self->post_out = 1;
     return 1;
 }
 
@@ -2042,8 +2129,12 @@ static PyObject *OptimizerGate_vectorcall(PyObject *callable, PyObject *const *a
         }
         long long last = self->stamp->ns;
         if (last == 0) {
+            if (hidden) {
+                hide_pre(self, recorder);
+            }
             Py_RETURN_NONE;
         }
+        self->pre_never = 1; /* a wait left for this gate: it stays in torch's loop */
         long long now;
         /* With a device timer (DeviceAutoState._close_wait) the wait ends at a mark too. */
         PyObject *end = NULL;
@@ -2168,6 +2259,8 @@ static int OptimizerGate_traverse(OptimizerGate *self, visitproc visit, void *ar
     Py_VISIT(self->post_owner);
     Py_VISIT(self->post_real);
     Py_VISIT(self->post_empty);
+    Py_VISIT(self->pre_real);
+    Py_VISIT(self->pre_empty);
     return 0;
 }
 
@@ -2185,6 +2278,9 @@ static int OptimizerGate_clear(OptimizerGate *self) {
     Py_CLEAR(self->post_real);
     Py_CLEAR(self->post_empty);
     self->post_out = 0;
+    Py_CLEAR(self->pre_real);
+    Py_CLEAR(self->pre_empty);
+    self->pre_out = 0;
     return 0;
 }
 
@@ -2221,6 +2317,19 @@ static PyObject *OptimizerGate_hide_post(OptimizerGate *self, PyObject *post) {
     Py_RETURN_NONE;
 }
 
+/* pre.hide_pre(): the autograd engine's gate ends the exposed wait (EngineGate.close_waits), so
+ * this pre gate may leave torch's loop on untimed steps (above). */
+static PyObject *OptimizerGate_hide_pre(OptimizerGate *self, PyObject *unused) {
+    (void)unused;
+    if (!self->is_pre || self->device != NULL) {
+        PyErr_SetString(PyExc_TypeError, "hide_pre: a pre gate on the host clock only");
+        return NULL;
+    }
+    self->pre_hideable = 1;
+    self->pre_never = 0;
+    Py_RETURN_NONE;
+}
+
 static PyObject *OptimizerGate_get_active(OptimizerGate *self, void *closure) {
     (void)closure;
     return PyBool_FromLong(self->active);
@@ -2237,6 +2346,8 @@ static int OptimizerGate_set_active(OptimizerGate *self, PyObject *value, void *
         return -1;
     }
     if (!truth) {
+        hidden_pre_restore(self);
+        self->pre_never = 1;
         hidden_post_restore(self);
         self->post_never = 1;
         Py_CLEAR(self->post_owner); /* the optimizer is not held past the instrumentation */
@@ -2251,17 +2362,27 @@ static PyObject *OptimizerGate_get_post_hidden(OptimizerGate *self, void *closur
     return PyBool_FromLong(self->post_out);
 }
 
+static PyObject *OptimizerGate_get_pre_hidden(OptimizerGate *self, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(self->pre_out);
+}
+
 static PyGetSetDef OptimizerGate_getset[] = {
     {"active", (getter)OptimizerGate_get_active, (setter)OptimizerGate_set_active,
      "False once the instrumentation is removed: the gate does nothing", NULL},
     {"post_hidden", (getter)OptimizerGate_get_post_hidden, NULL,
      "A pre gate's post gate is out of torch's post-hook loop now (untimed steps)", NULL},
+    {"pre_hidden", (getter)OptimizerGate_get_pre_hidden, NULL,
+     "A pre gate is out of torch's pre-hook loop now (untimed steps; hide_pre)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyMethodDef OptimizerGate_methods[] = {
     {"hide_post", (PyCFunction)OptimizerGate_hide_post, METH_O,
      "hide_post(post): hide this pre gate's post gate from torch on untimed steps."},
+    {"hide_pre", (PyCFunction)OptimizerGate_hide_pre, METH_NOARGS,
+     "hide_pre(): let this pre gate leave torch's loop on untimed steps (the engine's gate "
+     "ends the exposed wait)."},
     {"__copy__", (PyCFunction)(void (*)(void))OptimizerGate_copy, METH_FASTCALL,
      "An inert gate."},
     {"__deepcopy__", (PyCFunction)(void (*)(void))OptimizerGate_copy, METH_FASTCALL,
@@ -3168,7 +3289,8 @@ PyMODINIT_FUNC PyInit__fastrecord(void) {
         intern(&str_enabled, "enabled") || intern(&str_in_backward, "in_backward") ||
         intern(&str_pre_failed, "auto-mode optimizer pre-hook failed") || intern(&str_new_phase_context, "new_phase_context") ||
         intern(&str_class, "__class__") || intern(&str_communication, "communication") ||
-        intern(&str_post_hooks, "_optimizer_step_post_hooks") || intern(&str_forward_depth, "forward_depth") ||
+        intern(&str_post_hooks, "_optimizer_step_post_hooks") ||
+        intern(&str_pre_hooks, "_optimizer_step_pre_hooks") || intern(&str_forward_depth, "forward_depth") ||
         intern(&str_forward_start_ns, "forward_start_ns") || intern(&str_thread_id, "thread_id") ||
         intern(&str_backward_hooks, "backward_hooks") ||
         intern(&str_optimizer_start_ns, "optimizer_start_ns") ||

@@ -208,10 +208,14 @@ def test_a_ddp_job_records_the_wait_on_every_step_with_or_without_gates(
     assert summary["phases"]["communication"]["sum"] > 0
 
 
-def test_the_forward_gate_keeps_the_signature_and_the_untimed_path_in_c(tmp_path: Path) -> None:
+def test_the_forward_gate_keeps_the_signature_and_the_untimed_path_in_c(
+    tmp_path: Path, tensor_hooks: None
+) -> None:
     """The class swap's ``forward`` is a C gate (``_fastrecord.ForwardGate``) where the
     recorder and stamp are C: an untimed step calls the original forward directly; a last
-    gradient already come (gradients accumulate) still ends its wait at the next forward."""
+    gradient already come (gradients accumulate) still ends its wait at the next forward.
+    (Without the autograd engine's gate, which ends each wait as its backward returns:
+    test_wait_at_engine.py.)"""
     import inspect
 
     from stepwatch.exporters import _fastrecord

@@ -17,10 +17,12 @@ One line, no change to the training loop: ``monitor.instrument(model, optimizer)
 - communication, by default: the *exposed* wait, from the moment the model's last gradient
   is ready (a hook on its first parameter, whose gradient autograd produces last, which is
   when DDP issues its last bucket) to the end of ``loss.backward()`` (DDP waits there for its
-  allreduces). DDP keeps its built-in C++ allreduce, so nothing is added per bucket: any
-  Python comm hook costs a Python call per bucket and, on CPU, one more pass over the
-  gradients to average them (DDP's reducer fuses that into its copy; ~1.6 ms per 1.2 M
-  parameters on the CPU bench). The rank that arrives last waits least;
+  allreduces; ended by ``_engine``'s gate as it returns, or without that gate or with a
+  device timer at the next optimizer pre-hook or forward). DDP keeps its built-in C++
+  allreduce, so nothing is added per bucket: any Python comm hook costs a Python call per
+  bucket and, on CPU, one more pass over the gradients to average them (DDP's reducer fuses
+  that into its copy; ~1.6 ms per 1.2 M parameters on the CPU bench). The rank that arrives
+  last waits least;
 - communication with ``comm_hook`` (or ``collective_timing=True``): a DDP comm hook that
   wraps the allreduce (the hook you pass, or a timed copy of the default one) and times each
   bucket from the moment its collective is issued to its future's completion — transfer plus
@@ -35,7 +37,9 @@ gives the model its own class on a step that is not (``_forward._ClassSwap``), w
 the optimizer hooks' check and, in auto steps, the step boundary; its output gets no backward
 hook. **Communication is timed on every step**, sampled or not: the exposed wait's start is a
 C clock stamp (``_fastrecord.ClockStamp``, the last parameter's post-accumulate-grad hook),
-its end the optimizer pre-hook; a comm hook's collectives run on every step anyway.
+its end the backward's return (``_engine.close_waits``; the untimed step's optimizer pre gate
+then leaves torch's loop) or the optimizer pre-hook; a comm hook's collectives run on every
+step anyway.
 So a one-off stall on an untimed step still shows who waited for whom; the window says which
 phases rest on every step (``stepwatch.phase.every_step``, docs/schema.md). A rank stuck in
 such a step is placed from the training thread's stack (``_stack_phase``).
@@ -70,6 +74,7 @@ from typing import Any
 
 from stepwatch.core._errors import ConfigError
 from stepwatch.exporters._engine import acquire as acquire_engine
+from stepwatch.exporters._engine import close_waits
 from stepwatch.exporters._engine import release as release_engine
 from stepwatch.exporters._forward import (
     HOOK_KEYS,
@@ -127,6 +132,7 @@ class Instrumentation:
         engine, state.engine = state.engine, None
         if engine is not None:
             engine.disarm(state._on_backward_start)
+            engine.unclose(state.gradient_stamp)
             release_engine(engine)
 
 
@@ -168,8 +174,9 @@ class _AutoState:
         # Exposed-wait timing (no comm hook): the last parameter's post-accumulate-grad hook is
         # this stamp, on every step; in C where it can be (no Python frame from autograd). It
         # takes the time the model's last gradient is ready (``ns``; 0: none since the last
-        # reset). The next hook on the training thread (the optimizer pre-hook, or a forward
-        # when gradients accumulate) records the wait since then as ``communication`` on every
+        # reset). The autograd engine's gate as the backward returns (_engine.close_waits), or
+        # else the next hook on the training thread (the optimizer pre-hook, or a forward when
+        # gradients accumulate), records the wait since then as ``communication`` on every
         # step, sampled or not, and resets it.
         self.gradient_stamp: Any = new_clock_stamp(self.clock_ns)
         self.gates: tuple[Any, ...] = ()  # the optimizer hooks' C gates (_opthooks.gates)
@@ -589,4 +596,5 @@ def install_hooks(
                 register: Any = last.register_post_accumulate_grad_hook
                 handles.append(register(state.gradient_stamp))
                 communication_timed = True
+    close_waits(state.engine, state)  # the wait ends when backward() returns (_engine)
     return Instrumentation(state, handles, communication_timed=communication_timed)

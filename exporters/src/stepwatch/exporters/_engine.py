@@ -23,6 +23,15 @@ graph) and the loss's backward now count in the backward phase. A ``.backward()`
 something else between a timed forward and the model's backward (a second model's loss, say)
 would start the phase early; a tensor hook knew which output it was on.
 
+The exposed wait ends there too (:func:`close_waits`, the twenty-first round): as the engine
+returns, the gate resets the last-gradient stamp of each instrumentation on the host clock and
+adds the time since to its recorder's pending wait. The wait is then what its name says, the
+last gradient to the end of ``loss.backward()`` (DDP waits there for its allreduces); before,
+the optimizer's pre gate ended it, so gradient clipping, unscaling or logging between
+``backward()`` and ``step()`` counted as waiting for the peers. And an untimed step's pre gate
+has nothing left to do: it leaves torch's pre-hook loop as the post gate does (``hide_pre``,
+``fastrecord.c``), and the next timed step's begin puts it back.
+
 Installed once a process, on the first instrumentation that can use it, after a probe (an
 ``autograd.grad`` that must not fire an armed hook, then a ``.backward()`` that must): where
 the probe fails (a torch that no longer looks the engine up per call), the C extension is not
@@ -144,3 +153,28 @@ def release(gate: Any) -> None:
         except Exception:  # pragma: no cover - torch gone at interpreter exit
             pass
         _installed.clear()
+
+
+def close_waits(gate: Any, state: Any) -> bool:
+    """End auto mode's exposed wait when a backward returns (``EngineGate.close_waits``) and let
+    the optimizer's pre gate leave torch's loop on untimed steps (``hide_pre``).
+
+    ``state`` is an ``_auto._AutoState`` with its C gates and the host clock's last-gradient
+    ``ClockStamp``. False where that does not hold (no gate, no C gates, a device timer's
+    stamp, no slot left): the pre gate ends the wait at the next ``optimizer.step()``, as before.
+    """
+    gates = getattr(state, "gates", ())
+    stamp = state.gradient_stamp
+    if gate is None or not gates or _fastrecord is None:
+        return False
+    if type(stamp) is not _fastrecord.ClockStamp:
+        return False
+    try:
+        if not gate.close_waits(stamp, state.recorder):
+            return False
+        gates[0].hide_pre()
+    except Exception:
+        logger.debug("the exposed wait stays with the optimizer's pre gate", exc_info=True)
+        gate.unclose(stamp)
+        return False
+    return True
