@@ -104,7 +104,7 @@ def test_without_the_engine_gate_the_optimizer_ends_the_wait(
 
 
 def test_an_untimed_step_takes_the_pre_gate_out_and_a_timed_one_puts_it_back(job: Any) -> None:
-    monitor, model, optimizer, handle = job
+    monitor, model, optimizer, _handle = job
     real = optimizer._optimizer_step_pre_hooks
     (pre,) = real.values()
     samplers = (UNTIMED, UNTIMED, UNTIMED, TIMED, UNTIMED, TIMED, TIMED, UNTIMED)
@@ -131,7 +131,7 @@ def test_an_untimed_step_takes_the_pre_gate_out_and_a_timed_one_puts_it_back(job
 
 
 def test_a_pre_hook_registered_while_out_runs_and_keeps_the_gate_in(job: Any) -> None:
-    monitor, model, optimizer, handle = job
+    monitor, model, optimizer, _handle = job
     (pre,) = optimizer._optimizer_step_pre_hooks.values()
     calls: list[int] = []
     _step(monitor, model, optimizer, UNTIMED)
@@ -187,7 +187,7 @@ def test_a_wait_the_engine_did_not_end_is_dropped_and_the_gate_stays_in(job: Any
 
 def test_auto_steps_keep_the_pre_gate_in(job: Any) -> None:
     """Without ``monitor.step()`` the optimizer's hooks mark each step's boundary."""
-    monitor, model, optimizer, handle = job
+    monitor, model, optimizer, _handle = job
     real = optimizer._optimizer_step_pre_hooks
     (pre,) = real.values()
     monitor._recorder.sampler = UNTIMED
