@@ -91,9 +91,7 @@ def test_the_wait_ends_when_backward_returns_on_every_step(job: Any) -> None:
     assert engine.closing == closing - 1
 
 
-def test_without_the_engine_gate_the_optimizer_ends_the_wait(
-    tensor_hooks: None, job: Any
-) -> None:
+def test_without_the_engine_gate_the_optimizer_ends_the_wait(tensor_hooks: None, job: Any) -> None:
     monitor, model, optimizer, handle = job
     assert handle._state.engine is None
     (pre,) = optimizer._optimizer_step_pre_hooks.values()
