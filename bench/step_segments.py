@@ -22,6 +22,12 @@ differences untimed − off, first − off, timed − off and timed − untimed,
 ``auto`` pays a step on average at 1 in ``--stride`` timed (``stride − 2`` untimed steps, one
 first, one timed).
 
+Each run's standard error of that average is printed too (robust: the interquartile range of
+the per-round averages / 1.349 / √rounds): on this project's VM ~6-7 µs at 1024 wide and 1,000
+rounds, nearly all of it from the long segments (forward, backward, optimizer: a 3 ms backward
+moves ±130 µs from step to step), while ``enter``, ``data`` and ``exit`` resolve to tenths of a
+µs. So one run's whole-step figure moves ±7 µs; runs are averaged for the whole (``--repeat``).
+
 ``--compare REV`` runs this tree and git ``REV`` (a worktree with its extensions built) in
 alternate processes, ``--repeat`` times each.
 
@@ -47,6 +53,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SEGMENTS = ("enter", "data", "forward", "loss", "backward", "optimizer", "exit", "step")
+STEP_MS = 20.0  # the issue's step
+OFFSTEP_PERCENT = 0.05  # the op histograms' and the export's budget (bench/offstep_cost.py)
 ARMS = ("off", "untimed", "timed")
 
 
@@ -127,6 +135,13 @@ def _paired(spans: dict[str, list[tuple[int, ...]]], a: str, b: str, position: i
     return _trimmed([x[position] - y[position] for x, y in rounds])
 
 
+def _spread(values: list[float]) -> float:
+    """A robust standard error of the mean of ``values`` (the interquartile range / 1.349)."""
+    ordered = sorted(values)
+    quartiles = ordered[(3 * len(ordered)) // 4] - ordered[len(ordered) // 4]
+    return quartiles / 1.349 / max(1, len(ordered)) ** 0.5
+
+
 def _report(label: str, hidden: int, stride: int, spans: dict[str, list[tuple[int, ...]]]) -> None:
     rounds = len(spans["off"])
     print(f"{label}: {hidden} wide, {rounds} rounds; trimmed mean of paired differences, µs")
@@ -140,7 +155,20 @@ def _report(label: str, hidden: int, stride: int, spans: dict[str, list[tuple[in
         _paired(spans, arm, "off", step) for arm in ("untimed", "first", "timed")
     )
     average = ((stride - 2) * untimed + first + timed) / stride
-    print(f"{label}: auto at 1 in {stride} timed: {average / 1e3:+.2f} µs a step", flush=True)
+    per_round = [
+        ((stride - 2) * (u[step] - o[step]) + f[step] - o[step] + t[step] - o[step]) / stride
+        for u, f, t, o in zip(
+            spans["untimed"], spans["first"], spans["timed"], spans["off"], strict=True
+        )
+    ]
+    error = _spread(per_round) / 1e3
+    share = average / 1e3 / (STEP_MS * 1e3) * 100
+    print(
+        f"{label}: auto at 1 in {stride} timed: {average / 1e3:+.2f} µs a step (standard error "
+        f"{error:.2f}): {share:+.3f} % of a {STEP_MS:g} ms step, {share + OFFSTEP_PERCENT:+.3f} % "
+        f"with the budget off the step",
+        flush=True,
+    )
     if "torch-engine" in spans:
         cells = "".join(
             f" {name} {_paired(spans, 'untimed', 'torch-engine', position) / 1e3:+.2f}"

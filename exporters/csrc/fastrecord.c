@@ -62,6 +62,8 @@ static PyObject *str_post_hooks; /* "_optimizer_step_post_hooks": torch's post-h
 static PyObject *str_pre_hooks;  /* "_optimizer_step_pre_hooks": torch's pre-hook dict */
 static PyObject *add_to(PyObject *phases, PyObject *name, PyObject *elapsed);
 
+#define PHASE_SLOTS 4 /* the loop's phases a step keeps in plain ns (stepbuffer.h) */
+
 #include "stepbuffer.h"
 
 typedef struct {
@@ -102,6 +104,13 @@ typedef struct {
     PyObject *hidden_pre;    /* the optimizer pre gate whose hook dict is out of torch's loop
                               * (untimed steps; OptimizerGate), or NULL: a timed step's begin
                               * puts the dict back */
+    /* The loop's own phases (PhaseContext, host clock) of the open step, in plain ns: slot i
+     * holds slot_names[i] (owned; the buffer's slot i names the same, set once), used by the
+     * open step where slot_mask has bit i. Folded into phases_ns only where the step's end
+     * takes the Python path (fold_slots); else copied into the step's buffer entry. */
+    unsigned long long slot_mask;
+    PyObject *slot_names[PHASE_SLOTS];
+    long long slot_ns[PHASE_SLOTS];
     PyObject *weakrefs;
 } RecorderCore;
 
@@ -480,6 +489,68 @@ static int fold_wait(RecorderCore *self) {
     return 0;
 }
 
+/* The phase slots the open step used into phases_ns (where the Python path takes the step, or
+ * the buffer's names differ); 0 or -1 with an exception set (what is left stays for the next
+ * try). */
+static int fold_slots(RecorderCore *self) {
+    for (int i = 0; i < PHASE_SLOTS; i++) {
+        unsigned long long bit = 1ULL << i;
+        if (!(self->slot_mask & bit)) {
+            continue;
+        }
+        if (self->phases_ns == NULL || self->slot_names[i] == NULL) {
+            PyErr_SetString(PyExc_AttributeError, "the recorder has no phase dict");
+            return -1;
+        }
+        PyObject *number = PyLong_FromLongLong(self->slot_ns[i]);
+        PyObject *added =
+            number == NULL ? NULL : add_to(self->phases_ns, self->slot_names[i], number);
+        Py_XDECREF(number);
+        if (added == NULL) {
+            return -1;
+        }
+        Py_DECREF(added);
+        self->slot_mask &= ~bit;
+    }
+    return 0;
+}
+
+/* ``elapsed`` ns of the loop's phase ``name`` (a PhaseContext's own str) into its slot: 1, or
+ * 0 where it has none and none is free (the caller adds it to phases_ns). A free slot takes the
+ * name for good, in the recorder and in its StepBuffer. */
+static int phase_slot_add(RecorderCore *self, PyObject *name, long long elapsed) {
+    for (int i = 0; i < PHASE_SLOTS; i++) {
+        PyObject *held = self->slot_names[i];
+        unsigned long long bit = 1ULL << i;
+        if (held == name) {
+            self->slot_ns[i] = (self->slot_mask & bit) ? self->slot_ns[i] + elapsed : elapsed;
+            self->slot_mask |= bit;
+            return 1;
+        }
+        if (held != NULL) {
+            continue;
+        }
+        PyObject *buffer = self->buffer;
+        if (buffer == NULL || Py_TYPE(buffer) != &StepBufferType || !PyUnicode_CheckExact(name)) {
+            return 0;
+        }
+        StepBuffer *steps = (StepBuffer *)buffer;
+        if (steps->slot_names[i] != NULL && steps->slot_names[i] != name) {
+            return 0;
+        }
+        if (steps->slot_names[i] == NULL) {
+            Py_INCREF(name);
+            steps->slot_names[i] = name;
+        }
+        Py_INCREF(name);
+        self->slot_names[i] = name;
+        self->slot_ns[i] = elapsed;
+        self->slot_mask |= bit;
+        return 1;
+    }
+    return 0;
+}
+
 /* What follows a step's end once it is buffered: the recorder's counts and the kernel source
  * told (or not, as it asked). */
 static void step_ended(RecorderCore *self, long long index) {
@@ -520,6 +591,25 @@ static PyObject *compact_end(RecorderCore *self, PyObject *now_ns) {
     if (resolve_now(self, now_ns, &end) < 0) {
         return NULL;
     }
+    if (self->slot_mask) {
+        /* The buffer names the slots as the recorder does (another buffer put in place: the
+         * slots' time goes into the phase dict this once, and it takes their names). */
+        StepBuffer *steps = (StepBuffer *)self->buffer;
+        int same = 1;
+        for (int i = 0; i < PHASE_SLOTS; i++) {
+            if ((self->slot_mask & (1ULL << i)) && steps->slot_names[i] != self->slot_names[i]) {
+                same = 0;
+                if (steps->slot_names[i] == NULL) {
+                    Py_INCREF(self->slot_names[i]);
+                    steps->slot_names[i] = self->slot_names[i];
+                }
+            }
+        }
+        if (!same && fold_slots(self) < 0) {
+            PyErr_Clear();
+            return NULL;
+        }
+    }
     int swap_sampled = self->watchers && self->sampled;
     PyObject *fresh = NULL, *fresh_sampled = NULL;
     if (PyDict_GET_SIZE(phases) != 0 && (fresh = PyDict_New()) == NULL) {
@@ -544,6 +634,14 @@ static PyObject *compact_end(RecorderCore *self, PyObject *now_ns) {
     entry->end = end;
     entry->wait = self->wait_ns;
     self->wait_ns = 0;
+    unsigned long long used = self->slot_mask;
+    if (used) {
+        entry->slot_mask = used;
+        for (int i = 0; i < PHASE_SLOTS; i++) {
+            entry->slot_ns[i] = self->slot_ns[i];
+        }
+        self->slot_mask = 0;
+    }
     if (fresh != NULL) {
         entry->phases = phases; /* the recorder's reference, handed over */
         self->phases_ns = fresh;
@@ -571,8 +669,8 @@ static PyObject *do_end(RecorderCore *self, int explicit_, PyObject *now_ns) {
             return done;
         }
     }
-    if (fold_wait(self) < 0) {
-        /* Never raised into the loop: reported, and the wait kept for the next step's end. */
+    if (fold_wait(self) < 0 || fold_slots(self) < 0) {
+        /* Never raised into the loop: reported, and what is left kept for the next step's end. */
         report_misuse((PyObject *)self, str_step_end_key, str_wait_msg, 1);
     }
     if (self->step_depth != 1 || self->device_timer == NULL || self->buffer == NULL ||
@@ -898,6 +996,10 @@ static int RecorderCore_clear(RecorderCore *self) {
     Py_CLEAR(self->forward_swaps);
     Py_CLEAR(self->swaps_seen);
     Py_CLEAR(self->hidden_pre);
+    self->slot_mask = 0;
+    for (int i = 0; i < PHASE_SLOTS; i++) {
+        Py_CLEAR(self->slot_names[i]);
+    }
     Py_CLEAR(self->stride_sampler);
     self->swap_one[0] = self->swap_one[1] = self->swap_one[2] = NULL;
     return 0;
@@ -987,6 +1089,29 @@ static PyMethodDef RecorderCore_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* _phase_slots: {name: ns} of the open step's phases held in slots (not yet in _phases_ns). */
+static PyObject *RecorderCore_get_phase_slots(RecorderCore *self, void *closure) {
+    (void)closure;
+    PyObject *slots = PyDict_New();
+    for (int i = 0; slots != NULL && i < PHASE_SLOTS; i++) {
+        if (!(self->slot_mask & (1ULL << i)) || self->slot_names[i] == NULL) {
+            continue;
+        }
+        PyObject *ns = PyLong_FromLongLong(self->slot_ns[i]);
+        if (ns == NULL || PyDict_SetItem(slots, self->slot_names[i], ns) < 0) {
+            Py_CLEAR(slots);
+        }
+        Py_XDECREF(ns);
+    }
+    return slots;
+}
+
+static PyGetSetDef RecorderCore_getset[] = {
+    {"_phase_slots", (getter)RecorderCore_get_phase_slots, NULL,
+     "The open step's loop phases (name -> ns) held in slots, not yet in _phases_ns.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyTypeObject RecorderCoreType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "stepwatch.exporters._fastrecord.RecorderCore",
     .tp_basicsize = sizeof(RecorderCore),
@@ -998,6 +1123,7 @@ static PyTypeObject RecorderCoreType = {
     .tp_clear = (inquiry)RecorderCore_clear,
     .tp_members = RecorderCore_members,
     .tp_methods = RecorderCore_methods,
+    .tp_getset = RecorderCore_getset,
     .tp_weaklistoffset = offsetof(RecorderCore, weakrefs),
 };
 
@@ -1202,6 +1328,10 @@ static PyObject *PhaseContext_exit(PhaseContext *self, PyObject *const *args, Py
     if (self->depth == 0) {
         long long now;
         int failed = phase_clock(self, &now) < 0;
+        if (!failed && self->device == Py_None &&
+            phase_slot_add(self->recorder, self->name, now - self->start_ns)) {
+            Py_RETURN_FALSE; /* in a slot: no int, no dict (stepbuffer.h) */
+        }
         if (!failed) {
             PyObject *elapsed = PyLong_FromLongLong(now - self->start_ns);
             PyObject *done =

@@ -12,6 +12,12 @@
  * training thread ~3 us, every allocation a cache miss after the model's memory traffic;
  * one 64-byte slot written in order is about one.
  *
+ * A phase of the loop's own (``monitor.phase()``, host clock) travels the same way: the recorder
+ * adds its time to one of PHASE_SLOTS slots of plain ns (fastrecord.c: phase_slot_add), a name a
+ * slot, and the step's end copies the used ones into the entry (slot_ns, slot_mask) with no
+ * dict, int or allocation; the names are the buffer's (slot_names, set once) and the export
+ * thread adds them to the record's phases.
+ *
  * Memory: the ring doubles as needed and keeps its size (the most steps one window held),
  * except that a ring of more than 65,536 slots is freed once empty (a backlog after failed
  * exports). Every call runs under the GIL. */
@@ -24,7 +30,8 @@ typedef struct {
     long long start;
     long long end;
     long long wait;   /* compact: ns to add to phases["communication"] (0: none) */
-    long long unused; /* one 64-byte slot */
+    unsigned long long slot_mask;     /* compact: the phase slots this step used */
+    long long slot_ns[PHASE_SLOTS];   /* compact: their ns, to add to phases[slot_names[i]] */
 } StepEntry;
 
 typedef struct {
@@ -33,6 +40,7 @@ typedef struct {
     Py_ssize_t capacity; /* 0 or a power of two */
     Py_ssize_t head;     /* the oldest entry's slot */
     Py_ssize_t count;
+    PyObject *slot_names[PHASE_SLOTS]; /* the phase slots' names, each set once (owned) */
 } StepBuffer;
 
 static PyTypeObject StepBufferType;
@@ -76,7 +84,7 @@ static void step_entry_clear(StepEntry *entry) {
 
 /* The entry's record tuple, made (once) from its compact parts: a new reference, or NULL with
  * an exception set (the entry is left as it was). */
-static PyObject *step_entry_record(StepEntry *entry) {
+static PyObject *step_entry_record(StepBuffer *buffer, StepEntry *entry) {
     if (entry->record != NULL) {
         Py_INCREF(entry->record);
         return entry->record;
@@ -103,6 +111,24 @@ static PyObject *step_entry_record(StepEntry *entry) {
         }
         Py_DECREF(added);
         entry->wait = 0;
+    }
+    for (int i = 0; i < PHASE_SLOTS; i++) { /* the loop's phases, where the recorder kept them */
+        unsigned long long bit = 1ULL << i;
+        if (!(entry->slot_mask & bit)) {
+            continue;
+        }
+        PyObject *name = buffer->slot_names[i];
+        PyObject *ns = name == NULL ? NULL : PyLong_FromLongLong(entry->slot_ns[i]);
+        PyObject *added = ns == NULL ? NULL : add_to(phases, name, ns);
+        Py_XDECREF(ns);
+        if (added == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_RuntimeError, "a phase slot without its name");
+            }
+            goto failed;
+        }
+        Py_DECREF(added);
+        entry->slot_mask &= ~bit;
     }
     for (int i = 0; i < 3; i++) {
         PyTuple_SET_ITEM(record, i, numbers[i]);
@@ -164,7 +190,7 @@ static PyObject *StepBuffer_popleft(StepBuffer *self, PyObject *unused) {
         return NULL;
     }
     StepEntry *entry = step_entry(self, 0);
-    PyObject *record = step_entry_record(entry);
+    PyObject *record = step_entry_record(self, entry);
     if (record == NULL) {
         return NULL;
     }
@@ -198,7 +224,7 @@ static PyObject *StepBuffer_item(StepBuffer *self, Py_ssize_t i) {
         PyErr_SetString(PyExc_IndexError, "StepBuffer index out of range");
         return NULL;
     }
-    return step_entry_record(step_entry(self, i));
+    return step_entry_record(self, step_entry(self, i));
 }
 
 static PyObject *StepBuffer_iter(StepBuffer *self) {
@@ -208,7 +234,7 @@ static PyObject *StepBuffer_iter(StepBuffer *self) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); i++) {
-        PyObject *record = step_entry_record(step_entry(self, i));
+        PyObject *record = step_entry_record(self, step_entry(self, i));
         if (record == NULL) {
             Py_DECREF(records);
             return NULL;
@@ -240,6 +266,9 @@ static void StepBuffer_dealloc(StepBuffer *self) {
     PyObject_GC_UnTrack(self);
     StepBuffer_clear(self);
     PyMem_Free(self->ring);
+    for (int i = 0; i < PHASE_SLOTS; i++) {
+        Py_CLEAR(self->slot_names[i]);
+    }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 

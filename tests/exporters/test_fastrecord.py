@@ -32,7 +32,8 @@ pytestmark = pytest.mark.skipif(
     FAST_RECORDER is None, reason="the C extension _fastrecord is not built"
 )
 
-PHASES = ["data", "forward", "x" * 65, "compute"]
+# More valid names than the C recorder's phase slots (PHASE_SLOTS, 4): the rest go to its dict.
+PHASES = ["data", "forward", "x" * 65, "compute", "loss", "io", "eval"]
 
 
 @contextlib.contextmanager
@@ -114,6 +115,9 @@ def _pair(cls: type[StepRecorder], device: bool, buffer_steps: int) -> dict[str,
 
 def _state(side: dict[str, Any]) -> dict[str, Any]:
     recorder = side["recorder"]
+    phases = dict(recorder._phases_ns)  # the open step's, with what the C recorder keeps in
+    for name, ns in getattr(recorder, "_phase_slots", {}).items():  # its slots (PHASE_SLOTS)
+        phases[name] = phases.get(name, 0) + ns
     return {
         "buffer": list(recorder.buffer),
         "steps_recorded": recorder.steps_recorded,
@@ -125,7 +129,7 @@ def _state(side: dict[str, Any]) -> dict[str, Any]:
         "auto_open": recorder._auto_step_open,
         "index": recorder.step_index,
         "start": recorder.step_start_ns,
-        "phases": dict(recorder._phases_ns),
+        "phases": phases,
         "sampled_phases": dict(recorder._sampled_ns),
         "device_phases": {k: list(v) for k, v in recorder._device_phases.items()},
         "device_sampled": recorder._device_sampled,
