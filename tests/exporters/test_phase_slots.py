@@ -116,6 +116,6 @@ def test_a_step_with_its_phases_allocates_nothing_on_the_training_thread() -> No
         with context, contexts[0], contexts[1], contexts[2]:
             pass
     grown = sys.getallocatedblocks() - before
-    assert grown < 16, grown  # a dict and three ints a step before the slots: ~2,000
+    assert grown < 16, grown  # with the slots switched off: 1,022 (a dict a step)
     assert len(recorder.buffer) == 576
     assert recorder.buffer[-1][3] == {"data": 0, "forward": 0, "step": 0}
