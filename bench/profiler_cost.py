@@ -12,6 +12,13 @@ Run: ``.venv/bin/python bench/profiler_cost.py [--rounds N]``. Prints
    adaptive one (whose decision is printed: period, measured cost per cycle), both in process
    CPU time (all threads, robust against other processes on a shared machine) and in wall
    time. A background thread drains the source every 0.5 s, as the export thread would.
+
+``--drain-only`` prints a third part alone: what the export thread's drain of one 5-step cycle
+costs per op, stage by stage, the way before the twenty-second round of issue 15 and now side by
+side on the same profile (interleaved repetitions, the median of each on the thread's CPU
+clock): reading it (every accessor asked, ``read_kineto_ops_checked``, against the ones a CPU
+profile needs, ``read_kineto_ops``), the self-time pass (``self_time_events_python`` against
+the C pass of ``self_time_events``) and the summariser's ``add_step``, which is unchanged.
 """
 
 from __future__ import annotations
@@ -26,7 +33,12 @@ import time
 import torch
 
 from stepwatch.exporters.kernels import TorchProfilerSource
-from stepwatch.exporters.kernels._torch_backend import read_kineto_ops
+from stepwatch.exporters.kernels._summary import (
+    KernelSummariser,
+    self_time_events,
+    self_time_events_python,
+)
+from stepwatch.exporters.kernels._torch_backend import read_kineto_ops, read_kineto_ops_checked
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
@@ -84,6 +96,55 @@ def read_paths(steps: int = 50) -> None:
             f"  {label:<16} {count:>6} events  read {read_us:7.2f} µs/event  "
             f"stop {stop_us:5.2f} µs/event  start {start_us:7.0f} µs"
         )
+
+
+def drain_stages(cycle_steps: int = 5, repeats: int = 30) -> None:
+    """One cycle's drain on the export thread, per op: before and now, side by side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, optimizer, x, y = _model()
+    for _ in range(10):
+        _step(model, optimizer, x, y)
+    prof = profile(activities=[ProfilerActivity.CPU])
+    prof.start()
+    for _ in range(cycle_steps):
+        _step(model, optimizer, x, y)
+    prof.stop()
+    results = prof.profiler.kineto_results
+    ops = read_kineto_ops(results)
+    if ops != read_kineto_ops_checked(results):
+        raise SystemExit("the two readers disagree")
+    start, end = min(op.start_ns for op in ops), max(op.end_ns for op in ops) + 1
+    own, top = self_time_events(ops)
+
+    def add_step() -> None:
+        KernelSummariser().add_step(own, start_ns=start, end_ns=end, busy=top)
+
+    stages = {
+        "read, every accessor": lambda: read_kineto_ops_checked(results),
+        "read, the ones needed": lambda: read_kineto_ops(results),
+        "self time, Python": lambda: self_time_events_python(ops),
+        "self time, C": lambda: self_time_events(ops),
+        "summariser add_step": add_step,
+    }
+    times: dict[str, list[int]] = {label: [] for label in stages}
+    for _ in range(repeats):
+        for label, stage in stages.items():
+            started = time.thread_time_ns()
+            stage()
+            times[label].append(time.thread_time_ns() - started)
+    per_op = {label: statistics.median(t) / len(ops) / 1e3 for label, t in times.items()}
+    print(f"drain of one {cycle_steps}-step cycle, {len(ops)} ops (µs an op, thread CPU):")
+    for label, value in per_op.items():
+        print(f"  {label:<24} {value:6.3f}")
+    before = per_op["read, every accessor"] + per_op["self time, Python"]
+    now = per_op["read, the ones needed"] + per_op["self time, C"]
+    summary = per_op["summariser add_step"]
+    print(
+        f"  a cycle's drain: {(before + summary) * len(ops) / 1e3:.2f} ms before, "
+        f"{(now + summary) * len(ops) / 1e3:.2f} ms now "
+        f"({(now + summary) / (before + summary):.2f}x)"
+    )
 
 
 def overhead(rounds: int, block_steps: int) -> None:
@@ -170,10 +231,14 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--block-steps", type=int, default=200)
+    parser.add_argument("--drain-only", action="store_true", help="the drain's stages alone")
     args = parser.parse_args(argv[1:])
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 intra-op thread", flush=True)
+    drain_stages()
+    if args.drain_only:
+        return 0
     read_paths()
     print(f"overhead of TorchProfilerSource ({args.block_steps}-step blocks, A/B interleaved):")
     overhead(args.rounds, args.block_steps)

@@ -1,4 +1,5 @@
 from collections.abc import Sequence
+from typing import Any
 
 from stepwatch.exporters._histogram import ExponentialHistogram
 
@@ -14,3 +15,6 @@ def record_weighted(
     histogram: ExponentialHistogram, values: Sequence[float], weights: Sequence[int], /
 ) -> tuple[int, int]: ...
 def exponential_point(point: object, attributes: bytes, /) -> bytes | None: ...
+def self_time(
+    spans: Sequence[tuple[object, int, int, int]], event_type: type, /
+) -> tuple[list[Any], list[Any]] | None: ...
