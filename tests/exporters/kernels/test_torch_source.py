@@ -17,9 +17,11 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters.kernels import OpRecord, TorchProfilerSource
+from stepwatch.exporters.kernels import OpRecord, TorchProfilerSource, _torch_source
 from stepwatch.exporters.kernels._torch_source import (
     DEFAULT_MIN_PERIOD_STEPS,
+    PROBES,
+    _power_of_two_at_least,
 )
 
 NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)  # a failure prints its example
@@ -225,6 +227,9 @@ class SimulatedTraining:
     ``1 + inflation`` times as long; starting and stopping the profiler take ``start_ns`` /
     ``stop_ns`` on the training thread; reading one profiled step's ops takes ``read_ns`` of
     export-thread CPU. Tracks the true cost so tests can hold the source to its budget.
+    ``slow_cycles`` maps the index of a cycle (0: the first, the warm-up) to ns its first
+    profiled step takes longer for reasons of its own (another process on the core): the
+    step's time, not the profiler's cost.
     """
 
     def __init__(
@@ -238,8 +243,10 @@ class SimulatedTraining:
         jitter: float = 0.05,
         seed: int = 0,
         honour_skips: bool = True,
+        slow_cycles: dict[int, int] | None = None,
     ) -> None:
         self.step_ns, self.inflation, self.jitter = step_ns, inflation, jitter
+        self.slow_cycles = slow_cycles or {}
         self.start_ns, self.stop_ns, self.read_ns = start_ns, stop_ns, read_ns
         self.random = random.Random(seed)
         self.now_ns = 1_700_000_000 * 10**9
@@ -295,6 +302,8 @@ class SimulatedTraining:
         for _ in range(steps):
             base = self.step_ns * (1.0 + self.random.uniform(-self.jitter, self.jitter))
             extra = base * self.inflation if self.running else 0.0
+            if self.running and self._profiled == 0:
+                base += self.slow_cycles.get(len(self.cycle_steps), 0)
             self._profiled += self.running
             if self.running:
                 middle = self.now_ns + round((base + extra) / 2)
@@ -334,14 +343,16 @@ def test_a_one_step_warm_up_then_a_one_step_probe_after_the_floor() -> None:
     sim = SimulatedTraining(start_ns=300_000_000, jitter=0.0)
     source = _adaptive(sim, active_steps=5, min_period_steps=20)
     assert source.duty_cycle.cycles == 0 and source.duty_cycle.cycle_cost_s is None
-    sim.run(source, 25)
-    assert sim.started_after == [20] and sim.cycle_steps == [1]  # after the 20th step
+    sim.run(source, 35)
+    # After the floor, on the grid: the first multiple of 32 (the power of two at or above
+    # the floor) past 20 steps, the same step on every rank.
+    assert sim.started_after == [32] and sim.cycle_steps == [1]
     warm = source.duty_cycle
     assert warm.cycles == 1 and warm.cycle_cost_s is None and warm.spent_s == 0
     assert warm.warmup_cost_s is not None and warm.warmup_cost_s >= 0.3
     sim.start_ns = 800_000  # set up: later starts cost what they usually do
-    sim.run(source, 20)
-    assert sim.started_after == [20, 40] and sim.cycle_steps == [1, 1]
+    sim.run(source, 32)
+    assert sim.started_after == [32, 64] and sim.cycle_steps == [1, 1]
     duty = source.duty_cycle
     assert duty.cycles == 2 and duty.adaptive
     # The probe's measured cost is the first prediction: the start once, the rest (stop,
@@ -358,15 +369,57 @@ def test_period_follows_the_measured_cost(inflation: float) -> None:
     sim.run(source, 60_000)
     duty = source.duty_cycle
     expected = sim.cycle_cost_ns(5) / (0.002 * sim.step_ns) + 5
-    assert duty.period_steps == pytest.approx(expected, rel=0.1)
+    # The period is the grid: the power of two at or above what the budget pays for.
+    grid = _power_of_two_at_least(expected)
+    assert duty.period_steps == grid
     assert duty.cycle_cost_s == pytest.approx(sim.cycle_cost_ns(5) / 1e9, rel=0.1)
     assert duty.baseline_step_s == pytest.approx(sim.step_ns / 1e9, rel=0.03)
-    assert duty.expected_overhead == pytest.approx(0.002, rel=0.1)
+    assert duty.expected_overhead == pytest.approx(0.002 * expected / grid, rel=0.1)
     assert duty.within_budget
-    assert sim.cycle_steps[:2] == [1, 1] and set(sim.cycle_steps[2:]) == {5}
-    # The cycles really are that far apart (after the probe has been paid off).
-    gaps = [b - a for a, b in itertools.pairwise(sim.started_after[3:])]
-    assert statistics.median(gaps) == pytest.approx(expected, rel=0.1)
+    # The warm-up and the probes are one step each, then full cycles.
+    assert sim.cycle_steps[: 1 + PROBES] == [1] * (1 + PROBES)
+    assert set(sim.cycle_steps[1 + PROBES :]) == {5}
+    # The cycles really are that far apart (after the probes have been paid off), each on a
+    # multiple of the grid.
+    gaps = [b - a for a, b in itertools.pairwise(sim.started_after[2 + PROBES :])]
+    assert statistics.median(gaps) == grid
+    assert all(after % grid == 0 for after in sim.started_after[2 + PROBES :])
+
+
+@pytest.mark.parametrize(
+    ("probes", "slow_probe"), [(PROBES, 1), (PROBES, 2), (PROBES, PROBES), (1, 1)]
+)
+def test_a_probe_on_a_slow_step_does_not_set_the_prediction(
+    monkeypatch: pytest.MonkeyPatch, probes: int, slow_probe: int
+) -> None:
+    # A probe is one step: a step 10 ms slow for reasons of its own (a 4 ms step here) would
+    # read as a cycle five times as dear. On a real 2-rank job one such probe pinned the
+    # period at the ceiling for three minutes at the 0.04 % budget. The smallest of PROBES
+    # probes is the prediction, so one slow probe does not; a lone probe (the former design,
+    # probes=1) does.
+    monkeypatch.setattr(_torch_source, "PROBES", probes)
+    sim = SimulatedTraining(slow_cycles={slow_probe: 10_000_000}, seed=3)
+    source = _adaptive(sim, active_steps=5, overhead_budget=0.002)
+    sim.run(source, 20_000)
+    duty = source.duty_cycle
+    true_cycle = sim.cycle_cost_ns(5)
+    cycles = zip(sim.started_after, sim.cycle_steps, strict=True)
+    full = [after for after, steps in cycles if steps == 5]
+    expected_gap = true_cycle / (0.002 * sim.step_ns) + 5
+    if probes == 1:
+        # The lone probe was the slow one: ~4x the true cost, the first full cycle ~4x late.
+        assert sim.cycle_steps[:2] == [1, 1]
+        assert full[0] - sim.started_after[1] > 3 * expected_gap
+        return
+    assert sim.cycle_steps[: 1 + probes] == [1] * (1 + probes)
+    grid = _power_of_two_at_least(expected_gap)
+    # The slow step's 10 ms is charged once (the source cannot tell it from the profiler's
+    # cost) and paid back from the budget: the first full cycle comes within three steps of
+    # the grid, not after the ~4x a prediction from the slow probe would wait.
+    assert full[0] - sim.started_after[probes] <= 3 * grid
+    gaps = [b - a for a, b in itertools.pairwise(full)]
+    assert statistics.median(gaps) == grid == duty.period_steps
+    assert duty.cycle_cost_s == pytest.approx(true_cycle / 1e9, rel=0.1)
 
 
 def test_export_thread_cost_counts_against_the_budget() -> None:
@@ -378,7 +431,9 @@ def test_export_thread_cost_counts_against_the_budget() -> None:
         sim.run(source, 30_000)
         periods.append(source.duty_cycle.period_steps)
         assert source.duty_cycle.drain_cost_s == pytest.approx(sim.read_ns * 5 / 1e9)
-    assert periods[1] > periods[0] + 5 * 4_000_000 / (0.001 * 4_000_000) * 0.9
+        expected = sim.cycle_cost_ns(5) / (0.001 * sim.step_ns) + 5
+        assert periods[-1] == _power_of_two_at_least(expected)
+    assert periods[1] >= 2 * periods[0]
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, phases=NO_SHRINK)
@@ -431,8 +486,10 @@ def test_cost_stays_within_the_budget(
     assert charged <= budget * sim.base_ns + cycle + noise_ns
     # ... and the budget is used, not hoarded: cycles keep coming at the rate it pays for (or
     # at the floor's rate when cycles are that cheap).
-    at_floor = sim.steps / DEFAULT_MIN_PERIOD_STEPS * cycle
-    assert sim.cost_ns >= 0.6 * min(budget * sim.base_ns, at_floor) - 2 * cycle - noise_ns
+    # (On the grid, a power of two at or above the period the budget pays for: at least half
+    # of it is used, and at the floor's grid, 64 steps.)
+    at_floor = sim.steps / _power_of_two_at_least(DEFAULT_MIN_PERIOD_STEPS) * cycle
+    assert sim.cost_ns >= 0.45 * min(budget * sim.base_ns, at_floor) - 2 * cycle - noise_ns
     assert duty.within_budget
 
 
@@ -441,10 +498,11 @@ def test_ceiling_forces_cycles_and_says_so() -> None:
     source = _adaptive(sim, active_steps=2, min_period_steps=10, max_period_steps=100)
     sim.run(source, 1000)
     duty = source.duty_cycle
-    assert duty.period_steps == 100
+    assert duty.period_steps == 64  # the grid: the power of two at or below the ceiling
     assert not duty.within_budget
-    gaps = [b - a for a, b in itertools.pairwise(sim.started_after[1:])]
-    assert gaps and max(gaps) == 100
+    # A forced cycle starts on the first step of the grid at or past the ceiling.
+    gaps = [b - a for a, b in itertools.pairwise(sim.started_after[1 + PROBES :])]
+    assert gaps and max(gaps) == 128
 
 
 def test_fixed_period_ignores_the_adaptive_floor() -> None:
@@ -505,7 +563,7 @@ def test_a_pause_inside_the_probe_is_not_charged_and_the_probe_runs_again() -> N
     references = []
     for sim in (steady, paused):
         source = _adaptive(sim, active_steps=5, overhead_budget=0.002)
-        sim.run(source, 60)  # past the warm-up (after 50 steps)
+        sim.run(source, 70)  # past the warm-up (after 50 steps, on the grid: the 64th)
         if sim is paused:
             _pause_inside_next_cycle(sim, source, 2_000_000_000)  # 500 steps of 4 ms
             assert source.duty_cycle.interrupted_cycles == 1
@@ -588,8 +646,8 @@ def test_a_pause_between_cycles_earns_at_most_eight_steps_of_budget(honour_skips
         assert earned == pytest.approx(0.002 * (steps - 1 + 8) * sim.step_ns, rel=0.01)
     # A 10-minute pause at 0.2 % would have paid for 1.2 s of profiling: dozens of cycles in a
     # row. Capped, the next cycles keep their usual spacing.
-    sim.run(source, 5_000)
-    gaps = [b - a for a, b in itertools.pairwise(sim.started_after[-6:])]
+    sim.run(source, 12_000)
+    gaps = [b - a for a, b in itertools.pairwise(sim.started_after[-4:])]
     assert min(gaps) >= 0.5 * source.duty_cycle.period_steps
 
 
@@ -669,3 +727,35 @@ def test_kineto_log_lines_are_silenced_unless_the_user_set_the_level(preset: str
     else:
         assert level == preset
         assert done.stderr.count("profiler_start") == 3
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["grid", "no-grid"])
+def test_every_rank_profiles_the_same_steps(monkeypatch: pytest.MonkeyPatch, aligned: bool) -> None:
+    """In a synchronous job a rank's profiled step holds every rank up at the next
+    collective: cycles at different steps on different ranks would cost the job the sum of
+    their budgets. On the grid, ranks whose costs differ (another seed, 20 % dearer steps) start
+    every full cycle on the same steps; without it (the former design) they do not."""
+    if not aligned:
+        monkeypatch.setattr(TorchProfilerSource, "_grid", lambda self: 1)
+    ranks = [
+        SimulatedTraining(seed=11),
+        SimulatedTraining(seed=12, inflation=0.45 * 1.2),
+        SimulatedTraining(seed=13, jitter=0.1),
+    ]
+    for sim in ranks:
+        sim.run(_adaptive(sim, active_steps=5, overhead_budget=0.002), 30_000)
+
+    def full_cycles(sim: SimulatedTraining) -> set[int]:
+        return {a for a, n in zip(sim.started_after, sim.cycle_steps, strict=True) if n == 5}
+
+    starts = [full_cycles(sim) for sim in ranks]
+    assert all(len(s) >= 6 for s in starts)
+    densest = max(starts, key=len)
+    if aligned:
+        # The same grid, the same steps; a rank whose period crossed a power of two (the
+        # dearer one here) profiles a subset of them: the grids nest.
+        assert starts[0] == starts[2] and starts[1] <= starts[0]
+        # Profiled steps of the job (any rank profiling): one rank's, not three ranks'.
+        assert set.union(*starts) == densest
+    else:
+        assert len(set.union(*starts)) > 2 * len(densest)

@@ -26,6 +26,7 @@ from stepwatch.exporters.kernels._cupti import (
     CuptiPythonBackend,
     CuptiSource,
 )
+from stepwatch.exporters.kernels._duty import ProfilerDutyCycle
 from stepwatch.exporters.kernels._ingest import (
     IngestedTrace,
     IngestFailure,
@@ -43,7 +44,7 @@ from stepwatch.exporters.kernels._torch_backend import (
     ProfilerBackend,
     TorchProfilerBackend,
 )
-from stepwatch.exporters.kernels._torch_source import ProfilerDutyCycle, TorchProfilerSource
+from stepwatch.exporters.kernels._torch_source import TorchProfilerSource
 from stepwatch.exporters.kernels._trace import KinetoTrace, TraceStep, parse_trace, read_trace
 
 __all__ = [

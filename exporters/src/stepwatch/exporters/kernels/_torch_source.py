@@ -18,10 +18,33 @@ a few large ops short ones, bounded by ``min_period_steps`` and ``max_period_ste
 first cycle is a one-step warm-up after ``min_period_steps`` steps: the first profiler run in
 a process pays Kineto's one-time set-up (hundreds of milliseconds on a large model), which is
 no guide to what later cycles cost, so it is reported (``warmup_cost_s``) and not charged to
-the budget. The second is a one-step probe ``min_period_steps`` later; its cost (the
-profiler's start once, the rest scaled to ``active_steps``) is the first prediction.
+the budget. Then come :data:`PROBES` one-step probes, the first ``min_period_steps`` later and
+each of the others once the budget covers the cheapest one so far; each one's cost (the
+profiler's start once, the rest scaled to ``active_steps``) estimates a full cycle, and the
+smallest estimate is the first prediction. A probe is a single step, so whatever that step
+meets besides the profiler (a slow step, another process on the core) is multiplied by
+``active_steps`` in its estimate: with one probe, a step 10 ms slow on a real 2-rank job made
+the first prediction ~50 ms, and at a 0.04 % budget the next cycle waited for the ceiling,
+three minutes of steps without op histograms (issue 15, twenty-second round). A step is
+only ever slowed by what it meets, so the smallest of several probes is the one to trust.
 :attr:`TorchProfilerSource.duty_cycle` reports the decision. A fixed ``period_steps`` turns
 the adaptation off (costs are still measured).
+
+Every rank profiles the same steps. In a synchronous job (data parallel, a pipeline) a
+profiled step that takes longer on one rank holds every rank up at the next collective, so
+cycles at different steps on different ranks cost the job the sum of the ranks' budgets: N
+times the budget on N ranks, the whole job at profiler speed once N × ``active_steps`` reaches
+the period. So an adaptive cycle starts only where the step count is a multiple of its grid
+(issue 15, twenty-second round), a power of two: for the warm-up and the probes the one at or
+above ``min_period_steps`` (64 by default), for full cycles the one at or above the period the
+budget pays for, kept until that period moves 25 % past it. Ranks start together and count the
+same steps, so ranks whose costs differ by a little share the grid and profile the same steps,
+and a rank whose period crossed a power of two profiles every second (fourth, ...) of them: the
+grids nest, and the job pays for one rank's cycles. The price is the rounding: a cycle comes up
+to twice as far apart as the budget would pay for (the token bucket still never spends more).
+The ceiling then holds to the grid: a cycle the budget did not cover starts at the first step
+of the grid at or past ``max_period_steps``. A fixed ``period_steps`` starts at the first step
+boundary and is the same on every rank that starts together.
 
 The budget is shared (``share_budget=True``, the default): a :class:`~stepwatch.exporters.
 StepMonitor` charges it, through :meth:`TorchProfilerSource.charge`, the CPU time of its export
@@ -53,18 +76,34 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 from stepwatch.core._errors import ConfigError
 from stepwatch.exporters._window import KernelWindow
+from stepwatch.exporters.kernels._duty import (
+    _BASELINE_MIN_STEPS,
+    _BASELINE_STEPS,
+    _GRID_HYSTERESIS,
+    _NEVER,
+    _PAUSE_FACTOR,
+    DEFAULT_MAX_PERIOD_STEPS,
+    DEFAULT_MIN_PERIOD_STEPS,
+    DEFAULT_OVERHEAD_BUDGET,
+    PROBES,
+    ProfilerDutyCycle,
+    _Cycle,
+    _longest_step_ns,
+    _power_of_two_at_least,
+    _power_of_two_at_most,
+    _seconds,
+    _smooth,
+    _take_until,
+)
 from stepwatch.exporters.kernels._summary import (
     DEFAULT_TOP_K,
-    KernelEvent,
     KernelSummariser,
     self_time_events,
 )
@@ -76,102 +115,6 @@ from stepwatch.exporters.kernels._torch_backend import (
 
 _log = logging.getLogger(__name__)
 
-DEFAULT_OVERHEAD_BUDGET = 0.0005
-"""0.05 % of step time: half of stepwatch's whole 0.1 % goal at a 20 ms step (issue 15), for
-everything it does off the training step (the op histograms' cycles and, shared with them, a
-monitor's export work: ``share_budget``), the other half left to the auto-mode hooks and
-``step()`` on the training thread (docs/exporters.md, "One budget off the training step");
-bench/overhead.py measures each part and the sum. The cost is the op histograms' freshness:
-at the same measured cycle cost, cycles come twice as far apart as at the former 0.1 %, and
-further still by the export's share (~0.02 % of a 20 ms step's time with 10 s windows)."""
-DEFAULT_MIN_PERIOD_STEPS = 50
-DEFAULT_MAX_PERIOD_STEPS = 10_000
-_BASELINE_STEPS = 64  # unprofiled step durations kept for the baseline median
-_BASELINE_MIN_STEPS = 8  # fewer known steps: no cycle starts (nothing to compare against)
-_COST_SMOOTHING = 0.5  # weight of the newest cycle in the cost estimate
-_NEVER = 1 << 62
-"""Step ends a disabled or closed source asks the recorder not to report (all of them)."""
-_PAUSE_FACTOR = 8.0
-"""A step longer than this many baseline steps is a pause of the training loop (evaluation,
-a checkpoint, a stall, a loop that stopped calling ``step()``), not training: no profiler makes
-a step 8x slower, and a pause must neither pay for cycles nor be charged to one."""
-
-
-def _take_until(
-    events: Sequence[KernelEvent], position: int, start_ns: int, end_ns: int
-) -> tuple[list[KernelEvent], int]:
-    """Events (sorted by start) starting in ``[start_ns, end_ns)`` from ``position`` on."""
-    taken = []
-    while position < len(events) and events[position].start_ns < end_ns:
-        if events[position].start_ns >= start_ns:
-            taken.append(events[position])
-        position += 1
-    return taken, position
-
-
-class ProfilerDutyCycle(NamedTuple):
-    """What :class:`TorchProfilerSource` decided, and what it measured.
-
-    Attributes:
-        active_steps: Consecutive steps profiled per cycle (the probe cycle profiles one).
-        period_steps: Steps from one cycle's start to the next: the fixed ``period_steps``, or
-            the period that keeps the predicted cycle cost within the budget (clamped to the
-            floor and ceiling).
-        adaptive: Whether the period follows the measured cost.
-        overhead_budget: Fraction of step time the profiler may cost (adaptive mode).
-        cycles: Cycles finished so far (the warm-up and the probe included).
-        baseline_step_s: Median of the recent unprofiled steps, or ``None`` before enough.
-        cycle_cost_s: Predicted cost of one cycle (training thread + export thread), or
-            ``None`` before the first cycle.
-        training_cost_s: Last cycle's measured cost on the training thread (start, stop and
-            the inflation of its profiled steps over the baseline).
-        drain_cost_s: Last cycle's export-thread CPU time (reading and summarising its ops).
-        spent_s: Total cost charged so far (both threads), the warm-up excluded.
-        drain_spent_s: The export thread's part of ``spent_s`` (a measurement of that
-            thread's CPU clock also holds it).
-        warmup_cost_s: What the adaptive mode's first, one-step cycle cost (training thread
-            and export thread), or ``None`` before it ran: the profiler's one-time set-up.
-        expected_overhead: ``cycle_cost_s / (period_steps * baseline_step_s)``, the amortised
-            share of step time the current decision costs, or ``None`` before it is known.
-        within_budget: ``False`` when ``max_period_steps`` forced a cycle the credit did not
-            cover (the ceiling wins over the budget).
-        interrupted_cycles: Cycles during which the loop paused (a profiled step longer
-            than 8 baseline steps): charged the predicted cost of their steps instead of the
-            measured one, which is mostly the pause, and not used to predict.
-        shared_spent_s: CPU time of other stepwatch work charged to the same budget
-            (:meth:`TorchProfilerSource.charge`: a monitor's export work), not in ``spent_s``.
-        shared_share: ``shared_spent_s`` as a share of the training time that earned budget
-            (what is left of ``overhead_budget`` for cycles), or ``None`` before any.
-    """
-
-    active_steps: int
-    period_steps: int
-    adaptive: bool
-    overhead_budget: float
-    cycles: int
-    baseline_step_s: float | None
-    cycle_cost_s: float | None
-    training_cost_s: float | None
-    drain_cost_s: float | None
-    spent_s: float
-    expected_overhead: float | None
-    within_budget: bool
-    warmup_cost_s: float | None = None
-    interrupted_cycles: int = 0
-    drain_spent_s: float = 0.0
-    shared_spent_s: float = 0.0
-    shared_share: float | None = None
-
-
-class _Cycle(NamedTuple):
-    read_ops: Callable[[], Sequence[OpRecord]]
-    start_ns: int
-    boundaries: list[tuple[int, int]]  # (step index, step end ns), in order
-    active_steps: int
-    charged_from_ns: int  # just before the profiler started: its start cost is charged too
-    warmup: bool = False  # the process's first profiler run: measured, not charged
-    interrupted: bool = False  # the loop paused inside it: dropped unread
-
 
 class TorchProfilerSource:
     """A :class:`~stepwatch.exporters._window.KernelSource` of ATen CPU ops.
@@ -182,7 +125,7 @@ class TorchProfilerSource:
             ``period_steps`` steps (``>= active_steps``; equal profiles every step), the first
             at the first step boundary. ``None`` (default): the period follows the measured
             cost (see the module docstring).
-        overhead_budget: Share of step time the profiler may cost, e.g. ``0.0005`` = 0.05 %
+        overhead_budget: Share of step time the profiler may cost, e.g. ``0.0004`` = 0.04 %
             (the default; adaptive mode).
         share_budget: Whether what :meth:`charge` reports (a monitor's export work) is paid
             from the same budget (default), leaving the cycles the rest; ``False``: reported
@@ -261,6 +204,9 @@ class TorchProfilerSource:
         self._earned_ns = 0.0  # training time that earned budget (pauses capped)
         self._training_spent_ns = 0.0
         self._cycle_training_ns: float | None = None  # smoothed, per full cycle
+        self._probe_estimates: list[float] = []  # each probe's full-cycle estimate
+        self._probe_ns: float | None = None  # the cheapest probe's own training-thread cost
+        self._grid_steps: int | None = None  # the full cycles' grid (_grid)
         self._last_training_ns: float | None = None
         self._cycles = 0
         self._warmup_ns: float | None = None
@@ -296,7 +242,11 @@ class TorchProfilerSource:
                 self._steps_since_start += steps
                 if len(running.boundaries) >= running.active_steps:
                     stopped = self._finish_cycle(running)
-                    if self._fixed_period is not None and not self._closed and self._due():
+                    if (
+                        self._fixed_period is not None
+                        and not self._closed
+                        and self._due(step_index)
+                    ):
                         self._start_cycle(stopped)  # period == active_steps: back to back
                 return None
             last = self._last_boundary_ns
@@ -316,8 +266,8 @@ class TorchProfilerSource:
                 self._earned_ns += elapsed
             if self._closed:
                 return _NEVER
-            if not self._due():
-                return self._skip_ahead()
+            if not self._due(step_index):
+                return self._skip_ahead(step_index)
             self._start_cycle(now)
         except Exception:  # never raise into the training loop
             _log.exception("torch.profiler kernel source failed; kernel collection disabled")
@@ -326,7 +276,7 @@ class TorchProfilerSource:
             return _NEVER
         return None
 
-    def _skip_ahead(self) -> int:
+    def _skip_ahead(self, step_index: int) -> int:
         """Step ends that can go unreported before the next cycle could be due (0: none).
 
         Reporting a step costs the training thread a Python call (~1 % of the 0.1 % goal
@@ -336,7 +286,8 @@ class TorchProfilerSource:
         steps away. Half of it is skipped (a step twice as slow earns twice the credit and
         still finds the call on time), less the last :data:`_BASELINE_STEPS`, which are
         reported one by one so the baseline median is fresh when the cycle starts. Cheap
-        cycles (periods of a few hundred steps) skip little or nothing.
+        cycles (periods of a few hundred steps) skip little or nothing. An adaptive cycle starts
+        only on its grid (:meth:`_grid`), so the next boundary on it is never skipped.
         """
         since = self._steps_since_start
         if self._fixed_period is not None:
@@ -344,7 +295,7 @@ class TorchProfilerSource:
                 return 0
             return max(0, self._fixed_period - since - 1 - _BASELINE_STEPS)
         baseline = self._baseline_ns
-        predicted = self._predicted_cycle_ns()
+        predicted = self._next_cycle_ns()
         if not baseline or predicted is None:
             return 0
         # Drained cycles only add to what is spent, so this available credit is an upper
@@ -352,38 +303,90 @@ class TorchProfilerSource:
         available = self._available_ns()
         by_credit = max(0.0, (predicted - available) / (self._budget * baseline))
         until = min(self._max_period - since, max(self._min_period - since, by_credit))
-        return max(0, int(until / 2) - _BASELINE_STEPS)
+        # The first boundary on the grid at or past half of it: the steps before it, less the
+        # baseline's, go unreported (the boundary itself is reported).
+        grid = self._grid()
+        earliest = step_index + 1 + int(until / 2)
+        boundary = -(-earliest // grid) * grid  # a multiple of grid: the end of step boundary-1
+        return max(0, boundary - 1 - step_index - 1 - _BASELINE_STEPS)
 
-    def _due(self) -> bool:
-        """Whether a cycle starts at this boundary."""
+    def _due(self, step_index: int) -> bool:
+        """Whether a cycle starts at this boundary (the end of step ``step_index``)."""
         since = self._steps_since_start
         if self._fixed_period is not None:
             return self._cycles == 0 or since >= self._fixed_period
         if since < self._min_period or len(self._recent_ns) < _BASELINE_MIN_STEPS:
             return False
-        predicted = self._predicted_cycle_ns()
-        if predicted is None:  # the probe
+        grid = self._grid()
+        if (step_index + 1) % grid != 0:
+            return False  # between two steps of the grid: every rank waits for the same one
+        predicted = self._next_cycle_ns()
+        if predicted is None:  # the first probe
             return True
         # Cycles not drained yet will cost the export thread too: reserve for them now.
         drain = self._cycle_drain_ns
         unpaid = len(self._pending) * drain if drain is not None else 0.0
         if self._available_ns() - unpaid >= predicted:
             return True
-        if since >= self._max_period:
+        if since >= self._max_period:  # the first step on the grid at or past the ceiling
             self._forced = True
             return True
         return False
 
+    def _grid(self) -> int:
+        """Adaptive cycles start only where the step count is a multiple of this, a power of
+        two: the same steps on every rank (module docstring, "Every rank profiles the same
+        steps"). The warm-up and the probes: the one at or above ``min_period_steps``; full
+        cycles: the one at or above the period the budget pays for (:meth:`_needed_period`),
+        kept until that period moves 25 % past it (ranks whose costs differ by a hair keep
+        the same grid), within ``min_period_steps`` and ``max_period_steps``."""
+        needed = self._needed_period() if not self._probing() else None
+        grid = self._grid_for(needed)
+        if needed is not None:
+            self._grid_steps = grid
+        return grid
+
+    def _grid_for(self, needed: float | None) -> int:
+        """:meth:`_grid` for a needed period (None: the warm-up's and the probes'), with no
+        state changed (any thread)."""
+        floor = _power_of_two_at_least(self._min_period)
+        if needed is None:
+            return floor
+        ceiling = max(floor, _power_of_two_at_most(self._max_period))
+        current = self._grid_steps
+        low = _power_of_two_at_least(needed / _GRID_HYSTERESIS)
+        high = _power_of_two_at_least(needed * _GRID_HYSTERESIS)
+        if current is None or not low <= current <= high:
+            current = _power_of_two_at_least(needed)
+        return min(ceiling, max(floor, current))
+
+    def _needed_period(self) -> float | None:
+        """Steps from one full cycle's start to the next that the budget pays for (what is
+        left of it after shared work), or None before a prediction and a baseline."""
+        predicted = self._predicted_cycle_ns()
+        baseline = self._baseline_ns
+        if baseline is None and len(self._recent_ns) >= _BASELINE_MIN_STEPS:
+            baseline = statistics.median(self._recent_ns)
+        if predicted is None or not baseline:
+            return None
+        earned = self._earned_ns
+        shared = self._shared_spent_ns / earned if earned > 0 and self._share_budget else 0.0
+        left = self._budget - shared
+        if left <= 0:
+            return float(self._max_period)
+        return predicted / (left * baseline) + self._active_steps
+
     def _start_cycle(self, now: int) -> None:
         active = self._active_steps
         warmup = self._fixed_period is None and self._cycles == 0
-        if self._fixed_period is None and self._cycle_training_ns is None:
-            active = 1  # the warm-up and the probe: the cheapest cycle there is
+        probe = not warmup and self._probing()
+        if warmup or probe:
+            active = 1  # the warm-up and the probes: the cheapest cycle there is
         self._baseline_ns = statistics.median(self._recent_ns) if self._recent_ns else None
         self._steps_since_start = 0
         self._backend.start()
         started = self._clock_ns()
-        self._running = _Cycle(list, started, [], active, now, warmup)
+        self._running = _Cycle(list, started, [], active, now, warmup, probe=probe)
 
     def _finish_cycle(self, running: _Cycle) -> int:
         """Stop the profiler, queue the cycle, charge its cost; returns the time after stop."""
@@ -427,8 +430,28 @@ class TorchProfilerSource:
         # Exact for full cycles; for the one-step probe an estimate that errs high.
         start_cost = min(cost, max(0, running.start_ns - running.charged_from_ns))
         full_cycle = start_cost + (cost - start_cost) * self._active_steps / steps
-        self._cycle_training_ns = _smooth(self._cycle_training_ns, full_cycle)
+        if running.probe:
+            # The smallest probe so far: a step is only slowed by what it meets.
+            self._probe_estimates.append(full_cycle)
+            if self._probe_ns is None or cost < self._probe_ns:
+                self._probe_ns = cost
+            self._cycle_training_ns = min(self._probe_estimates)
+        else:
+            self._cycle_training_ns = _smooth(self._cycle_training_ns, full_cycle)
         return stopped
+
+    def _probing(self) -> bool:
+        """Whether the next cycle is a probe (adaptive mode, fewer than PROBES measured)."""
+        return self._fixed_period is None and len(self._probe_estimates) < PROBES
+
+    def _next_cycle_ns(self) -> float | None:
+        """What the next cycle is predicted to cost: a probe's own cost while probing (None
+        before the first), then a full cycle's."""
+        predicted = self._predicted_cycle_ns()
+        if predicted is None or not self._probing() or self._probe_ns is None:
+            return predicted
+        drain = self._cycle_drain_ns
+        return self._probe_ns + (drain / self._active_steps if drain is not None else 0.0)
 
     def _available_ns(self) -> float:
         """Credit left for cycles: earned, less what cycles and shared work have spent."""
@@ -510,16 +533,8 @@ class TorchProfilerSource:
         shared_share = self._shared_spent_ns / earned if earned > 0 else None
         if self._fixed_period is not None:
             period = self._fixed_period
-        elif predicted is None or not baseline:
-            period = self._min_period
         else:
-            left = self._budget - (shared_share or 0.0) if self._share_budget else self._budget
-            needed = (
-                math.ceil(predicted / (left * baseline)) + self._active_steps
-                if left > 0
-                else self._max_period
-            )
-            period = min(self._max_period, max(self._min_period, needed))
+            period = self._grid_for(self._needed_period())
         expected = predicted / (period * baseline) if predicted is not None and baseline else None
         return ProfilerDutyCycle(
             active_steps=self._active_steps,
@@ -550,23 +565,3 @@ class TorchProfilerSource:
                 self._backend.stop()
             except Exception:
                 _log.exception("stopping torch.profiler failed")
-
-
-def _longest_step_ns(cycle: _Cycle) -> int:
-    """The longest profiled step of a cycle (the first one runs from the profiler's start)."""
-    longest, previous = 0, cycle.start_ns
-    for _, end_ns in cycle.boundaries:
-        longest = max(longest, end_ns - previous)
-        previous = end_ns
-    return longest
-
-
-def _smooth(previous: float | None, latest: float) -> float:
-    """Cost estimate: an exponential average that follows any rise at once."""
-    if previous is None:
-        return latest
-    return max(latest, (1.0 - _COST_SMOOTHING) * previous + _COST_SMOOTHING * latest)
-
-
-def _seconds(value_ns: float | None) -> float | None:
-    return None if value_ns is None else value_ns / 1e9
