@@ -1,7 +1,10 @@
 """Every fault of ``stepwatch demo`` through the real pipeline, and what the detectors say.
 
 Run: ``.venv/bin/python bench/demo_faults.py [--faults straggler,link,...] [--clean-runs 2]
-[--no-kernels] [--no-story]``
+[--no-kernels] [--no-story] [--phase-sampling 16]``
+
+``--phase-sampling N`` times phases on 1 step in N in every row (the demo's own default is
+``auto``: 1 in 8 at its ~9 ms steps and 0.25 s windows): the detectors on sparse samples.
 
 First (unless ``--no-story``) the default story exactly as typed: ``stepwatch demo`` in a
 subprocess (its own managed influxd), timed: wall time, CPU time of it and its children, and
@@ -128,7 +131,12 @@ def story(work: Path) -> None:
 
 
 def run_one(
-    server: ManagedInfluxDB, work: Path, fault: str, *, kernels: bool
+    server: ManagedInfluxDB,
+    work: Path,
+    fault: str,
+    *,
+    kernels: bool,
+    phase_sampling: int | str = "auto",
 ) -> tuple[list[Diagnosis], float]:
     started = time.monotonic()
     name = f"{fault}-{uuid.uuid4().hex[:6]}"
@@ -141,6 +149,7 @@ def run_one(
             fault_rank=FAULT_RANK,
             endpoint=stack.otlp_http_endpoint,
             collect_kernels=kernels,
+            phase_sampling=phase_sampling,
         )
         run_demo_job(stack.client, config, progress=lambda _: None)
         time_range = job_time_range(stack.client, config.job_id)
@@ -176,7 +185,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=True,
         help="first time `stepwatch demo` itself (default on)",
     )
+    parser.add_argument(
+        "--phase-sampling",
+        default="auto",
+        help="StepMonitor's phase_sampling for every row: auto (the default) or 1 in N",
+    )
     args = parser.parse_args(argv)
+    sampling: int | str = "auto" if args.phase_sampling == "auto" else int(args.phase_sampling)
     faults = [f for f in args.faults.split(",") if f] + ["none"] * args.clean_runs
     rows: list[tuple[str, str, str, bool, float]] = []
     with tempfile.TemporaryDirectory() as directory:
@@ -185,6 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             "kernel timings: "
             + ("as the CLI" if args.kernels is None else "on" if args.kernels else "off")
+            + f"; phase sampling: {sampling}"
         )
         print(
             f"{'fault':<11} {'expected':<44} {'diagnosed':<44} {'cost':>5} {'ok':<3} {'run s':>6}"
@@ -192,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with ManagedInfluxDB(Path(directory) / "influxdb") as server:
             for fault in faults:
                 kernels = kernels_by_default(fault) if args.kernels is None else args.kernels
-                diagnoses, elapsed_s = run_one(server, Path(directory), fault, kernels=kernels)
+                diagnoses, elapsed_s = run_one(
+                    server, Path(directory), fault, kernels=kernels, phase_sampling=sampling
+                )
                 found = "; ".join(describe(d) for d in diagnoses) or "-"
                 cost = f"{max(d.slowdown for d in diagnoses):.2f}x" if diagnoses else "-"
                 ok = correct(fault, diagnoses)

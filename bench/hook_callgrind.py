@@ -20,8 +20,9 @@ git ``REV`` (a worktree with its extensions built) and this tree, one callgrind 
 arms ``plain+step``, ``all_unsampled+step`` and ``all+step``, ``--rounds`` rounds (the first
 left out), the training thread only. It prints per tree the median instructions per step over
 ``plain+step`` of an untimed and of a timed step, and a step's average when ``auto`` times 1
-step in ``--stride`` (8 at a 20 ms step with 10 s windows); ``--auto-steps``: the same without
-``step()``, auto mode marking the steps itself (arms ``plain``, ``all_unsampled``, ``all``)::
+step in ``--stride`` (16 at a 20 ms step with 10 s windows, 8 before issue 15's twenty-second
+round); ``--auto-steps``: the same without ``step()``, auto mode marking the steps itself
+(arms ``plain``, ``all_unsampled``, ``all``)::
 
     .venv/bin/python bench/hook_callgrind.py --compare e316de8 --steps 40 --rounds 6
 
@@ -162,7 +163,7 @@ def main() -> None:
     parser.add_argument("--report", default="", help="glob of callgrind dumps to summarise")
     parser.add_argument("--compare", default="", help="a git revision against this tree")
     parser.add_argument("--rounds", type=int, default=6, help="--compare: rounds of arms")
-    parser.add_argument("--stride", type=int, default=8, help="--compare: 1 step in N timed")
+    parser.add_argument("--stride", type=int, default=16, help="--compare: 1 step in N timed")
     parser.add_argument(
         "--auto-steps", action="store_true", help="--compare: no step(), auto mode's own steps"
     )

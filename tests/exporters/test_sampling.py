@@ -259,26 +259,29 @@ def test_an_unsampled_step_registers_no_backward_hook() -> None:
     monitor.close()
 
 
-def test_the_default_samples_64_steps_a_window_at_least_50_ms_apart() -> None:
+def test_the_default_samples_32_steps_a_window_at_least_50_ms_apart() -> None:
     # Since issue 15's seventh round the collective wait is timed on every step, so a
     # one-off stall on an untimed step is still placed; phases are then sampled by default.
     # Since its tenth, sampled steps are a 64th of a window apart where that is more than
-    # 50 ms: at the default 10 s windows 0.156 s, 1 in 8 at 20 ms.
+    # 50 ms, since its twenty-second a 32nd: at the default 10 s windows 0.3125 s, 1 in 16
+    # at 20 ms, every step from ~0.3 s.
     monitor = StepMonitor(
         job_id="s", rank=0, world_size=1, exporter=InMemoryExporter(), start=False
     )
     assert monitor.phase_sample_stride == 1  # every step until the first window's median
     monitor._sampler.observe([0.020] * 10)
-    assert monitor.phase_sample_stride == 8
+    assert monitor.phase_sample_stride == 16
     monitor._sampler.observe([0.001] * 10)
     assert monitor.phase_sample_stride == 256
     monitor._sampler.observe([0.2] * 10)
+    assert monitor.phase_sample_stride == 2
+    monitor._sampler.observe([0.4] * 10)
     assert monitor.phase_sample_stride == 1
     monitor.close()
     for interval_s, stride_at_20_ms, stride_at_1_ms in (
         (1.0, 4, 64),
         (0.25, 4, 64),
-        (60.0, 64, 256),
+        (60.0, 128, 256),
     ):
         short = StepMonitor(
             job_id="s",
@@ -299,7 +302,7 @@ def test_the_sample_interval_follows_the_window() -> None:
     assert sample_interval(None) == SAMPLE_INTERVAL_S == sample_interval(1.0)
     assert sample_interval(10.0) == 10.0 / SAMPLES_PER_WINDOW
     assert sample_interval(float("inf")) == SAMPLE_INTERVAL_S
-    assert ideal_stride(0.02, sample_interval(10.0)) == 8
+    assert ideal_stride(0.02, sample_interval(10.0)) == 16
 
 
 def test_phase_sampling_1_times_every_step() -> None:
