@@ -21,10 +21,11 @@ keeps sampled steps at least :func:`sample_interval` apart, from the median step
 last exported window, at most 1 in :data:`MAX_STRIDE`. The interval is
 :data:`SAMPLE_INTERVAL_S` (10-20 timed steps in a 1 s window: every step at 50 ms and longer,
 1 in 4 at 20 ms), or longer where a window holds more than :data:`SAMPLES_PER_WINDOW` such
-samples: at the default 10 s windows 0.3125 s, 1 in 16 at 20 ms, 32-64 timed steps a window
+samples: at the default 10 s windows 0.3125 s, 1 in 16 at 20 ms, 16-32 timed steps a window
 (issue 15: a timed step costs the training thread ~28 µs more than another at a 20 ms step on
-this project's VM, and the step after it ~6 µs more, so at 1 in 8 they were a fifth of the
-training thread's 0.06 %; 64 a window until the twenty-second round). The
+this project's VM, and the step after it ~6 µs more, so at 1 in 8 they were a third or more of
+the training thread's ~12 µs, 0.06 %; 64 a window until the twenty-second round: 1 in 16 took
+2.8 µs off a step, paired). The
 stride changes only when the ideal one moves 25 % past a power of two (no flapping between
 ranks whose steps differ by a hair).
 Until the first window, every step is sampled.
