@@ -25,7 +25,7 @@ samples: at the default 10 s windows 0.3125 s, 1 in 16 at 20 ms, 16-32 timed ste
 (issue 15: a timed step costs the training thread ~28 µs more than another at a 20 ms step on
 this project's VM, and the step after it ~6 µs more, so at 1 in 8 they were a third or more of
 the training thread's ~12 µs, 0.06 %; 64 a window until the twenty-second round: 1 in 16 took
-2.8 µs off a step, paired). The
+2.6 µs off a step, paired). The
 stride changes only when the ideal one moves 25 % past a power of two (no flapping between
 ranks whose steps differ by a hair).
 Until the first window, every step is sampled.
