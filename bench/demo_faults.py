@@ -11,7 +11,7 @@ subprocess (its own managed influxd), timed: wall time, CPU time of it and its c
 the host's load average before it (the machine may be shared), with the finding, cost and
 report path it printed. Then each row is one real 4-rank DDP job (separate processes, gloo on
 loopback, StepMonitor → OTLP/HTTP → the bridge → a managed influxd) with the CLI's defaults
-(600 steps, fault from step 240, kernel timings 5 steps in 25 except for ``link``),
+(600 steps, fault from step 240, kernel timings 5 steps in 25),
 diagnosed exactly as the demo CLI does (:func:`stepwatch.app._demo.write_outputs` over the
 job's range ±1 s). Prints: fault, expected finding, diagnosed kinds/ranks/hosts, the top
 finding's cost, correct (the expected finding and nothing else; for ``none``, no finding at

@@ -86,6 +86,7 @@ class RunRecord:
     recorded: str
     machine: str
     note: str
+    kernel_period_steps: int | None = None
 
 
 NOTES = {
@@ -110,6 +111,7 @@ def record(
     steps: int,
     suffix: str = "",
     phase_sampling: int | str = 1,
+    kernel_period: int = 0,
 ) -> RunRecord:
     name = f"{fault}{suffix}"
     job = f"real-{fault}-{uuid.uuid4().hex[:6]}"
@@ -122,6 +124,8 @@ def record(
             steps=steps,
             endpoint=stack.otlp_http_endpoint,
             phase_sampling=phase_sampling,
+            collect_kernels=kernel_period > 0,
+            kernel_period_steps=max(kernel_period, 5),
             # 2/5 of the way in (120 of 300), as the demo's 240 of 600: the corpus' runs
             # are shorter than the demo, and the fault needs windows to show in.
             fault_step=2 * steps // 5,
@@ -146,7 +150,13 @@ def record(
         recorded=time.strftime("%Y-%m-%d"),
         machine=f"{platform.machine()}, {platform.python_version()}, 2-core VM",
         note=NOTES[fault].replace("{step}", str(config.fault_step))
-        + ("" if phase_sampling == 1 else f"; phases sampled (phase_sampling={phase_sampling!r})"),
+        + ("" if phase_sampling == 1 else f"; phases sampled (phase_sampling={phase_sampling!r})")
+        + (
+            f"; op histograms (torch.profiler) on 5 steps in every {kernel_period}"
+            if kernel_period
+            else ""
+        ),
+        kernel_period_steps=kernel_period or None,
     )
     (OUT / f"{name}.json").write_text(json.dumps(dataclasses.asdict(result), indent=2) + "\n")
     return result
@@ -164,6 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="1",
         help="StepMonitor's phase_sampling: 1 (every step, the default), N or auto",
     )
+    parser.add_argument(
+        "--kernel-period",
+        type=int,
+        default=0,
+        help="collect op histograms with torch.profiler, 5 steps in every N (0: none, the default)",
+    )
     args = parser.parse_args(argv)
     sampling: int | str = (
         args.phase_sampling if args.phase_sampling == "auto" else int(args.phase_sampling)
@@ -180,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 steps=args.steps,
                 suffix=args.suffix,
                 phase_sampling=sampling,
+                kernel_period=args.kernel_period,
             )
             print(f"{run.name:<11} {run.lines:>6} lines  {run.seconds:>6.1f} s  {run.job}")
     return 0

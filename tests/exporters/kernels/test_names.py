@@ -131,6 +131,9 @@ from stepwatch.exporters.kernels import KernelClass, classify_kernel
         ("aten::add_", ("add", "compute")),
         ("aten::add", ("add", "compute")),
         ("aten::relu", ("relu", "compute")),
+        # Autograd's AccumulateGrad node: its self time is the gradient hooks (DDP's reducer).
+        ("torch::autograd::AccumulateGrad", ("torch::autograd::AccumulateGrad", "other")),
+        ("AddmmBackward0", ("AddmmBackward0", "compute")),
         # Fallback: bare function name, templates / args / addresses / launch config stripped.
         (
             "void my_ns::custom_kernel<float, 4>(float*, int) [clone .kd]",

@@ -61,12 +61,11 @@ DEMO_FAULT_STEP = 240
 DEMO_KERNEL_PERIOD_STEPS = 25
 #: The fault of ``stepwatch demo`` without ``--fault``: the story it tells.
 DEMO_FAULT = "straggler"
-#: Faults whose demo collects no kernel timings unless asked (``--kernels``). ``link``: the
-#: CPU profiler charges the delay in rank 2's DDP comm hook to the ``AccumulateGrad`` op that
-#: runs the hook, so its kernels show a compute straggler in backward rather than a late
-#: arrival at the all-reduce (a GPU's kernels would not). ``hang``/``freeze``: the job never
-#: ends and what matters is the hang, not kernel histograms.
-NO_KERNELS_BY_DEFAULT = ("link", "hang", "freeze")
+#: Faults whose demo collects no kernel timings unless asked (``--kernels``): the job never
+#: ends and what matters is the hang, not kernel histograms. (``link`` was here too: the CPU
+#: profiler charges the delay in rank 2's DDP comm hook to the ``AccumulateGrad`` op that
+#: runs the hook, which read as compute until that op's category became ``other``.)
+NO_KERNELS_BY_DEFAULT = ("hang", "freeze")
 
 
 def kernels_by_default(fault: str) -> bool:

@@ -31,6 +31,8 @@ from stepwatch.detectors.stats._stats import BoolArray, FloatArray, nanmedian, s
 #: so every producer that times ``loss.backward()`` (Lightning's and HF Trainer's timers, a
 #: hand-written ``with phase("backward")``, a device timer over backward) records it there.
 WAIT_HOLDING_PHASE = "backward"
+#: Compute kernels this much slower than the peers' are never called normal, flagged or not.
+SLOW_KERNELS = 1.2
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -326,6 +328,29 @@ class Context(Basis):
         own_time = log_times(mine, share=False)[:, :, best]
         ratio = math.exp(float(np.nanmedian(own_time - peer_time)))
         return frame.kernel_classes[classes[best]], ratio
+
+    def kernel_words(self, indices: Sequence[int], span: slice) -> str:
+        """What the ranks' kernels say over ``span``: normal, not recorded, or slow in too
+        few windows for the cross-rank tests to flag.
+
+        A sampling kernel source (the op histograms' duty cycle) records one window in
+        several: a finding may hold none of them, or too few to flag anything. Its kernels
+        are then not known to be normal, and the summary says what was seen.
+        """
+        frame = self.frame
+        if not frame.kernel_classes:
+            return "(no kernel times)"
+        seen = int(np.isfinite(frame.kernel_s[span][:, list(indices)]).any(axis=(1, 2)).sum())
+        if seen == 0:
+            return "(its kernels were not recorded in these windows)"
+        ratio = self.ratio(f"category:{COMPUTE_CATEGORY}", indices, span.start, span.stop - 1)
+        if ratio >= SLOW_KERNELS:
+            windows = "window" if seen == 1 else "windows"
+            return (
+                f"(its compute kernels {ratio:.2f}x {self.peer_noun} in the {seen} {windows} "
+                "that recorded them: too few to confirm)"
+            )
+        return "with normal kernels"
 
     def work_s(self) -> FloatArray:
         """``(W, R)`` each rank's own work per step: its compute and memory kernel time,

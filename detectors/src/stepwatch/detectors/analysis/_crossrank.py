@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from stepwatch.detectors.analysis._arrival import collectives, is_short, late_flags
 from stepwatch.detectors.analysis._context import Basis, Metrics, held_wait_phase
+from stepwatch.detectors.analysis._groups import baseline_windows
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.stats._stats import (
     BoolArray,
@@ -52,7 +53,7 @@ class _Series(NamedTuple):
 
 def _series(basis: Basis) -> list[_Series]:
     frame = basis.frame
-    series = [_Series("step", frame.step_s, "time"), _Series("idle", frame.idle_s, "time")]
+    series = [_Series("step", frame.step_s, "time")]
     for index, phase in enumerate(frame.phases):
         series.append(_Series(f"phase:{phase}", np.asarray(frame.phase_s[:, :, index]), "time"))
     holding = (
@@ -68,11 +69,17 @@ def _series(basis: Basis) -> list[_Series]:
         series.append(_Series(ARRIVAL, outside, "time"))
     # The waiters are the long ones in overlapping series: no blame from them.
     series = [s for s in series if s.name not in basis.overlap_waiting]
-    for category in sorted(set(frame.kernel_categories)):
-        series.append(_Series(f"category:{category}", frame.category_s(category), "time"))
     with np.errstate(invalid="ignore", divide="ignore"):
         series.append(_Series("burst:step", frame.step_max_s / frame.step_s, "burst"))
+        if frame.sm_clock_hz is not None:
+            series.append(_Series("clock", 1.0 / frame.sm_clock_hz, "clock"))
+        # The kernel source's series last: they are tested on the windows that hold kernel
+        # times (:func:`kernel_runs`), which may be a few of them.
+        if "idle" not in basis.overlap_waiting:
+            series.append(_Series("idle", frame.idle_s, "time"))
         series.append(_Series("burst:idle", frame.idle_max_s / frame.idle_s, "burst"))
+        for category in sorted(set(frame.kernel_categories)):
+            series.append(_Series(f"category:{category}", frame.category_s(category), "time"))
         compute = basis.compute_s
         for index in basis.major_classes:
             share = np.asarray(frame.kernel_s[:, :, index]) / compute
@@ -80,9 +87,83 @@ def _series(basis: Basis) -> list[_Series]:
         if basis.minor_classes:
             minor = np.asarray(frame.kernel_s[:, :, basis.minor_classes].sum(axis=2))
             series.append(_Series(f"share:{MINOR_CLASSES}", minor / compute, "share"))
-        if frame.sm_clock_hz is not None:
-            series.append(_Series("clock", 1.0 / frame.sm_clock_hz, "clock"))
     return series
+
+
+def is_kernel_series(name: str) -> bool:
+    """Whether metric ``name`` comes from the kernel source (a category, a class's share,
+    device idle and its burstiness)."""
+    return name in ("idle", "burst:idle") or name.startswith(("category:", "share:"))
+
+
+class KernelRuns(NamedTuple):
+    """Runs of consecutive windows that hold kernel times, each tested as one observation.
+
+    Attributes:
+        first: ``(N,)`` the first window of each run.
+        last: ``(N,)`` its last window.
+    """
+
+    first: npt.NDArray[np.intp]
+    last: npt.NDArray[np.intp]
+
+    def pool(self, values: FloatArray) -> FloatArray:
+        """``(N, R)``: each rank's mean over each run's windows (NaN where it has none)."""
+        finite = np.isfinite(values)
+        rows = np.concatenate(
+            [np.arange(a, b + 1) for a, b in zip(self.first, self.last, strict=True)]
+        )
+        starts = np.concatenate([[0], np.cumsum(self.last - self.first + 1)[:-1]])
+        sums = np.add.reduceat(np.where(finite, values, 0.0)[rows], starts, axis=0)
+        counts = np.add.reduceat(finite[rows].astype(np.int32), starts, axis=0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+    def spread(self, flags: BoolArray, n_windows: int) -> BoolArray:
+        """Flags tested on the runs (``(N, R, M)``), on every window.
+
+        A run's flag covers its windows. A flag on two runs in a row also covers the windows
+        between them: the condition held at both observations and nothing between says
+        otherwise. A flag on one run alone stays on its windows.
+        """
+        full = np.zeros((n_windows, *flags.shape[1:]), dtype=bool)
+        for index, (first, last) in enumerate(zip(self.first, self.last, strict=True)):
+            full[first : last + 1] = flags[index]
+        both = flags[:-1] & flags[1:]
+        for gap in np.flatnonzero(both.any(axis=(1, 2))):
+            full[self.last[gap] + 1 : self.first[gap + 1]] |= both[gap]
+        return full
+
+    def place(self, target: FloatArray, values: FloatArray) -> None:
+        """Write each run's ``(N, R, M)`` values on the run's windows of ``target``."""
+        for index, (first, last) in enumerate(zip(self.first, self.last, strict=True)):
+            target[first : last + 1] = values[index]
+
+
+def kernel_runs(basis: Basis) -> KernelRuns | None:
+    """The runs of windows that hold kernel times, when some windows with steps hold none.
+
+    A sampling kernel source (the op histograms' duty cycle: 5 profiled steps every few
+    thousand by default) fills one window in several; the others hold steps but no kernels.
+    Tested window by window, a kernel series would then never persist, and its trailing
+    means and pooled scale would rest on one or two observations: a slow class would never
+    be named. Its tests run on these runs instead, one after another (see
+    :func:`flag_metrics`). A run of adjacent windows is one observation: every rank records
+    the same steps, but each rank's window ends at its own export, so one cycle lands in two
+    analysis windows, some ranks in each. ``None`` when every window with steps holds kernel
+    times (CUPTI, a duty cycle shorter than a window) or no window does.
+    """
+    frame = basis.frame
+    if not frame.kernel_classes:
+        return None
+    holding = (basis.present & np.isfinite(frame.kernel_s).any(axis=2)).any(axis=1)
+    rows = np.flatnonzero(holding)
+    if rows.size == 0 or rows.size == int(basis.present.any(axis=1).sum()):
+        return None
+    breaks = np.flatnonzero(np.diff(rows) > 1)
+    first = rows[np.concatenate([[0], breaks + 1])]
+    last = rows[np.concatenate([breaks, [rows.size - 1]])]
+    return KernelRuns(first=first.astype(np.intp), last=last.astype(np.intp))
 
 
 def _thresholds(
@@ -173,29 +254,39 @@ def _flag_metrics(basis: Basis, pool: ThreadPoolExecutor) -> Metrics:
         flags[:, :, tested:] = stall_flags
         effect[:, :, tested:] = stall_effect
         np.copyto(zmax[:, :, tested:], np.nan_to_num(stall_effect), where=stall_flags)
-    # Gate for every scale: the last few windows must still show the effect, so a long
-    # trailing mean cannot keep a finding open after the condition cleared.
-    # (A frame of one or two windows has no 3-window scale: the gate is what it has.)
-    gate_scale = max(1, min(3, max(config.scales), frame.n_windows))
-    scales = [
-        scale
-        for scale in sorted({1, gate_scale, *config.scales})
-        if scale == 1 or scale <= frame.n_windows
-    ]
+    runs = kernel_runs(basis)
+    dense = (
+        tested
+        if runs is None
+        else next((m for m, item in enumerate(series) if is_kernel_series(item.name)), tested)
+    )
+    run_present = None if runs is None else runs.pool(basis.present.astype(float)) > 0
+    run_baseline = None if run_present is None else baseline_windows(run_present)
 
-    def test_block(start: int, stop: int) -> None:
+    def test_block(start: int, stop: int, compact: bool) -> None:
+        """Test series ``start:stop``, on every window or (``compact``) on the kernel runs."""
+        picked = runs if compact else None
+        n_windows = frame.n_windows if picked is None else picked.first.size
+        # Gate for every scale: the last few windows must still show the effect, so a long
+        # trailing mean cannot keep a finding open after the condition cleared.
+        # (A frame of one or two windows has no 3-window scale: the gate is what it has.)
+        gate_scale = max(1, min(3, max(config.scales), n_windows))
+        scales = [
+            scale
+            for scale in sorted({1, gate_scale, *config.scales})
+            if scale == 1 or scale <= n_windows
+        ]
         # Straight into the test dtype: the same values as stacking, then converting, with
         # no (W, R, M) float64 intermediate (an exact widening first changes nothing).
-        block: FloatArray = np.empty(
-            (frame.n_windows, frame.n_ranks, stop - start), dtype=basis.dtype
-        )
+        block: FloatArray = np.empty((n_windows, frame.n_ranks, stop - start), dtype=basis.dtype)
         for column, series_values in enumerate(values[start:stop]):
-            block[:, :, column] = series_values
+            block[:, :, column] = series_values if picked is None else picked.pool(series_values)
         logs = safe_log(block, dtype=basis.dtype)  # silent ranks are NaN already
         del block
         # Each rank against its own group: the groups' structural offsets taken out.
-        logs = basis.groups.centre(logs, basis.baseline)
-        limit = thresholds[:, None, start:stop]
+        baseline = basis.baseline if run_baseline is None or picked is None else run_baseline
+        logs = basis.groups.centre(logs, baseline)
+        limit = (thresholds if picked is None else thresholds[picked.first])[:, None, start:stop]
         tests = multiscale_outliers(
             logs,
             metric="block",
@@ -207,8 +298,14 @@ def _flag_metrics(basis: Basis, pool: ThreadPoolExecutor) -> Metrics:
             exact_p_values=False,  # only reject, z and log_effect are used here
         )
         recent = tests[gate_scale].log_effect
-        flags_block = flags[:, :, start:stop]
-        zmax_block = zmax[:, :, start:stop]
+        if picked is None:  # the frame's own arrays, written in place
+            flags_block = flags[:, :, start:stop]
+            zmax_block = zmax[:, :, start:stop]
+            effect_block = effect[:, :, start:stop]
+        else:
+            flags_block = np.zeros(logs.shape, dtype=bool)
+            zmax_block = np.zeros(logs.shape)
+            effect_block = np.full(logs.shape, np.nan, dtype=basis.dtype)
         for scale, test in tests.items():
             if scale not in config.scales:
                 continue
@@ -227,7 +324,7 @@ def _flag_metrics(basis: Basis, pool: ThreadPoolExecutor) -> Metrics:
                 flags_block, zmax_block, persistent(hit, windows=config.persistence_windows), test.z
             )
             if scale == 1:
-                effect[:, :, start:stop] = test.log_effect
+                effect_block[...] = test.log_effect
         single = tests[1]
         hit = sustained_outliers(
             single,
@@ -236,10 +333,18 @@ def _flag_metrics(basis: Basis, pool: ThreadPoolExecutor) -> Metrics:
             min_log_effect=np.maximum(limit, math.log(config.sustained_min_ratio)),
         )
         _mark(flags_block, zmax_block, hit, single.z)
+        if picked is not None:
+            flags[:, :, start:stop] = picked.spread(flags_block, frame.n_windows)
+            picked.place(zmax[:, :, start:stop], zmax_block)
+            picked.place(effect[:, :, start:stop], effect_block)
 
-    workers = max(1, min(config.workers, tested))
-    size = -(-tested // workers)
-    blocks = [(start, min(start + size, tested)) for start in range(0, tested, size)]
+    blocks: list[tuple[int, int, bool]] = []
+    for first, stop, compact in ((0, dense, False), (dense, tested, True)):
+        workers = max(1, min(config.workers, stop - first))
+        size = max(1, -(-(stop - first) // workers))
+        blocks.extend(
+            (start, min(start + size, stop), compact) for start in range(first, stop, size)
+        )
     if len(blocks) == 1:
         test_block(*blocks[0])
     else:

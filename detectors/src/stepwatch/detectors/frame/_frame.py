@@ -46,8 +46,11 @@ class JobFrame:
         phase_max_s: ``(W, R, P)`` longest single phase occurrence.
         kernel_classes: kernel class names, the last axis of ``kernel_s``.
         kernel_categories: category of each kernel class.
-        kernel_s: ``(W, R, K)`` kernel time per step of each class.
-        idle_s: ``(W, R)`` device-idle time per step.
+        kernel_s: ``(W, R, K)`` kernel time per step of each class: per step whose kernels
+            were recorded (:attr:`kernel_steps`); NaN where the rank reported no kernel
+            time in the window (a sampling source between its cycles), 0 for a class that
+            did not run while others did.
+        idle_s: ``(W, R)`` device-idle time per step (per recorded step, as ``kernel_s``).
         idle_max_s: ``(W, R)`` longest per-step idle time.
         sm_clock_hz: ``(W, R)`` mean SM clock (GPU health) or ``None`` when not reported.
         dp_ranks: ``(R,)`` data-parallel replica of each rank, -1 when unknown (``None``: none
@@ -69,6 +72,12 @@ class JobFrame:
             collective wait, ``phase()`` contexts), or ``None`` when none did. Such a phase
             time is the window's own (not pooled) and compares with ``step_s``
             (:meth:`phase_base`).
+        kernel_steps: ``(W, R)`` how many steps ``kernel_s`` and ``idle_s`` rest on, where
+            the kernel source recorded some steps of the window only (``None``: every
+            step, or not known). A source reports one device-idle value per step it
+            recorded (docs/schema.md), so this is the count of the window's idle
+            histogram, at most its steps: a duty-cycled profiler's 5 steps of a window's
+            500 give their own kernel time per step, not a five-hundredth of it.
     """
 
     job: str
@@ -95,6 +104,7 @@ class JobFrame:
     phase_step_s: FloatArray | None = None
     phase_steps: FloatArray | None = None
     phase_every_step: BoolArray | None = None
+    kernel_steps: FloatArray | None = None
 
     @property
     def phase_step(self) -> FloatArray:
@@ -437,8 +447,17 @@ def frame_from_series(
     phase_names = tuple(phase.keys)
     phase_total, _, phase_peak, phase_low = phase.arrays(n_ranks)
     kernel_names = tuple(kernel.keys)
-    kernel_total, _, _, _ = kernel.arrays(n_ranks)
-    idle_total, _, idle_peak, _ = idle.arrays(n_ranks)
+    kernel_total, kernel_count, _, _ = kernel.arrays(n_ranks)
+    idle_total, idle_count, idle_peak, _ = idle.arrays(n_ranks)
+    # Kernel and idle times per step they rest on: a source that recorded some steps of the
+    # window (a profiler's duty cycle) sends one idle value for each of them.
+    covered = np.where(idle_count[:, :, 0] > 0, np.minimum(idle_count[:, :, 0], steps), steps)
+    kernel_steps: FloatArray | None = None
+    if idle.keys and bool(((covered < steps) & (steps > 0)).any()):
+        kernel_steps = covered
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_covered = np.where(covered > 0, 1.0 / np.where(covered > 0, covered, 1.0), np.nan)
+    kernel_reported = (kernel_count > 0).any(axis=2) | (idle_count[:, :, 0] > 0)
     clock_total, clock_count, _, _ = clock.arrays(n_ranks)
     sm_clock: FloatArray | None = None
     if clock.keys:
@@ -502,10 +521,14 @@ def frame_from_series(
         phase_max_s=phase_peak[:, :, phase_order] if phase_names else no_phases,
         kernel_classes=tuple(kernel_names[i] for i in kernel_order),
         kernel_categories=tuple(categories[kernel_names[i]] for i in kernel_order),
-        kernel_s=(kernel_total * per_step[:, :, None])[:, :, kernel_order]
+        kernel_s=np.where(
+            kernel_reported[:, :, None], kernel_total * per_covered[:, :, None], np.nan
+        )[:, :, kernel_order]
         if kernel_names
         else np.zeros((n_bins, n_ranks, 0)),
-        idle_s=idle_total[:, :, 0] * per_step if idle.keys else np.full(steps.shape, np.nan),
+        idle_s=np.where(idle_count[:, :, 0] > 0, idle_total[:, :, 0] * per_covered, np.nan)
+        if idle.keys
+        else np.full(steps.shape, np.nan),
         idle_max_s=np.where(steps > 0, idle_peak[:, :, 0], np.nan)
         if idle.keys
         else np.full(steps.shape, np.nan),
@@ -516,6 +539,7 @@ def frame_from_series(
         phase_step_s=phase_step_s,
         phase_steps=phase_steps,
         phase_every_step=phase_every_step,
+        kernel_steps=kernel_steps,
     )
 
 

@@ -16,7 +16,12 @@ whichever way it was observed. Rules, in order:
    ``conv``; ``softmax``, ``norm``, ``attention``, ``reduce``, ``scan``, ``sort``, ``embedding``,
    ``index``, ``elementwise``; copy / fill / cat kernels → category ``memory``).
 4. ATen CPU ops (``aten::add_``) → the op name without namespace and in-place suffix (``add``).
-5. Anything else: the bare function name with return type, template arguments, argument list,
+5. Autograd's ``torch::autograd::AccumulateGrad`` node (CPU profiles) → category ``other``: the
+   accumulation is its child ops, so its self time is the gradient hooks it runs (DDP's
+   reducer filling buckets and launching the all-reduce, a comm hook), host work that waits
+   on or feeds the collective, not compute. As compute, a rank whose comm hook ran late read
+   as a compute straggler in backward.
+6. Anything else: the bare function name with return type, template arguments, argument list,
    addresses and launch-configuration suffixes stripped.
 
 Rare classes are not handled here: :class:`~stepwatch.exporters.kernels.KernelSummariser`
@@ -134,6 +139,7 @@ _ATEN_FAMILIES: Final = {
 # Library-family patterns on GPU kernel names (lower-cased), first match wins. Order matters:
 # convolutions before gemm (cuDNN implicit-gemm convs contain "gemm"), fbgemm (embedding
 # library) before gemm, cuBLAS split-K reduce before the generic reduce.
+_ACCUMULATE_GRAD: Final = "torch::autograd::AccumulateGrad"
 _FAMILIES: Final = (
     (re.compile(r"fbgemm|embedding|_embs"), "embedding", COMPUTE),
     (re.compile(r"conv(?!ex)|fprop|dgrad|wgrad|winograd|implicit_gemm"), "conv", COMPUTE),
@@ -243,6 +249,8 @@ def classify_kernel(raw_name: str) -> KernelClass:
         if family is not None:
             return KernelClass(*family)
         return KernelClass(op[:_MAX_CLASS_CHARS] or "unknown", COMPUTE)
+    if name.startswith(_ACCUMULATE_GRAD):
+        return KernelClass(_ACCUMULATE_GRAD, OTHER)
     for pattern, family_name, category in _FAMILIES:
         if pattern.search(lowered):
             return KernelClass(family_name, category)

@@ -122,6 +122,7 @@ def _verdict(context: Context, group: list[_Shift], waiting: set[str]) -> Verdic
     phases = [s for s in group if s.series.startswith("phase:")]
     kernels = [s for s in group if s.series.startswith("kernel:")]
     steps = [s for s in group if s.series == "step"]
+    phases = [s for s in phases if s.series not in waiting] or phases  # own work first
     phase = max(phases, key=lambda s: s.excess_s).series.split(":", 1)[1] if phases else None
     top_kernel = max(kernels, key=lambda s: s.excess_s) if kernels else None
     kernel_class = top_kernel.series.split(":", 1)[1] if top_kernel else None

@@ -44,7 +44,7 @@ def _straggler(context: Context, group: EpisodeGroup) -> Description:
         )
     else:
         wait_text = "its peers wait for it in the collective"
-    kernels = "with normal kernels" if context.frame.kernel_classes else "(no kernel times)"
+    kernels = context.kernel_words(group.indices, group.span)
     summary = (
         f"{context.who(indices)} {phase} {ratio:.2f}x {context.peer_noun} {kernels}; "
         f"{wait_text} since {context.since(first)}"
