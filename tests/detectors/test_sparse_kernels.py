@@ -181,3 +181,32 @@ def test_a_sampled_slow_link_is_found_on_its_host(influx: InfluxClient) -> None:
     run, found = diagnose_run(influx, "link-sampled-kernels-256")
     assert [(d.kind, d.hosts) for d in found] == [("link_degradation", ("vm-node1",))], found
     assert run.fault_rank in found[0].ranks
+
+
+def test_dense_kernels_with_a_gap_stay_window_by_window(influx: InfluxClient) -> None:
+    # The demo's 5 steps in 25: kernels in nearly every window, with a gap or two. Pooled
+    # into runs, those windows would have been one observation, and this run's gemm (4.4x)
+    # went unflagged ("too few to confirm", an early version of the runs).
+    run, found = diagnose_run(influx, "straggler-sampled-kernels-25")
+    assert [(d.kind, d.ranks, d.phase, d.kernel_class) for d in found] == [
+        ("compute_straggler", (run.fault_rank,), "forward", "gemm")
+    ]
+    span = job_time_range(influx, run.job)
+    assert span is not None
+    frame = read_frame(influx, run.job, start_unix_nano=span[0], end_unix_nano=span[1])
+    holding = (np.isfinite(frame.kernel_s).any(axis=2) & frame.present).any(axis=1)
+    assert (~holding & frame.present.any(axis=1)).sum() > 0  # the gap
+    assert _crossrank.kernel_runs(Basis.of(frame, DetectorConfig())) is None
+
+
+def test_adjacent_windows_are_one_observation_only_when_they_split_a_cycle() -> None:
+    frame = simulate(4, steps=160, seed=1).frame()
+    # One window in 5, every rank in the same window: runs of one window each.
+    runs = _crossrank.kernel_runs(Basis.of(_sampled(frame, 5), DetectorConfig()))
+    assert runs is not None and (runs.first == runs.last).all()
+    # Two windows in a row in every 6, every rank in both (two cycles): not merged.
+    keep = np.zeros(frame.step_s.shape, dtype=bool)
+    keep[::6] = keep[1::6] = True
+    both = dataclasses.replace(frame, kernel_s=np.where(keep[:, :, None], frame.kernel_s, np.nan))
+    runs = _crossrank.kernel_runs(Basis.of(both, DetectorConfig()))
+    assert runs is not None and (runs.first == runs.last).all()

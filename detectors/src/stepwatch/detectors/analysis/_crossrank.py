@@ -96,6 +96,10 @@ def is_kernel_series(name: str) -> bool:
     return name in ("idle", "burst:idle") or name.startswith(("category:", "share:"))
 
 
+#: Kernel times in at least this share of the windows with steps are tested window by window.
+DENSE_KERNELS = 0.75
+
+
 class KernelRuns(NamedTuple):
     """Runs of consecutive windows that hold kernel times, each tested as one observation.
 
@@ -148,19 +152,24 @@ def kernel_runs(basis: Basis) -> KernelRuns | None:
     Tested window by window, a kernel series would then never persist, and its trailing
     means and pooled scale would rest on one or two observations: a slow class would never
     be named. Its tests run on these runs instead, one after another (see
-    :func:`flag_metrics`). A run of adjacent windows is one observation: every rank records
-    the same steps, but each rank's window ends at its own export, so one cycle lands in two
-    analysis windows, some ranks in each. ``None`` when every window with steps holds kernel
-    times (CUPTI, a duty cycle shorter than a window) or no window does.
+    :func:`flag_metrics`). Two adjacent windows are one observation when few ranks hold
+    kernel times in both (fewer than half of the smaller side): every rank records the same
+    steps, but each rank's window ends at its own export, so one cycle lands in two analysis
+    windows, some ranks in each. ``None`` when at least :data:`DENSE_KERNELS` of the windows
+    with steps hold kernel times (CUPTI, a duty cycle shorter than a window: tested window by
+    window, their gaps bridged by the trailing means) or none does.
     """
     frame = basis.frame
     if not frame.kernel_classes:
         return None
-    holding = (basis.present & np.isfinite(frame.kernel_s).any(axis=2)).any(axis=1)
-    rows = np.flatnonzero(holding)
-    if rows.size == 0 or rows.size == int(basis.present.any(axis=1).sum()):
+    holding = basis.present & np.isfinite(frame.kernel_s).any(axis=2)
+    rows = np.flatnonzero(holding.any(axis=1))
+    if rows.size == 0 or rows.size >= DENSE_KERNELS * int(basis.present.any(axis=1).sum()):
         return None
-    breaks = np.flatnonzero(np.diff(rows) > 1)
+    before, after = holding[rows[:-1]], holding[rows[1:]]
+    shared = (before & after).sum(axis=1)
+    split = 2 * shared < np.minimum(before.sum(axis=1), after.sum(axis=1))
+    breaks = np.flatnonzero((np.diff(rows) > 1) | ~split)
     first = rows[np.concatenate([[0], breaks + 1])]
     last = rows[np.concatenate([breaks, [rows.size - 1]])]
     return KernelRuns(first=first.astype(np.intp), last=last.astype(np.intp))
