@@ -1,7 +1,11 @@
 """Every fault of ``stepwatch demo`` through the real pipeline, and what the detectors say.
 
 Run: ``.venv/bin/python bench/demo_faults.py [--faults straggler,link,...] [--clean-runs 2]
-[--no-kernels] [--no-story] [--phase-sampling 16]``
+[--no-kernels] [--no-story] [--phase-sampling 16] [--kernel-period N|default] [--steps N]
+[--export-interval S]``
+
+``--kernel-period default --steps 40000 --export-interval 10`` runs the jobs as a user's job
+runs by default: the op histograms' own budgeted duty cycle and 10 s windows (minutes a run).
 
 ``--phase-sampling N`` times phases on 1 step in N in every row (the demo's own default is
 ``auto``: 1 in 8 at its ~9 ms steps and 0.25 s windows): the detectors on sparse samples.
@@ -137,6 +141,9 @@ def run_one(
     *,
     kernels: bool,
     phase_sampling: int | str = "auto",
+    kernel_period: int | None = 25,
+    steps: int = 600,
+    export_interval_s: float = 0.25,
 ) -> tuple[list[Diagnosis], float]:
     started = time.monotonic()
     name = f"{fault}-{uuid.uuid4().hex[:6]}"
@@ -150,6 +157,10 @@ def run_one(
             endpoint=stack.otlp_http_endpoint,
             collect_kernels=kernels,
             phase_sampling=phase_sampling,
+            kernel_period_steps=kernel_period,
+            steps=steps,
+            fault_step=steps * 2 // 5,
+            export_interval_s=export_interval_s,
         )
         run_demo_job(stack.client, config, progress=lambda _: None)
         time_range = job_time_range(stack.client, config.job_id)
@@ -186,12 +197,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="first time `stepwatch demo` itself (default on)",
     )
     parser.add_argument(
+        "--kernel-period",
+        default="25",
+        help="op histograms on 5 steps in every N (the demo's 25), or 'default': the "
+        "always-on TorchProfilerSource() with its overhead budget (needs long runs: --steps)",
+    )
+    parser.add_argument("--steps", type=int, default=600, help="steps per run (the demo's 600)")
+    parser.add_argument(
+        "--export-interval", type=float, default=0.25, help="seconds a window (the demo's 0.25)"
+    )
+    parser.add_argument(
         "--phase-sampling",
         default="auto",
         help="StepMonitor's phase_sampling for every row: auto (the default) or 1 in N",
     )
     args = parser.parse_args(argv)
     sampling: int | str = "auto" if args.phase_sampling == "auto" else int(args.phase_sampling)
+    period = None if args.kernel_period == "default" else int(args.kernel_period)
     faults = [f for f in args.faults.split(",") if f] + ["none"] * args.clean_runs
     rows: list[tuple[str, str, str, bool, float]] = []
     with tempfile.TemporaryDirectory() as directory:
@@ -200,7 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             "kernel timings: "
             + ("as the CLI" if args.kernels is None else "on" if args.kernels else "off")
-            + f"; phase sampling: {sampling}"
+            + f"; phase sampling: {sampling}; op histograms: "
+            + ("the default budget" if period is None else f"5 steps in {period}")
+            + f"; {args.steps} steps, fault from {args.steps * 2 // 5}, "
+            + f"{args.export_interval:g} s windows"
         )
         print(
             f"{'fault':<11} {'expected':<44} {'diagnosed':<44} {'cost':>5} {'ok':<3} {'run s':>6}"
@@ -209,7 +234,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             for fault in faults:
                 kernels = kernels_by_default(fault) if args.kernels is None else args.kernels
                 diagnoses, elapsed_s = run_one(
-                    server, Path(directory), fault, kernels=kernels, phase_sampling=sampling
+                    server,
+                    Path(directory),
+                    fault,
+                    kernels=kernels,
+                    phase_sampling=sampling,
+                    kernel_period=period,
+                    steps=args.steps,
+                    export_interval_s=args.export_interval,
                 )
                 found = "; ".join(describe(d) for d in diagnoses) or "-"
                 cost = f"{max(d.slowdown for d in diagnoses):.2f}x" if diagnoses else "-"

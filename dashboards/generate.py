@@ -37,6 +37,7 @@ from panels import (  # the sibling module: run this file as a script
     JOB,
     MEAN,
     RANK,
+    SAMPLED_KERNELS,
     SELECTION,
     Q,
     bar,
@@ -162,7 +163,7 @@ def ranks() -> dash.Dashboard:
             f"AND {m('stepwatch.kernel.category')} = 'compute' {BY_TIME}, {RANK} fill(none)",
             unit="percentunit",
             description="Time compute kernels ran, per second of wall time. The straggler "
-            "is the bright row: its compute is slow while its peers wait.",
+            "is the bright row: its compute is slow while its peers wait. " + SAMPLED_KERNELS,
         )
     )
     board = board.with_panel(
@@ -286,7 +287,7 @@ def comm() -> dash.Dashboard:
             alias="[[tag_stepwatch.kernel.category]]",
             unit="none",
             stacked=True,
-        )
+        ).description(SAMPLED_KERNELS)
     )
     board = board.with_panel(
         ts(

@@ -45,6 +45,12 @@ BY_TIME = "GROUP BY time($__interval)"
 #: on ``count``/``sum``, which every writer stores (the bridge and a Collector's influxdb
 #: exporter alike; the bridge's own ``mean`` field is not written by a Collector).
 MEAN = 'sum("sum") / sum("count")'
+#: The description of a panel of kernel busy time: under a duty cycle, the profiled steps'.
+SAMPLED_KERNELS = (
+    "With op histograms on a duty cycle (torch.profiler, the default on a CPU: 5 steps every "
+    "few thousand) only the profiled steps count, alike on every rank: compare ranks and "
+    "categories, not the level; windows between cycles show no data."
+)
 #: The description of a panel reading the bridge's derived quantiles.
 BRIDGE_ONLY = (
     "Needs the stepwatch bridge: p50/p90/p99 are derived from the buckets by the bridge "

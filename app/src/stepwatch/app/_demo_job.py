@@ -91,8 +91,9 @@ class DemoJobConfig:
     ``export_window_s``), healthy for the first 240 steps and faulty after.
     ``kernel_period_steps``: with ``collect_kernels``, one profiler cycle of 5 steps every
     this many steps (a fixed duty cycle: 20 % of the steps at 25, so that a short demo has
-    kernel data in most windows; the always-on default spaces cycles by a 0.1 % overhead
-    budget, every few hundred to thousands of steps).
+    kernel data in most windows; the always-on default spaces cycles by its overhead
+    budget, every few thousand steps). ``None``: that default (``TorchProfilerSource()``,
+    for runs long enough to show it: ``bench/demo_faults.py --kernel-period default``).
     ``onset_file``: where the faulty rank writes the wall time (Unix ns) at which a ``hang``
     or ``freeze`` begins (to time how fast it is found).
     ``phase_sampling``: ``StepMonitor``'s (``"auto"``, its default; 1: every step's phases).
@@ -111,7 +112,7 @@ class DemoJobConfig:
     hidden: int = 256
     export_interval_s: float = 0.25
     collect_kernels: bool = False
-    kernel_period_steps: int = DEMO_KERNEL_PERIOD_STEPS
+    kernel_period_steps: int | None = DEMO_KERNEL_PERIOD_STEPS
     onset_file: str | None = None
     phase_sampling: int | str = "auto"
 
@@ -128,7 +129,7 @@ class DemoJobConfig:
             )
         if self.steps < 1:
             raise ConfigError(f"steps: must be positive, got {self.steps}")
-        if self.kernel_period_steps < 5:
+        if self.kernel_period_steps is not None and self.kernel_period_steps < 5:
             raise ConfigError(
                 "kernel_period_steps: must be at least 5 (one 5-step cycle), "
                 f"got {self.kernel_period_steps}"
@@ -393,4 +394,6 @@ def _kernel_source(config: DemoJobConfig) -> Any:
     # A fixed duty cycle (5 profiled steps per period): the demo is a few hundred steps,
     # shorter than the period the default 0.1 % overhead budget would choose, and it is there
     # to show the op histograms.
+    if config.kernel_period_steps is None:
+        return TorchProfilerSource()  # the always-on default: cycles spaced by its budget
     return TorchProfilerSource(active_steps=5, period_steps=config.kernel_period_steps)
