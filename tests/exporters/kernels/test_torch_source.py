@@ -734,7 +734,8 @@ def test_every_rank_profiles_the_same_steps(monkeypatch: pytest.MonkeyPatch, ali
     """In a synchronous job a rank's profiled step holds every rank up at the next
     collective: cycles at different steps on different ranks would cost the job the sum of
     their budgets. On the grid, ranks whose costs differ (another seed, 20 % dearer steps) start
-    every full cycle on the same steps; without it (the former design) they do not."""
+    every full cycle, and their probes, on the same steps; without it (the former design)
+    they do not."""
     if not aligned:
         monkeypatch.setattr(TorchProfilerSource, "_grid", lambda self: 1)
     ranks = [
@@ -751,6 +752,11 @@ def test_every_rank_profiles_the_same_steps(monkeypatch: pytest.MonkeyPatch, ali
     starts = [full_cycles(sim) for sim in ranks]
     assert all(len(s) >= 6 for s in starts)
     densest = max(starts, key=len)
+    # The warm-up and the probes too: each rank's credit for a probe comes at its own step,
+    # the probes' grid (the power of two that pays for the next) at the same one.
+    first = [tuple(sim.started_after[: 1 + PROBES]) for sim in ranks]
+    assert all(sim.cycle_steps[: 1 + PROBES] == [1] * (1 + PROBES) for sim in ranks)
+    assert (len(set(first)) == 1) == aligned, first
     if aligned:
         # The same grid, the same steps; a rank whose period crossed a power of two (the
         # dearer one here) profiles a subset of them: the grids nest.

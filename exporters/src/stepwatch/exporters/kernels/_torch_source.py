@@ -339,12 +339,27 @@ class TorchProfilerSource:
         steps"). The warm-up and the probes: the one at or above ``min_period_steps``; full
         cycles: the one at or above the period the budget pays for (:meth:`_needed_period`),
         kept until that period moves 25 % past it (ranks whose costs differ by a hair keep
-        the same grid), within ``min_period_steps`` and ``max_period_steps``."""
-        needed = self._needed_period() if not self._probing() else None
+        the same grid), within ``min_period_steps`` and ``max_period_steps``. The second and
+        third probes: the one at or above the steps the budget takes to pay for the next probe
+        (each rank's own credit would put them on different steps)."""
+        if self._probing():
+            return self._probe_grid()
+        needed = self._needed_period()
         grid = self._grid_for(needed)
         if needed is not None:
             self._grid_steps = grid
         return grid
+
+    def _probe_grid(self) -> int:
+        """:meth:`_grid` while probing: ``min_period_steps``' power of two before a probe's
+        cost is known, then the power of two at or above the steps that pay for the next."""
+        floor = _power_of_two_at_least(self._min_period)
+        predicted = self._next_cycle_ns()
+        paid = self._steps_paying(predicted) if predicted is not None else None
+        if paid is None:
+            return floor
+        ceiling = max(floor, _power_of_two_at_most(self._max_period))
+        return min(ceiling, max(floor, _power_of_two_at_least(paid + 1)))
 
     def _grid_for(self, needed: float | None) -> int:
         """:meth:`_grid` for a needed period (None: the warm-up's and the probes'), with no
@@ -364,17 +379,23 @@ class TorchProfilerSource:
         """Steps from one full cycle's start to the next that the budget pays for (what is
         left of it after shared work), or None before a prediction and a baseline."""
         predicted = self._predicted_cycle_ns()
+        paid = self._steps_paying(predicted) if predicted is not None else None
+        return None if paid is None else paid + self._active_steps
+
+    def _steps_paying(self, cost_ns: float) -> float | None:
+        """Steps whose credit pays ``cost_ns`` (what is left of the budget after shared
+        work; the ceiling when nothing is left), or None before a baseline."""
         baseline = self._baseline_ns
         if baseline is None and len(self._recent_ns) >= _BASELINE_MIN_STEPS:
             baseline = statistics.median(self._recent_ns)
-        if predicted is None or not baseline:
+        if not baseline:
             return None
         earned = self._earned_ns
         shared = self._shared_spent_ns / earned if earned > 0 and self._share_budget else 0.0
         left = self._budget - shared
         if left <= 0:
             return float(self._max_period)
-        return predicted / (left * baseline) + self._active_steps
+        return cost_ns / (left * baseline)
 
     def _start_cycle(self, now: int) -> None:
         active = self._active_steps
