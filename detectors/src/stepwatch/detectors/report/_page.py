@@ -216,7 +216,9 @@ def render_html(data: ReportData) -> str:
         "<h2>Compute kernel time by rank, relative to the median rank</h2>",
         "<p class='note'>Compute-kernel time of each rank divided by the median rank's in "
         "the same column (1.00× = typical). The straggler is the bright row: its own compute "
-        "is slow while its peers wait.</p>",
+        "is slow while its peers wait. With op histograms on a duty cycle (torch.profiler, "
+        "the default on a CPU) a column holds the profiled steps only: columns between "
+        "cycles are empty, and one may hold a few ranks' probes.</p>",
         heatmap_svg(
             data,
             relative_to_median(data.compute_by_rank),
