@@ -204,13 +204,11 @@ def part_cupti() -> dict[str, Any]:
         }
     source.close()
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_cupti_cycle import launch_us as launch
+
     def launch_us() -> float:
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        for _ in range(20000):
-            small.add_(1)
-        torch.cuda.synchronize()
-        return round((time.perf_counter() - begin) / 20000 * 1e6, 3)
+        return launch(torch, small)
 
     # Whether a duty cycle would help: a launch once CUPTI's activity kinds are disabled again,
     # and what switching them on and off costs (each switch timed, three rounds).
@@ -804,7 +802,10 @@ if arm != "off" and not marks and not inner:
     from stepwatch.exporters.kernels import CuptiSource
     monitor = StepMonitor(
         job_id="ovh", rank=0, world_size=1, endpoint=sys.argv[5],
-        kernel_source=None if arm == "no-cupti" else CuptiSource(), health=True,
+        kernel_source=None if arm == "no-cupti" else CuptiSource(**{
+            "cupti-cycle": {"period_steps": 256},
+            "cupti-detach": {"period_steps": 256, "detach": "finalize"}}.get(arm, {})),
+        health=True,
         device_timer={"host-phases": "cpu", "no-pool": CudaEventTimer(pool=0)}.get(arm, "auto"),
         phase_sampling=1 if arm == "every-step" else "auto",
         export_interval_s=3600.0 if arm == "on-no-export" else None)
@@ -851,7 +852,9 @@ print(json.dumps({"median_ms": statistics.median(times) * 1e3,
                   "mean_ms": statistics.fmean(times) * 1e3,
                   "mark": None if monitor is None else kind,
                   "c_gates": None if monitor is None else c_gates,
-                  "misuse": None if monitor is None else monitor.stats.misuse}))
+                  "misuse": None if monitor is None else monitor.stats.misuse,
+                  "cupti_duty": None if monitor is None or monitor._kernel_source is None
+                  else str(getattr(monitor._kernel_source, "duty_cycle", None))}))
 """
 
 
@@ -870,7 +873,9 @@ def part_overhead(
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     # off: no monitor; on: the defaults (CUPTI, NVML, phases on the device, sampled);
     # host-phases: phases on the host clock; no-cupti: no kernel source; every-step: phases
-    # timed on every step; on-no-export: no window during the run; marks-N: no monitor, N
+    # timed on every step; on-no-export: no window during the run; cupti-cycle: CUPTI on 5
+    # steps in 256, kinds disabled between; cupti-detach: the same, CUPTI finalized between
+    # (bench/gpu_cupti_cycle.py); marks-N: no monitor, N
     # bare CUDA timing events recorded after each optimizer step; inner-N: no monitor, N bare
     # events inside the step (before and after the forward, after backward, ...), where a
     # sampled step's phases put theirs.
@@ -950,6 +955,13 @@ def replay(capture: str, endpoint: str) -> int:
     return refused
 
 
+def _part_cupticycle() -> dict[str, Any]:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_cupti_cycle import part_cupticycle
+
+    return part_cupticycle()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -961,7 +973,7 @@ def main() -> int:
     parser.add_argument(
         "--overhead-arms",
         default="off,on,host-phases,no-cupti,every-step",
-        help="off first; also on-no-export, no-pool, marks-N",
+        help="off first; also on-no-export, no-pool, cupti-cycle, cupti-detach, marks-N",
     )
     parser.add_argument("--abhooks-rounds", type=int, default=30)
     parser.add_argument("--host-bound-hidden", type=int, default=256)
@@ -986,6 +998,7 @@ def main() -> int:
         "marks": part_marks,
         "frames": lambda: part_frames(args.out),
         "abhooks": lambda: part_abhooks(args.abhooks_rounds),
+        "cupticycle": _part_cupticycle,
         "straggler": lambda: part_job(args.out, "straggler"),
         "regression": lambda: part_job(args.out, "regression"),
         "straggler4": lambda: part_job(args.out, "straggler", 4),

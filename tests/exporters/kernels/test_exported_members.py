@@ -10,7 +10,13 @@ import stepwatch.exporters.kernels as kernels
 #: What users call, by role. Helpers and tables (busy_ns, activity_to_record, the default
 #: sizes...) live in the private modules; tests import them there.
 PUBLIC_BY_ROLE = {
-    "CUPTI (GPU activity)": ("CuptiSource", "CuptiBackend", "CuptiPythonBackend", "ActivityRecord"),
+    "CUPTI (GPU activity)": (
+        "CuptiSource",
+        "CuptiBackend",
+        "CuptiPythonBackend",
+        "ActivityRecord",
+        "CuptiDutyCycle",
+    ),
     "torch.profiler (CPU ops)": (
         "TorchProfilerSource",
         "ProfilerBackend",

@@ -20,12 +20,9 @@ Without a GPU, ``cupti`` or ``pynvml`` the GPU classes log once and do nothing.
 """
 
 from stepwatch.core._facade import publish
-from stepwatch.exporters.kernels._cupti import (
-    ActivityRecord,
-    CuptiBackend,
-    CuptiPythonBackend,
-    CuptiSource,
-)
+from stepwatch.exporters.kernels._cupti import ActivityRecord, CuptiBackend, CuptiSource
+from stepwatch.exporters.kernels._cupti_backend import CuptiPythonBackend
+from stepwatch.exporters.kernels._cupti_cycle import CuptiDutyCycle
 from stepwatch.exporters.kernels._duty import ProfilerDutyCycle
 from stepwatch.exporters.kernels._ingest import (
     IngestedTrace,
@@ -50,6 +47,7 @@ from stepwatch.exporters.kernels._trace import KinetoTrace, TraceStep, parse_tra
 __all__ = [
     "ActivityRecord",
     "CuptiBackend",
+    "CuptiDutyCycle",
     "CuptiPythonBackend",
     "CuptiSource",
     "GpuReading",

@@ -20,8 +20,10 @@ object per record); the export thread summarises them on numpy arrays
 (:func:`summarise_bulk`), or per event when numpy is missing or the bulk path fails (logged
 once); both give the same windows.
 
-CUPTI activity reference: https://docs.nvidia.com/cupti/api/group__CUPTI__ACTIVITY__API.html
-and the cupti-python bindings: https://docs.nvidia.com/cupti-python/
+On a duty cycle (``period_steps``), CUPTI is on for a few steps in many, off in between:
+``_cupti_cycle``'s docstring. CUPTI activity reference:
+https://docs.nvidia.com/cupti/api/group__CUPTI__ACTIVITY__API.html; the cupti-python
+bindings: https://docs.nvidia.com/cupti-python/
 """
 
 from __future__ import annotations
@@ -30,14 +32,27 @@ import collections
 import logging
 import operator
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from stepwatch.core._errors import ConfigError
 from stepwatch.exporters._window import KernelWindow
+from stepwatch.exporters.kernels._cupti_backend import CuptiPythonBackend
 from stepwatch.exporters.kernels._cupti_columns import ActivityColumns, summarise_bulk
+from stepwatch.exporters.kernels._cupti_cycle import (
+    DETACH_MODES,
+    SPARE_STEPS,
+    CuptiDutyCycle,
+    Cycle,
+    split_cycle,
+    steps_to_skip,
+    stride_for,
+)
+from stepwatch.exporters.kernels._duty import DEFAULT_OVERHEAD_BUDGET
 from stepwatch.exporters.kernels._summary import DEFAULT_TOP_K, KernelEvent, KernelSummariser
 
+_NEVER = 1 << 62  # step ends a failed duty-cycled source asks the recorder not to report
 _log = logging.getLogger(__name__)
 
 # CUpti_ActivityMemcpyKind → the names Kineto (and so the trace reader) uses.
@@ -99,6 +114,8 @@ class CuptiBackend(Protocol):
 
     def disable(self) -> None:
         """Disable activity collection."""
+
+    # Optional, for detach="finalize": detach(on_detached), as CuptiPythonBackend.detach.
 
 
 # CUpti_ActivityKind values (cupti_activity.h); cupti-python reports ``kind`` as these ints.
@@ -219,75 +236,6 @@ def _rows(columns: ActivityColumns) -> list[tuple[int, int, int, Any]]:
 _START = operator.itemgetter(0)
 
 
-class CuptiPythonBackend:
-    """:class:`CuptiBackend` on NVIDIA's ``cupti-python`` package (``pip install cupti-python``).
-
-    Args:
-        buffer_size_bytes: Size of each activity buffer CUPTI asks for.
-    """
-
-    def __init__(self, *, buffer_size_bytes: int = 8 << 20) -> None:
-        if buffer_size_bytes < 1 << 16:
-            raise ConfigError(f"buffer_size_bytes must be >= 65536, got {buffer_size_bytes}")
-        self._buffer_size_bytes = buffer_size_bytes
-        self._kinds: list[Any] = []
-
-    def enable(
-        self, on_records: Callable[[Sequence[ActivityRecord] | ActivityColumns], None]
-    ) -> None:
-        """Register the buffer callbacks and enable the activity kinds; each completed buffer
-        reaches ``on_records`` as :class:`ActivityColumns`."""
-        from cupti import cupti
-
-        def buffer_requested() -> tuple[int, int]:
-            return self._buffer_size_bytes, 0
-
-        activity_kind = cupti.ActivityKind
-        kinds: dict[Any, str] = {}
-        for member, kind in (
-            (activity_kind.CONCURRENT_KERNEL, "kernel"),
-            (activity_kind.KERNEL, "kernel"),
-            (activity_kind.MEMCPY, "memcpy"),
-            (activity_kind.MEMCPY2, "memcpy2"),
-            (activity_kind.MEMSET, "memset"),
-        ):
-            # Keyed by the member and its int: ``activity.kind`` is found without int().
-            kinds[member] = kinds[int(member)] = kind
-
-        def buffer_completed(activities: Sequence[Any]) -> None:
-            on_records(activities_to_columns(activities, kinds=kinds))
-
-        cupti.activity_register_callbacks(buffer_requested, buffer_completed)
-        self._kinds = [
-            activity_kind.CONCURRENT_KERNEL,
-            activity_kind.MEMCPY,
-            activity_kind.MEMCPY2,
-            activity_kind.MEMSET,
-        ]
-        for kind in self._kinds:
-            cupti.activity_enable(kind)
-
-    def flush(self) -> None:
-        """``cuptiActivityFlushAll`` with the forced flag: partial buffers are delivered too."""
-        from cupti import cupti
-
-        cupti.activity_flush_all(1)
-
-    def timestamp_ns(self) -> int:
-        """``cuptiGetTimestamp``."""
-        from cupti import cupti
-
-        return int(cupti.get_timestamp())
-
-    def disable(self) -> None:
-        """Disable every kind enabled by :meth:`enable`."""
-        from cupti import cupti
-
-        for kind in self._kinds:
-            cupti.activity_disable(kind)
-        self._kinds = []
-
-
 class CuptiSource:
     """A :class:`~stepwatch.exporters._window.KernelSource` of CUPTI activity records.
 
@@ -296,6 +244,19 @@ class CuptiSource:
         top_k: Kernel classes kept by name (see :class:`KernelSummariser`).
         max_buffered_records: Records held between drains; beyond it new records are dropped
             and counted in :attr:`dropped_records` (bounded memory if the exporter stalls).
+        period_steps: ``None`` (the default): CUPTI records every step from the monitor's
+            start. A number: CUPTI records ``active_steps`` steps in every ``period_steps``,
+            on the same steps on every rank, and is off in between (``_cupti_cycle``'s
+            docstring); at least ``active_steps + 3``.
+        active_steps: Steps recorded per cycle (with ``period_steps``).
+        detach: How CUPTI is switched off between cycles: ``disable`` its activity kinds
+            (CUPTI stays loaded, and on an H200 a launch kept most of CUPTI's cost), or
+            ``finalize``: take CUPTI out of the process (the backend's ``detach``; where it
+            fails, the kinds are disabled instead). Neither has run on a GPU yet
+            (docs/exporters.md, "CUPTI on a duty cycle").
+        overhead_budget: On a duty cycle, the share of training time a cycle's switches
+            (on, off, finalize: measured) may take; where they cost more at ``period_steps``,
+            cycles take every second, fourth, ... grid step (``duty_cycle.stride``).
 
     Raises:
         ConfigError: An option is out of range.
@@ -307,10 +268,43 @@ class CuptiSource:
         backend: CuptiBackend | None = None,
         top_k: int = DEFAULT_TOP_K,
         max_buffered_records: int = 2_000_000,
+        period_steps: int | None = None,
+        active_steps: int = 5,
+        detach: str = "disable",
+        overhead_budget: float = DEFAULT_OVERHEAD_BUDGET,
     ) -> None:
         if max_buffered_records < 1:
             raise ConfigError(f"max_buffered_records must be >= 1, got {max_buffered_records}")
+        if active_steps < 1:
+            raise ConfigError(f"active_steps must be >= 1, got {active_steps}")
+        if period_steps is not None and period_steps < active_steps + SPARE_STEPS + 1:
+            raise ConfigError(
+                f"period_steps must be >= active_steps + {SPARE_STEPS + 1} "
+                f"({active_steps + SPARE_STEPS + 1}), got {period_steps}"
+            )
+        if not 0 < overhead_budget <= 1:
+            raise ConfigError(f"overhead_budget must be in (0, 1], got {overhead_budget}")
+        if detach not in DETACH_MODES:
+            raise ConfigError(f"detach must be one of {DETACH_MODES}, got {detach!r}")
         self._backend: CuptiBackend = backend if backend is not None else CuptiPythonBackend()
+        if detach == "finalize" and not callable(getattr(self._backend, "detach", None)):
+            raise ConfigError("detach='finalize' needs a backend with a detach() method")
+        self._period = period_steps
+        self._active = active_steps
+        self._detach_mode = detach
+        self._cycle: Cycle | None = None  # the cycle CUPTI is on for, None between cycles
+        self._recording = False  # the cycle's warm-up is over
+        self._cycles: collections.deque[Cycle] = collections.deque()  # finished, not drained
+        self._detaching = False  # a finalize asked for and not yet done
+        self._closed = False
+        self._stats = {"cycles": 0, "skipped_cycles": 0, "fallbacks": 0}
+        self._times: dict[str, float | None] = {"attach": None, "detach": None, "finalize": None}
+        self._budget = overhead_budget
+        self._stride = 1
+        self._steps_per_s = 0.0  # training speed, measured from one cycle's end to the next
+        self._last_off: tuple[int, float] | None = None  # (step, clock) of the last switch-off
+        self._attached_at = (0, 0.0)  # (step, clock) of the last switch-on
+        self._clock = time.perf_counter
         self._summariser = KernelSummariser(top_k=top_k)
         self._max_buffered = max_buffered_records
         self._columns = ActivityColumns()
@@ -365,22 +359,113 @@ class CuptiSource:
 
         That step's start is unknown to CUPTI: its kernels count and its idle time does not,
         and kernels launched between the monitor's creation and the first step count in it.
+        On a duty cycle nothing happens here: CUPTI is switched on by the first cycle.
         """
-        self._ensure_enabled()
+        if self._period is None:
+            self._ensure_enabled()
 
-    def on_step_end(self, step_index: int) -> None:
-        """Step boundary (training thread): one CUPTI timestamp and an append."""
+    def on_step_end(self, step_index: int) -> int | None:
+        """Step boundary (training thread): one CUPTI timestamp and an append. On a duty cycle,
+        the steps to skip until the next cycle's start (none reported between cycles)."""
+        if self._period is not None:
+            return self._cycle_step(step_index, self._period)
         if self._failed:
-            return
+            return None
         try:
             if not self._ensure_enabled():
-                return
+                return None
             self._boundaries.append((step_index, self._backend.timestamp_ns()))
         except Exception:
             self._fail("get_timestamp")
+        return None
+
+    def _cycle_step(self, step_index: int, asked: int) -> int | None:
+        if self._failed or self._closed:
+            return _NEVER
+        cycle = self._cycle
+        period = asked * self._stride
+        try:
+            if cycle is None:
+                if (step_index + 1) % period:
+                    return steps_to_skip(step_index, period)
+                if self._detaching:  # no CUDA call since the last detach was asked for
+                    self._stats["skipped_cycles"] += 1
+                    return steps_to_skip(step_index, period)
+                begin = self._clock()
+                try:
+                    self._backend.enable(self._on_records)
+                except Exception:
+                    self._fail("enable")
+                    return _NEVER
+                self._times["attach"] = self._clock() - begin
+                self._attached_at = (step_index, begin)
+                self._enabled, self._recording = True, False
+                self._cycle = Cycle(0)
+            elif not self._recording:
+                cycle.start_ns = self._backend.timestamp_ns()  # the warm-up step's end
+                self._recording = True
+            elif len(cycle.boundaries) < self._active:
+                cycle.boundaries.append((step_index, self._backend.timestamp_ns()))
+            else:  # the spill-over step's end
+                self._switch_off(cycle, step_index)
+                return steps_to_skip(step_index, asked * self._stride)
+        except Exception:
+            self._fail("duty cycle")
+            return _NEVER
+        return None
+
+    def _switch_off(self, cycle: Cycle, step_index: int) -> None:
+        begin = self._clock()
+        self._cycle = None
+        if self._detach_mode == "finalize":
+            self._detaching = True
+            try:
+                self._backend.detach(lambda took: self._detached(cycle, took))  # type: ignore[attr-defined]
+            except Exception:
+                _log.warning("CUPTI detach failed; its activity kinds are disabled instead",
+                             exc_info=True)  # fmt: skip
+                self._stats["fallbacks"] += 1
+                self._detaching = False
+                self._backend.disable()  # a no-op where the backend's detach disabled them
+                # The export thread never flushes in this mode: the records come in here.
+                self._backend.flush()
+                cycle.flushed = cycle.ready = True
+        else:
+            self._backend.disable()
+            cycle.ready = True
+        self._enabled = False
+        self._cycles.append(cycle)
+        self._stats["cycles"] += 1
+        now = self._clock()
+        self._times["detach"] = now - begin
+        # Speed since the last switch-off (first cycle: its switch-on; errs slow, stride short).
+        since_step, since = self._last_off or self._attached_at
+        if now > since:
+            self._steps_per_s = (step_index - since_step) / (now - since)
+        self._last_off = (step_index, now)
+        self._restride()
+
+    def _restride(self) -> None:
+        """The grid steps a cycle takes, from what its switches cost (any thread)."""
+        times = self._times
+        cost = sum(times[name] or 0.0 for name in ("attach", "detach", "finalize"))
+        if self._period is not None:
+            self._stride = stride_for(cost, self._budget, self._steps_per_s, self._period)
+
+    def _detached(self, cycle: Cycle, took: float | None) -> None:
+        """The backend's detach callback (any thread): the cycle's records are all in."""
+        self._times["finalize"] = took
+        cycle.flushed = cycle.ready = True
+        self._enabled = self._detaching = False
+        self._restride()
+        if took is None:
+            self._fail("finalize")
 
     def drain(self) -> KernelWindow:
-        """Records of the steps finished since the last drain (export thread)."""
+        """Records of the steps finished since the last drain (export thread); on a duty
+        cycle, of the cycles whose records are all in."""
+        if self._period is not None:
+            return self._drain_cycles()
         with self._drain_lock:
             if self._failed or not self._enabled:
                 return self._summariser.drain()
@@ -400,6 +485,47 @@ class CuptiSource:
                 with self._records_lock:
                     self._columns.prepend(carried)
             return self._summariser.drain()
+
+    def _drain_cycles(self) -> KernelWindow:
+        with self._drain_lock:
+            ready = []
+            while self._cycles and self._cycles[0].ready:
+                ready.append(self._cycles.popleft())
+            if not ready:
+                return self._summariser.drain()
+            if self._detach_mode == "disable" and not self._failed:
+                try:
+                    self._backend.flush()  # CUPTI is loaded: the kinds are only disabled
+                except Exception:
+                    self._fail("activity_flush_all")
+            with self._records_lock:
+                columns, self._columns = self._columns, ActivityColumns()
+            try:
+                for cycle in ready:
+                    if not cycle.boundaries:
+                        continue
+                    taken, columns = split_cycle(columns, cycle.start_ns, cycle.boundaries[-1][1])
+                    self._last_boundary_ns = cycle.start_ns
+                    self._summarise(taken, cycle.boundaries)
+            except Exception:
+                _log.warning("CUPTI records of a cycle could not be summarised", exc_info=True)
+                columns = ActivityColumns()
+            if len(columns):
+                with self._records_lock:
+                    self._columns.prepend(columns)
+            return self._summariser.drain()
+
+    @property
+    def duty_cycle(self) -> CuptiDutyCycle | None:
+        """What the duty cycle did (``None`` when CUPTI records every step)."""
+        if self._period is None:
+            return None
+        return CuptiDutyCycle(
+            self._period * self._stride, self._stride, self._active, self._detach_mode,
+            **self._stats,
+            attach_s=self._times["attach"], detach_s=self._times["detach"],
+            finalize_s=self._times["finalize"], attached=self._cycle is not None,
+        )  # fmt: skip
 
     def _summarise(
         self, columns: ActivityColumns, boundaries: list[tuple[int, int]]
@@ -462,6 +588,9 @@ class CuptiSource:
 
     def close(self) -> None:
         """Disable CUPTI activity collection (records not yet drained are discarded)."""
+        if self._period is not None:
+            self._closed = True  # no cycle starts after this
+            self._enabled, self._cycle = self._cycle is not None, None
         if self._enabled and not self._failed:
             try:
                 self._backend.disable()
