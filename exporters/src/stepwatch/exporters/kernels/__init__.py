@@ -17,6 +17,10 @@ Usage with the step monitor (the sources implement ``stepwatch.exporters.KernelS
     monitor = StepMonitor(job_id="run-42", rank=rank, world_size=world, kernel_source=source)
 
 Without a GPU, ``cupti`` or ``pynvml`` the GPU classes log once and do nothing.
+``CuptiSource(period_steps=256, detach="finalize")`` records 5 steps in 256 (the same steps on
+every rank) and takes CUPTI out of the process in between, so a kernel launch pays nothing for
+it there; built and tested on recorded CUPTI records, not yet run on a GPU
+(docs/exporters.md, "CUPTI on a duty cycle").
 """
 
 from stepwatch.core._facade import publish
