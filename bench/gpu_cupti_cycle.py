@@ -7,12 +7,14 @@ process's: a launch "before CUPTI" can only be timed before CUPTI was ever loade
 ``states``: one process walks CUPTI through the states a ``CuptiSource(period_steps=...)``
 uses, and in each times (a) a tiny kernel's launch on the host (20,000 launches, 3 repeats)
 and (b) a synchronised GPU-bound step (4 layers of 4096, batch 2048, forward, backward, SGD;
-median of 40), where CUPTI's instrumentation of each kernel on the device would show:
+median of 40), where CUPTI's instrumentation of each kernel on the device would show. Before
+CUPTI once, then 4 rounds of:
 
-- before CUPTI; kinds on; kinds disabled again (``detach="disable"`` between cycles); on again;
-- after ``CuptiPythonBackend.detach`` (``cuptiFinalize`` at the next CUDA API exit:
-  ``detach="finalize"`` between cycles), with the detach call's and the finalize's times;
-- re-attached (the next cycle's switch-on, timed), and finalized a second time.
+- on (round 0: CUPTI loaded for the first time; later rounds: attached again after a
+  finalize, the switch-on a ``detach="finalize"`` cycle pays, timed);
+- disabled (``detach="disable"`` between cycles);
+- finalized (``CuptiPythonBackend.detach``: ``cuptiFinalize`` at the next CUDA API exit, as
+  ``detach="finalize"`` between cycles), with the detach call's and the finalize's times.
 
 The nineteenth round measured the first four on an H200 (launch 7.35 µs before, 8.5–9.8 on,
 8.3–9.4 disabled); what finalize gives back, and what attaching again costs, is the question.
@@ -34,6 +36,7 @@ from typing import Any
 
 CHILD_STATES = "states"
 CHILD_CYCLES = "cycles"
+ROUNDS = 4
 
 
 def _model() -> tuple[Any, Any]:
@@ -132,14 +135,25 @@ def child_states() -> dict[str, Any]:
         records.extend([0] * len(columns))
 
     measure("before CUPTI")
-    measure("kinds on", enable_ms=timed(lambda: backend.enable(on_records)))
-    backend.flush()
-    measure("kinds disabled", disable_ms=timed(backend.disable))
-    measure("kinds on again", enable_ms=timed(lambda: backend.enable(on_records)))
-    measure("after finalize", **finalize())
-    measure("re-attached", enable_ms=timed(lambda: backend.enable(on_records)))
-    measure("after a second finalize", **finalize())
-    return {"states": states}
+    # Rounds, so that the states compare in pairs (the GPU's clocks drift over a run): on (the
+    # first round's switch-on loads CUPTI, the others attach it again after a finalize),
+    # disabled, finalized.
+    for round_index in range(ROUNDS):
+        measure("on", round=round_index, enable_ms=timed(lambda: backend.enable(on_records)))
+        backend.flush()
+        measure("disabled", round=round_index, disable_ms=timed(backend.disable))
+        backend.enable(on_records)
+        measure("finalized", round=round_index, **finalize())
+    summary = {}
+    for label in ("before CUPTI", "on", "disabled", "finalized"):
+        rows = [row for row in states if row["state"] == label]
+        launches = sorted(value for row in rows for value in row["launch_us"])
+        steps = sorted(row["step_ms"] for row in rows)
+        summary[label] = {
+            "launch_us_median": launches[len(launches) // 2],
+            "step_ms_median": steps[len(steps) // 2],
+        }
+    return {"summary": summary, "states": states}
 
 
 def child_cycles(detach: str) -> dict[str, Any]:
