@@ -451,3 +451,35 @@ def test_switches_that_cost_more_than_the_budget_stretch_the_grid(
         backend2.now_ns = end
         skips.append(again.on_step_end(step))
     assert skips[20] == steps_to_skip(20, 16 * stride)
+
+
+@pytest.mark.parametrize("detach", ["disable", "finalize"])
+def test_closing_inside_a_cycle_switches_cupti_off(dlrm_rank0: Path, detach: str) -> None:
+    records, spans = _repeated_steps(dlrm_rank0, 20)
+    backend = CycledCupti(records)
+    source = CuptiSource(backend=backend, period_steps=8, active_steps=2, detach=detach)
+    source._clock = lambda: backend.now_ns / 1e9  # type: ignore[method-assign]
+    for step in (0, 7, 8, 9):  # switched on at 7, warm-up 8, one step recorded
+        backend.now_ns = spans[step][1]
+        source.on_step_end(step)
+    assert backend.on_since is not None
+    source.close()
+    assert backend.on_since is None and backend.calls[-1] == "disable"
+    assert source.on_step_end(10) == 1 << 62  # closed: never told again
+    duty = source.duty_cycle
+    assert duty is not None and not duty.attached and duty.cycles == 0
+
+
+def test_closing_while_a_finalize_is_pending_makes_no_cupti_call(dlrm_rank0: Path) -> None:
+    records, spans = _repeated_steps(dlrm_rank0, 20)
+    backend = CycledCupti(records)
+    source = CuptiSource(backend=backend, period_steps=8, active_steps=2, detach="finalize")
+    source._clock = lambda: backend.now_ns / 1e9  # type: ignore[method-assign]
+    for step in range(12):  # the cycle: on at 7, recorded 9 and 10, off at 11
+        backend.now_ns = spans[step][1]
+        source.on_step_end(step)
+    assert backend.detach_pending is not None
+    source.close()  # the stand-in asserts on any call while the detach is pending
+    source.drain()
+    backend.api_exit()
+    assert len(source.drain().idle_durations_s) == 2
