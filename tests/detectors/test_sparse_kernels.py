@@ -210,3 +210,32 @@ def test_adjacent_windows_are_one_observation_only_when_they_split_a_cycle() -> 
     both = dataclasses.replace(frame, kernel_s=np.where(keep[:, :, None], frame.kernel_s, np.nan))
     runs = _crossrank.kernel_runs(Basis.of(both, DetectorConfig()))
     assert runs is not None and (runs.first == runs.last).all()
+
+
+@pytest.mark.parametrize("world", [2, 32])
+@pytest.mark.parametrize("split", [False, True])
+def test_a_sampled_regression_is_one_finding(world: int, split: bool) -> None:
+    # At one window in 8 with kernel times, the kernel classes' change point lands on the
+    # first window that holds kernels after the shift, up to 7 windows late: it was grouped
+    # apart from the step's and made a second job_regression (no phase, gemm) 4 windows after
+    # the first (gemm-less). A kernel series' shift may have begun right after its last
+    # window before it (ChangePoint.since), and is grouped from there.
+    job = simulate(world, steps=600, faults=[Fault.parse("job_regression@300:all:1.3")], seed=1)
+    found = diagnose(_sampled(job.frame(), 8, split=split))
+    assert [(d.kind, d.ranks, d.kernel_class, d.phase) for d in found] == [
+        ("job_regression", (), "gemm", "backward")
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("every", "split"), [(5, True), (8, True)])
+def test_few_ranks_name_a_sampled_straggler_and_its_class(
+    world: int, every: int, split: bool
+) -> None:
+    # Too few ranks for the peer statistics (analysis/_few_ranks.py): the rank's own level.
+    job = simulate(world, steps=600, faults=[Fault.parse("compute_straggler@300:1:1.3")], seed=2)
+    assert _kinds(_sampled(job.frame(), every, split=split)) == [
+        ("compute_straggler", (1,), "gemm")
+    ]
+    clean = simulate(world, steps=600, seed=2, sequence_noise=0.08)
+    assert diagnose(_sampled(clean.frame(), every, split=split)) == []

@@ -115,6 +115,13 @@ def test_change_point_found_with_location_and_ratio() -> None:
     assert points[0].index == 35
     assert points[0].ratio == pytest.approx(1.08, abs=0.01)
     assert points[0].p_value < 1e-3
+    assert points[0].since == 35
+    # One window in 6 kept (a sampling source's kernel times): the shift is seen at the first
+    # kept window after it, and may have begun right after the last one before it.
+    sparse = np.full(60, np.nan)
+    sparse[::6] = series[::6]
+    (point,) = change_points(sparse)
+    assert (point.index, point.since) == (36, 31)
 
 
 @pytest.mark.parametrize("seed", range(10))

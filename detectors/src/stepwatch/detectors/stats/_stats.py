@@ -66,6 +66,9 @@ class ChangePoint:
         ratio: ``after / before``.
         p_value: CUSUM-of-OLS-residuals stability test of the segment that was split (or the
             split's Bonferroni-corrected t-test when smaller, doubled, for short segments).
+        since: the earliest window the new level may have begun: ``index``, or, after NaN
+            windows (a sampling source's kernel times: one window in several), the window
+            after the last finite one before it.
     """
 
     index: int
@@ -73,6 +76,11 @@ class ChangePoint:
     after: float
     ratio: float
     p_value: float
+    since: int = -1
+
+    def __post_init__(self) -> None:
+        if self.since < 0:
+            object.__setattr__(self, "since", self.index)
 
 
 def nanmedian(values: FloatArray, *, axis: int) -> FloatArray:
@@ -544,6 +552,7 @@ def change_points(
                 after=math.exp(after),
                 ratio=ratio,
                 p_value=float(p_value),
+                since=int(finite_index[start + split - 1]) + 1,
             )
         )
         segments.extend([(start, start + split), (start + split, stop)])

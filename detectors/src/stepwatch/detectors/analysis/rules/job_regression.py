@@ -3,8 +3,9 @@
 A job rule, run after the others: change points (:func:`change_points`) of the job's median
 step, phase and kernel-class times per window; upward shifts of at least
 ``config.min_shift`` and ``config.min_step_fraction`` of a step, away from every earlier
-finding, grouped when within 3 windows. A group seen only in series that hold waiting in
-collectives is not a regression. Localisation: the phase and kernel class that moved most;
+finding, grouped when within 3 windows (a kernel series with windows of no kernel times: from
+the window after its last one before the shift). A group seen only in series that hold waiting
+in collectives is not a regression. Localisation: the phase and kernel class that moved most;
 in a job too small for the cross-rank tests, the ranks whose own work carries it while the
 others wait (``_few_ranks``). Cost: the step's own shift, else the largest non-waiting one.
 """
@@ -28,13 +29,13 @@ class _Shift(NamedTuple):
     series: str  # "step", "phase:<name>" or "kernel:<class>"
     excess_s: float
     ratio: float
+    since: int  # the earliest window it may have begun (ChangePoint.since)
 
 
 def _job_series(context: Context) -> dict[str, FloatArray]:
     """The job's median (over ranks) step, phase and major kernel-class times per window."""
     frame = context.frame
-    # Each rank's first window holds its warm-up steps (lazy initialisation, caches): it
-    # would pass for a level shift or, in a short job, swamp the test of one.
+    # A rank's first window holds its warm-up (lazy initialisation, caches): not a shift.
     present = context.present & (np.cumsum(context.present, axis=0) > 1)
 
     def median(values: FloatArray) -> FloatArray:
@@ -43,7 +44,6 @@ def _job_series(context: Context) -> dict[str, FloatArray]:
     series = {"step": median(frame.step_s)}
     for index, phase in enumerate(frame.phases):
         series[f"phase:{phase}"] = median(np.asarray(frame.phase_s[:, :, index]))
-    # The long tail of small classes cannot move the job by a visible amount.
     keep = [i for i in range(len(frame.kernel_classes)) if i not in context.minor_classes]
     if frame.n_ranks and keep:
         kernel = np.asarray(frame.kernel_s[:, :, keep])
@@ -87,11 +87,11 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
                 continue
             if any(low - 6 <= point.index <= high + 1 for low, high in explained):
                 continue
-            shifts.append(_Shift(point.index, name, excess, point.ratio))
+            shifts.append(_Shift(point.index, name, excess, point.ratio, point.since))
     shifts.sort()
     groups: list[list[_Shift]] = []
     for shift in shifts:
-        if groups and shift.window - groups[-1][0].window <= 3:
+        if groups and shift.since - groups[-1][0].window <= 3:
             groups[-1].append(shift)
         else:
             groups.append([shift])
