@@ -174,6 +174,17 @@ def test_a_sampled_regression_blames_no_rank(influx: InfluxClient) -> None:
     assert [(d.kind, d.ranks) for d in found] == [("job_regression", ())]
 
 
+def test_a_sparser_sampled_regression_is_one_finding_with_its_class(influx: InfluxClient) -> None:
+    # 5 steps in 512: the kernel classes' shift is seen a few windows after the step's. It
+    # was a second job_regression ("job slower ... (gemm 15.35x)", costed 1.42x) beside the
+    # first (1.88x, forward, no class).
+    _, found = diagnose_run(influx, "regression-sampled-kernels-512")
+    assert [(d.kind, d.ranks, d.phase, d.kernel_class) for d in found] == [
+        ("job_regression", (), "forward", "gemm")
+    ]
+    assert found[0].slowdown > 1.5
+
+
 def test_a_sampled_slow_link_is_found_on_its_host(influx: InfluxClient) -> None:
     # The delay sits in rank 2's comm hook, which the CPU profiler charges to the
     # AccumulateGrad op: classed ``other`` (its self time is the gradient hooks), its kernels
