@@ -21,6 +21,7 @@ from stepwatch.detectors.analysis import _crossrank
 from stepwatch.detectors.analysis._config import DetectorConfig
 from stepwatch.detectors.analysis._context import Basis, Context
 from stepwatch.detectors.frame import job_time_range, read_frame
+from stepwatch.detectors.simulation import suite
 from tests.detectors.test_real_runs import diagnose_run
 
 
@@ -250,3 +251,44 @@ def test_few_ranks_name_a_sampled_straggler_and_its_class(
     ]
     clean = simulate(world, steps=600, seed=2, sequence_noise=0.08)
     assert diagnose(_sampled(clean.frame(), every, split=split)) == []
+
+
+def test_the_structure_comes_from_the_runs_at_the_start() -> None:
+    # Ten runs at one window in 8 reach far past the frame's baseline (its first ten settled
+    # windows); the groups' offsets come from the runs that start within it, at least two.
+    frame = simulate(4, steps=400, seed=1).frame()
+    sparse = _sampled(frame, 8)
+    basis = Basis.of(sparse, DetectorConfig())
+    runs = _crossrank.kernel_runs(basis)
+    assert runs is not None and runs.first.size >= 10
+    chosen = runs.baseline(basis.baseline)
+    span = np.flatnonzero(basis.baseline)
+    assert chosen.sum() == 2 and (runs.first[chosen] <= span[-1] + 8).all()
+    assert not runs.baseline(np.zeros_like(basis.baseline)).any()
+
+
+def test_a_sparse_pipeline_bubble_starts_with_its_fault() -> None:
+    # A 4-stage pipeline (128 ranks) whose stage 2 idles from 200 s, kernel times in one
+    # window in 8: with the first ten runs as the structure (the fault's half included),
+    # stage 2's communication kernels were flagged from 40 s and the bubble dated from there
+    # (a false alarm by the suite's score).
+    scenario = next(
+        s for s in suite(228, max_world_size=256) if s.name == "166-pipeline_bubble-128r-1.5"
+    )
+    job = scenario.simulate()
+    found = diagnose(_sampled(job.frame(), 8, split=True))
+    assert [(d.kind, d.ranks[:2]) for d in found] == [("pipeline_bubble", (64, 65))]
+    assert found[0].start_unix_nano >= job.truth.faults[0].start_unix_nano
+
+
+def test_a_late_seen_kernel_shift_joins_the_steps_not_an_earlier_one() -> None:
+    # A small communication shift 4 windows before the regression took the kernel shift (seen
+    # late, one window in 8) and made a second job_regression, "communication moved most".
+    scenario = next(
+        s for s in suite(228, max_world_size=256) if s.name == "170-job_regression-16r-1.5"
+    )
+    job = scenario.simulate()
+    found = diagnose(_sampled(job.frame(), 8, split=True))
+    assert [(d.kind, d.phase, d.kernel_class) for d in found] == [
+        ("job_regression", "backward", "gemm")
+    ]

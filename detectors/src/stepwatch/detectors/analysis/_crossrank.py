@@ -19,7 +19,6 @@ import numpy.typing as npt
 
 from stepwatch.detectors.analysis._arrival import collectives, is_short, late_flags
 from stepwatch.detectors.analysis._context import Basis, Metrics, held_wait_phase
-from stepwatch.detectors.analysis._groups import baseline_windows
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.stats._stats import (
     BoolArray,
@@ -98,6 +97,8 @@ def is_kernel_series(name: str) -> bool:
 
 #: Kernel times in at least this share of the windows with steps are tested window by window.
 DENSE_KERNELS = 0.75
+BASELINE_RUNS = 2
+"""Fewest kernel runs that define the groups' structural offsets (:meth:`KernelRuns.baseline`)."""
 
 
 class KernelRuns(NamedTuple):
@@ -137,6 +138,24 @@ class KernelRuns(NamedTuple):
         for gap in np.flatnonzero(both.any(axis=(1, 2))):
             full[self.last[gap] + 1 : self.first[gap + 1]] |= both[gap]
         return full
+
+    def baseline(self, windows: BoolArray) -> BoolArray:
+        """``(N,)`` the runs that define the job's structure (the groups' offsets): those that
+        start within the span of the frame's baseline ``windows``, and at least the first
+        :data:`BASELINE_RUNS` that start in or after it.
+
+        Not the first ``BASELINE_WINDOWS`` runs: a run is one window in several, so ten runs
+        reached far past the baseline, at one window in 8 over the whole of a simulated
+        pipeline job, its fault included. A stage's offset then took in half of its fault,
+        and its communication kernels were flagged from the job's start.
+        """
+        span = np.flatnonzero(windows)
+        chosen = np.zeros(self.first.size, dtype=bool)
+        if span.size == 0:
+            return chosen
+        chosen[(self.first >= span[0]) & (self.first <= span[-1])] = True
+        chosen[np.flatnonzero(self.first >= span[0])[:BASELINE_RUNS]] = True
+        return chosen
 
     def place(self, target: FloatArray, values: FloatArray) -> None:
         """Write each run's ``(N, R, M)`` values on the run's windows of ``target``."""
@@ -269,8 +288,7 @@ def _flag_metrics(basis: Basis, pool: ThreadPoolExecutor) -> Metrics:
         if runs is None
         else next((m for m, item in enumerate(series) if is_kernel_series(item.name)), tested)
     )
-    run_present = None if runs is None else runs.pool(basis.present.astype(float)) > 0
-    run_baseline = None if run_present is None else baseline_windows(run_present)
+    run_baseline = None if runs is None else runs.baseline(basis.baseline)
 
     def test_block(start: int, stop: int, compact: bool) -> None:
         """Test series ``start:stop``, on every window or (``compact``) on the kernel runs."""

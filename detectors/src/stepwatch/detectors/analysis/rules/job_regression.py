@@ -3,33 +3,26 @@
 A job rule, run after the others: change points (:func:`change_points`) of the job's median
 step, phase and kernel-class times per window; upward shifts of at least
 ``config.min_shift`` and ``config.min_step_fraction`` of a step, away from every earlier
-finding, grouped when within 3 windows (a kernel series with windows of no kernel times: from
-the window after its last one before the shift). A group seen only in series that hold waiting
-in collectives is not a regression. Localisation: the phase and kernel class that moved most;
-in a job too small for the cross-rank tests, the ranks whose own work carries it while the
-others wait (``_few_ranks``). Cost: the step's own shift, else the largest non-waiting one.
+finding, grouped when within 3 windows (a series with windows of no values, kernel times from
+a sampling source, joins by its span: ``_shifts``). A group seen only in series that hold
+waiting in collectives is not a regression. Localisation: the phase and kernel class that
+moved most; in a job too small for the cross-rank tests, the ranks whose own work carries it
+while the others wait (``_few_ranks``). Cost: the step's own shift, else the largest
+non-waiting one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._few_ranks import localise
 from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
+from stepwatch.detectors.analysis._shifts import Shift, group_shifts
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.stats._stats import FloatArray, change_points, nanmedian
-
-
-class _Shift(NamedTuple):
-    window: int  # first window of the new level
-    series: str  # "step", "phase:<name>" or "kernel:<class>"
-    excess_s: float
-    ratio: float
-    since: int  # the earliest window it may have begun (ChangePoint.since)
 
 
 def _job_series(context: Context) -> dict[str, FloatArray]:
@@ -79,7 +72,7 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
         for v in earlier
         if v.description.kind != "stage_imbalance"  # structure: there from the start
     ]
-    shifts: list[_Shift] = []
+    shifts: list[Shift] = []
     for name, series in _job_series(context).items():
         for point in change_points(series, min_shift=config.min_shift, alpha=config.change_alpha):
             excess = point.after - point.before
@@ -87,25 +80,18 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
                 continue
             if any(low - 6 <= point.index <= high + 1 for low, high in explained):
                 continue
-            shifts.append(_Shift(point.index, name, excess, point.ratio, point.since))
-    shifts.sort()
-    groups: list[list[_Shift]] = []
-    for shift in shifts:
-        if groups and shift.since - groups[-1][0].window <= 3:
-            groups[-1].append(shift)
-        else:
-            groups.append([shift])
+            shifts.append(Shift(point.index, name, excess, point.ratio, point.since))
     waiting = _waiting_series(context)
     # Collective time is mostly waiting for the last rank: its median is an extreme-value
     # statistic, too jumpy to call a job regression on its own.
     return [
         _verdict(context, group, waiting)
-        for group in groups
+        for group in group_shifts(shifts)
         if any(s.series not in waiting for s in group)
     ]
 
 
-def _cost(context: Context, group: list[_Shift], waiting: set[str]) -> float:
+def _cost(context: Context, group: list[Shift], waiting: set[str]) -> float:
     """The job's step after the shift over before (see the module)."""
     own = [s for s in group if s.series == "step"]
     if own:
@@ -116,7 +102,7 @@ def _cost(context: Context, group: list[_Shift], waiting: set[str]) -> float:
     return 1.0 + excess / base if base > 0 else 1.0
 
 
-def _verdict(context: Context, group: list[_Shift], waiting: set[str]) -> Verdict:
+def _verdict(context: Context, group: list[Shift], waiting: set[str]) -> Verdict:
     frame = context.frame
     index = min(s.window for s in group)
     phases = [s for s in group if s.series.startswith("phase:")]
