@@ -292,3 +292,27 @@ def test_a_late_seen_kernel_shift_joins_the_steps_not_an_earlier_one() -> None:
     assert [(d.kind, d.phase, d.kernel_class) for d in found] == [
         ("job_regression", "backward", "gemm")
     ]
+
+
+@pytest.mark.parametrize("world", [8, 32])
+def test_a_regression_names_its_class_from_too_few_windows_to_test(world: int) -> None:
+    # One window in 16: two or three windows with kernel times after the shift, too few for
+    # a change point (3 a side). The class that moved most is named with what it rests on.
+    job = simulate(world, steps=400, faults=[Fault.parse("job_regression@200:all:1.3")], seed=1)
+    found = diagnose(_sampled(job.frame(), 16))
+    assert [(d.kind, d.kernel_class) for d in found] == [("job_regression", "gemm")]
+    assert "windows since that recorded kernels" in found[0].summary
+    assert found[0].slowdown == pytest.approx(diagnose(job.frame())[0].slowdown, rel=0.02)
+
+
+def test_a_thin_shift_only_where_no_test_could_run() -> None:
+    from stepwatch.detectors.analysis._shifts import thin_shift
+
+    series = np.full(40, np.nan)
+    series[[4, 20, 36]] = [1.0, 1.0, 1.5]  # one window after the shift at 30
+    found = thin_shift("kernel:gemm", series, 30, min_ratio=1.03, min_excess=0.01)
+    assert found is not None and (found.ratio, found.thin) == (1.5, 1)
+    assert thin_shift("kernel:gemm", series, 30, min_ratio=1.6, min_excess=0.01) is None
+    dense = np.where(np.arange(40) < 30, 1.0, 1.5)  # change_points' to test, not this
+    assert thin_shift("kernel:gemm", dense, 30, min_ratio=1.03, min_excess=0.01) is None
+    assert thin_shift("kernel:gemm", series, 3, min_ratio=1.03, min_excess=0.01) is None

@@ -20,7 +20,7 @@ import numpy as np
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._few_ranks import localise
 from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
-from stepwatch.detectors.analysis._shifts import Shift, group_shifts
+from stepwatch.detectors.analysis._shifts import Shift, group_shifts, thin_shift
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.stats._stats import FloatArray, change_points, nanmedian
 
@@ -73,7 +73,8 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
         if v.description.kind != "stage_imbalance"  # structure: there from the start
     ]
     shifts: list[Shift] = []
-    for name, series in _job_series(context).items():
+    job_series = _job_series(context)
+    for name, series in job_series.items():
         for point in change_points(series, min_shift=config.min_shift, alpha=config.change_alpha):
             excess = point.after - point.before
             if point.ratio < 1 or excess < config.min_step_fraction * step:
@@ -84,11 +85,19 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     waiting = _waiting_series(context)
     # Collective time is mostly waiting for the last rank: its median is an extreme-value
     # statistic, too jumpy to call a job regression on its own.
-    return [
-        _verdict(context, group, waiting)
-        for group in group_shifts(shifts)
-        if any(s.series not in waiting for s in group)
-    ]
+    groups = [g for g in group_shifts(shifts) if any(s.series not in waiting for s in g)]
+    for group in groups:  # no kernel shift tested: a sparse kernel series' move, if any
+        index = min(s.window for s in group)
+        thin = [
+            found
+            for name, series in job_series.items()
+            if name.startswith("kernel:") and name not in waiting
+            and (found := thin_shift(name, series, index, min_ratio=1 + config.min_shift,
+                                     min_excess=config.min_step_fraction * step))
+        ]  # fmt: skip
+        if thin and not any(s.series.startswith("kernel:") for s in group):
+            group.append(max(thin, key=lambda s: s.excess_s))
+    return [_verdict(context, group, waiting) for group in groups]
 
 
 def _cost(context: Context, group: list[Shift], waiting: set[str]) -> float:
@@ -112,15 +121,19 @@ def _verdict(context: Context, group: list[Shift], waiting: set[str]) -> Verdict
     phase = max(phases, key=lambda s: s.excess_s).series.split(":", 1)[1] if phases else None
     top_kernel = max(kernels, key=lambda s: s.excess_s) if kernels else None
     kernel_class = top_kernel.series.split(":", 1)[1] if top_kernel else None
-    ratio = steps[0].ratio if steps else max(s.ratio for s in group)
+    tested = [s for s in group if not s.thin]  # a thin kernel move names, never costs
+    ratio = steps[0].ratio if steps else max(s.ratio for s in tested)
     detail = [f"{phase} moved most"] if phase else []
-    detail += [f"{kernel_class} {top_kernel.ratio:.2f}x"] if top_kernel else []
+    if top_kernel:
+        detail.append(f"{kernel_class} {top_kernel.ratio:.2f}x")
+        if top_kernel.thin:  # no change point: a ratio over the few windows with kernels
+            detail[-1] += f" in the {top_kernel.thin} windows since that recorded kernels"
     head = f"job step time {ratio:.2f}x" if steps else "job slower"
     summary = f"{head} since {context.since(index)} on every rank" + (
         f" ({', '.join(detail)})" if detail else ""
     )
     description = localise(context, index) or Description(
-        RULE.kind, summary, ratio, phase, kernel_class, slowdown=_cost(context, group, waiting)
+        RULE.kind, summary, ratio, phase, kernel_class, slowdown=_cost(context, tested, waiting)
     )
     return Verdict(
         description=description,
@@ -129,7 +142,7 @@ def _verdict(context: Context, group: list[Shift], waiting: set[str]) -> Verdict
         detected=min(index + 2, frame.n_windows - 1),
         open=True,
         severity=severity_of(description.ratio),
-        score=float(max(s.ratio for s in group)),
+        score=float(max(s.ratio for s in tested)),
     )
 
 
