@@ -23,6 +23,7 @@ from stepwatch.detectors.analysis._groups import (
     coordinate_groups,
     infer_groups,
 )
+from stepwatch.detectors.analysis._split import Split, split
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_CATEGORY, JobFrame
 from stepwatch.detectors.stats._stats import BoolArray, FloatArray, nanmedian, safe_log
 
@@ -52,6 +53,7 @@ class Basis:
         overlap_waiting: series that hold the wait for peers (:func:`_overlap_waiting`).
         baseline: ``(W,)`` the first windows, which define the job's structure.
         groups: the peer groups (pipeline stages, or groups inferred from the baseline).
+        split: each rank's step split into its own work and its waiting (:mod:`._split`).
     """
 
     frame: JobFrame
@@ -66,6 +68,7 @@ class Basis:
     overlap_waiting: frozenset[str]
     baseline: BoolArray
     groups: PeerGroups
+    split: Split
 
     @classmethod
     def of(cls, frame: JobFrame, config: DetectorConfig) -> Basis:
@@ -103,6 +106,15 @@ class Basis:
         if groups is None:
             profile = _profile(frame, compute_s, overlap_waiting, settled)
             groups = infer_groups(profile, baseline, dp_ranks=frame.dp_ranks)
+        nested = f"phase:{COMMUNICATION_CATEGORY}" in overlap_waiting
+        parts = split(
+            frame,
+            present=present,
+            nested=nested,
+            held=held_wait_phase(frame),
+            groups=groups,
+            baseline=baseline,
+        )
         return cls(
             frame=frame,
             config=config,
@@ -116,6 +128,7 @@ class Basis:
             overlap_waiting=overlap_waiting,
             baseline=baseline,
             groups=groups,
+            split=parts,
         )
 
     @property

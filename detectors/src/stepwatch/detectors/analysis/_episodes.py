@@ -46,8 +46,14 @@ class Episode:
     flagged: Flagged
 
 
+#: Metrics that measure a rank's waiting for others: flagged alone, the rank waited longer
+#: than its peers (for a culprit elsewhere, or in a rotation of slowest ranks) and did not
+#: slow anything down itself.
+WAIT_METRICS = frozenset({"phase:communication"})
+
+
 def find_episodes(metrics: Metrics, config: DetectorConfig) -> list[Episode]:
-    """Every rank's episodes, by rank index then time."""
+    """Every rank's episodes, by rank index then time; those that only waited left out."""
     any_flag = np.asarray(metrics.flags.any(axis=2))
     episodes: list[Episode] = []
     for rank_index in np.flatnonzero(any_flag.any(axis=0)):
@@ -57,6 +63,8 @@ def find_episodes(metrics: Metrics, config: DetectorConfig) -> list[Episode]:
             first_flag, last = int(run[0]), int(run[-1])
             counts = metrics.flags[first_flag : last + 1, rank_index, :].sum(axis=0)
             flagged = {metrics.names[m]: int(counts[m]) for m in np.flatnonzero(counts)}
+            if flagged.keys() <= WAIT_METRICS:
+                continue
             episodes.append(
                 Episode(
                     rank_index=int(rank_index),

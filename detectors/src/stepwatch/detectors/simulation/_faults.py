@@ -139,8 +139,20 @@ def apply_fault(draws: Draws, fault: Fault, rng: np.random.Generator) -> Effect:
         apply = _kernel_delta(draws, columns, np.where(hit, severity, 1.0))
         draws.clock[...] = draws.clock / np.where(hit, severity, 1.0)
     elif fault.kind == "stage_imbalance":  # more layers on the stage: forward and backward
-        apply = _kernel_delta(draws, fwdbwd, np.where(hit, severity, 1.0))
+        factor = np.where(hit, severity, 1.0)
+        added = (draws.kernel[..., fwdbwd] * (factor[..., None] - 1.0)).sum(axis=2)
+        apply = _kernel_delta(draws, fwdbwd, factor)
         phase = "backward"
+        # The what-if of re-partitioning: the extra layers spread evenly over the stages of
+        # each replica (every stage does the mean work; Lin et al., OSDI'25).
+        topology = draws.topology
+        spread_out = added.reshape(steps, topology.pp, topology.dp * topology.tp).mean(axis=1)
+        shared = np.tile(spread_out, (1, topology.pp))
+
+        def repartitioned(parts: Parts) -> Parts:
+            return parts.replace(work=parts.work + shared)
+
+        counterfactual = repartitioned
     elif fault.kind == "workload_imbalance":
         # Each replica's work spread with log-sd log(severity), its mean kept: only the
         # balance changes, not the total.

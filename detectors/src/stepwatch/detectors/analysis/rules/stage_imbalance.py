@@ -6,10 +6,13 @@ the others slows the whole job on healthy hardware: a partitioning problem, not 
 The work of a rank is its compute and memory kernel time per step (else its phases that
 hold no waiting). The heaviest group (stage, or structural group inferred without
 coordinates) must be the heaviest in most windows and, with ``stepwatch.dp_rank``, on every
-replica. Cost: the pipeline's step if the stage did the work of the next heaviest one
-(``saving = its work - the next heaviest stage's``; the 1F1B fill and drain, about one
-micro-batch of it, are ignored: without the micro-batch count the estimate is high by at
-most ``1/m``). Raised from ``config.structure_min_slowdown``.
+replica. Cost: the pipeline's step if the layers were re-partitioned so that every stage
+did the mean work of the stages (``saving = its work - the stages' mean``, the what-if
+ideal of Lin et al., OSDI'25; the 1F1B fill and drain, about one micro-batch of it, are
+ignored: without the micro-batch count the estimate is high by at most ``1/m``). Not
+raised when the replicas' pace varies more than the stage stands out (variable sequence
+lengths): ``workload_imbalance`` then reports the loss. Raised from
+``config.structure_min_slowdown``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._cost import ratio_of, steps_per_window
+from stepwatch.detectors.analysis._cost import pacing, ratio_of, steps_per_window
 from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
@@ -53,7 +56,11 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     windows = np.flatnonzero(reported)
     first, last = int(windows[0]), int(windows[-1])
     span = slice(first, last + 1)
-    saving = per_group[span, heavy] - per_group[span, second]
+    paced = pacing(context)
+    if paced is not None and paced.rotation_dominates(span):
+        return []  # workload_imbalance reports the loss, this structure included
+    # Re-partitioned, every stage would do the mean work of the stages.
+    saving = per_group[span, heavy] - np.mean(per_group[span], axis=1)
     slowdown = ratio_of(context.step_median[span], saving, steps_per_window(context)[span])
     if slowdown < context.config.min_slowdown_for(RULE.kind):
         return []

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._cost import imbalance_lost_s, lead_s
+from stepwatch.detectors.analysis._cost import heaviest_group, imbalance_lost_s, lead_s, pacing
 from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray
@@ -40,6 +40,11 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     config = context.config
     if lost is None or context.frame.n_windows < TRAILING_WINDOWS:
         return []
+    paced = pacing(context)
+    if paced is not None and not any(v.description.kind == "stage_imbalance" for v in earlier):
+        # The stage rule left the pipeline's structure to this loss (the replicas' pace
+        # varies more than the heaviest stage stands out): the ideal balances both.
+        lost = lost + np.nan_to_num(paced.stage_s(heaviest_group(paced)))
     step = context.step_median
     with np.errstate(invalid="ignore", divide="ignore"):
         # A median, not a mean: one window's spike (a stall everyone waits for) is not a
