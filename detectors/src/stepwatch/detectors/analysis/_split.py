@@ -129,13 +129,14 @@ def split(
     if not phases:
         untimed = np.where(present, 0.0, np.nan)
     structural = structure(untimed, groups, baseline)
-    if has_communication and not nested:
+    waiting_column = None if waiting is None else phases.index(waiting)
+    if waiting_column is not None and not nested:
         # Own work: the other phases; plus untimed time beyond the group's structure. (The
-        # time outside the collective also holds that structure, and send/recv ops that run
+        # time outside the wait also holds that structure, and send/recv ops that run
         # beside compute make it smaller than the work itself.)
-        own = total - np.nan_to_num(frame.phase_s[:, :, phases.index(COMMUNICATION_CATEGORY)])
+        own = total - np.nan_to_num(frame.phase_s[:, :, waiting_column])
         lead = own + np.clip(untimed - structural[None, :], 0.0, None)
-    elif evidence in (COMMUNICATION, HELD):
+    elif evidence == COMMUNICATION:
         lead = outside
     else:
         lead = outside - structural[None, :]

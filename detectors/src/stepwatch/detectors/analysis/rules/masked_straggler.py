@@ -20,6 +20,7 @@ import numpy as np
 from stepwatch.detectors.analysis._arrival import collectives
 from stepwatch.detectors.analysis._context import Context, held_wait_phase
 from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.analysis._split import COMMUNICATION as COMMUNICATION_EVIDENCE
 from stepwatch.detectors.analysis.rules import pipeline_bubble
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_PHASES
 
@@ -49,7 +50,26 @@ def _straggler(context: Context, group: EpisodeGroup) -> Description:
         f"{context.who(indices)} {phase} {ratio:.2f}x {context.peer_noun} {kernels}; "
         f"{wait_text} since {context.since(first)}"
     )
+    replica = _one_replica(context, indices)
+    if replica is not None and context.split.evidence != COMMUNICATION_EVIDENCE:
+        summary = (
+            f"{context.rank_text(indices)} (dp {replica}, stages "
+            f"{','.join(str(int(context.frame.pp_ranks[i])) for i in indices)}) {phase} "
+            f"{ratio:.2f}x their stages {kernels} since {context.since(first)}: one of them "
+            "is slow and the others wait for it inside their phases; without a "
+            "communication phase the data cannot tell which"
+        )
     return Description(RULE.kind, summary, ratio, phase, indices=indices)
+
+
+def _one_replica(context: Context, indices: tuple[int, ...]) -> int | None:
+    """The data-parallel replica of ``indices`` when they are stages of one replica."""
+    groups = context.groups
+    if len(indices) < 2 or not groups.replicas_known:
+        return None
+    replicas = {int(groups.dp_ranks[i]) for i in indices}
+    stages = {int(groups.stages[i]) for i in indices}
+    return replicas.pop() if len(replicas) == 1 and len(stages) == len(indices) else None
 
 
 def _held_ratio(context: Context, held: str, group: EpisodeGroup) -> float:

@@ -24,6 +24,7 @@ import numpy as np
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._cost import pacing, ratio_of, steps_per_window
 from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
+from stepwatch.detectors.analysis._split import COMMUNICATION
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
 
@@ -35,7 +36,7 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     del earlier
     groups = context.groups
     frame = context.frame
-    if groups.n_groups < 2:
+    if groups.n_groups < 2 or not _work_measured(context):
         return []
     work = context.work_s()
     per_group = np.stack(
@@ -76,6 +77,14 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
             score=float(typical[heavy] / typical[second]),
         )
     ]
+
+
+def _work_measured(context: Context) -> bool:
+    """Whether the data measures the ranks' work apart from their waits: compute kernels,
+    or phases beside a timed communication phase. Step times alone, or phases that hold
+    the waits for the other stages (no communication phase), cannot show partitioning."""
+    kernels = any(c in ("compute", "memory") for c in context.frame.kernel_categories)
+    return kernels or context.split.evidence == COMMUNICATION
 
 
 def _on_every_replica(context: Context, work: FloatArray, heavy: int, second: int) -> bool:
