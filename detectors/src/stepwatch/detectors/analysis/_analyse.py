@@ -125,11 +125,33 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
     )
 
 
+#: A rank finding's evidence (its ratio to its peers) must differ from 1 by at least this
+#: much: a finding whose own evidence reads 1.00x shows nothing, whatever its cost says.
+MIN_EVIDENCE = 1.03
+#: Kinds whose evidence is the time a rank takes in what paces the job (a phase, its
+#: kernels, its clock, its arrival), against its peers': the job cannot lose more than that
+#: ratio to them. (A stall's evidence is how long its longest step was against the usual.)
+PACED_KINDS = frozenset(
+    {
+        "compute_straggler",
+        "masked_straggler",
+        "dataloader_stall",
+        "gpu_health",
+        "link_degradation",
+        "pipeline_bubble",
+    }
+)
+
+
 def _costed(context: Context, verdict: Verdict, busy: list[slice]) -> Verdict | None:
     """The verdict with its cost and the severity of that cost; ``None`` below the bar.
 
-    A verdict whose rule measured no cost and whose kind has no cost model keeps its
-    severity and a cost of 1.0 (unknown), and is always raised.
+    A rank finding the cost model prices is raised only when its evidence shows the anomaly
+    (its ratio to its peers at least :data:`MIN_EVIDENCE` away from 1) and, for
+    :data:`PACED_KINDS`, costs at most that ratio: a rank that takes r times its peers'
+    time in what paces the job cannot slow the job by more than r. A verdict whose rule
+    measured no cost and whose kind has no cost model keeps its severity and a cost of 1.0
+    (unknown), and is always raised.
     """
     what = verdict.description
     slowdown = what.slowdown
@@ -139,6 +161,12 @@ def _costed(context: Context, verdict: Verdict, busy: list[slice]) -> Verdict | 
     if slowdown is None:
         return verdict
     slowdown = max(1.0, float(slowdown))
+    if what.indices and what.slowdown is None:  # a rank finding the cost model priced
+        evidence = max(what.ratio, 1.0 / what.ratio) if what.ratio > 0 else 1.0
+        if evidence < MIN_EVIDENCE:
+            return None
+        if what.kind in PACED_KINDS:
+            slowdown = min(slowdown, evidence)
     if slowdown < context.config.min_slowdown_for(what.kind):
         return None
     summary = with_cost(what.summary, slowdown)

@@ -34,6 +34,8 @@ from stepwatch.detectors.stats._stats import BoolArray, FloatArray, nanmedian, s
 WAIT_HOLDING_PHASE = "backward"
 #: Compute kernels this much slower than the peers' are never called normal, flagged or not.
 SLOW_KERNELS = 1.2
+#: Share of a pipeline stage's ranks a finding must hold to be about the whole stage.
+STAGE_FILLED = 0.9
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -401,12 +403,15 @@ class Context(Basis):
             return None, 1.0
         return frame.kernel_classes[classes[best]], float(own[best] / theirs[best])
 
-    def stall_ratios(self, indices: Sequence[int], first: int, last: int) -> dict[str, float]:
-        """Flagged ``stall:`` phases → longest occurrence / peers' longest (largest in span)."""
+    def stall_ratios(
+        self, indices: Sequence[int], first: int, last: int, *, prefix: str = "stall:"
+    ) -> dict[str, float]:
+        """Flagged ``stall:`` phases → longest occurrence / peers' longest (largest in span);
+        with ``prefix="burst:"``, the burstiness metrics' largest flagged ratio."""
         metrics = self.metrics
         ratios: dict[str, float] = {}
         for m, name in enumerate(metrics.names):
-            if not name.startswith("stall:"):
+            if not name.startswith(prefix):
                 continue
             hit = metrics.flags[first : last + 1, indices, m]
             if hit.any():
@@ -443,9 +448,11 @@ class Context(Basis):
         return group, tuple(chosen)
 
     def stage_group(self, indices: Sequence[int]) -> list[int] | None:
-        """Every rank of the pipeline stages the ranks fill at least half of, else ``None``.
+        """Every rank of the pipeline stages the ranks fill, else ``None``.
 
-        ``None`` also without two known stages, or when a rank's stage is unknown.
+        The ranks fill a stage when they hold all of its ranks but a tenth (a stage of a
+        few replicas: all of them). One slow worker is never a whole stage. ``None`` also
+        without two known stages, or when a rank's stage is unknown.
         """
         pp = self.frame.pp_ranks
         if len(set(pp.tolist()) - {-1}) < 2:
@@ -454,7 +461,7 @@ class Context(Basis):
         if -1 in stages:
             return None
         members = [i for i in range(pp.size) if int(pp[i]) in stages]
-        if len(members) < 2 * len(stages) or len(indices) * 2 < len(members):
+        if len(members) < 2 * len(stages) or len(indices) < STAGE_FILLED * len(members):
             return None
         return members
 

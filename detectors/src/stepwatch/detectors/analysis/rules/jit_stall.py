@@ -10,8 +10,6 @@ waited in their collective; no phase (the time is in none), never the waiters.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
@@ -28,12 +26,8 @@ from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 
 def _describe(context: Context, group: EpisodeGroup) -> Description:
     indices, first, last = group.indices, group.first, group.last
-    ratio = math.exp(
-        max(
-            context.mean_effect("burst:step", indices, first, last),
-            context.mean_effect("burst:idle", indices, first, last),
-        )
-    )
+    # Stalls strike some steps: the evidence is the burstiest window where it was flagged.
+    ratio = max(context.stall_ratios(indices, first, last, prefix="burst:").values(), default=1.0)
     phase: str | None = context.top_phase(indices, group.span, COMPUTE_PHASES)
     stalls = context.stall_ratios(indices, first, last)
     who = f"{context.rank_text(indices)}{context.groups.where(indices)}"
