@@ -24,14 +24,14 @@ from stepwatch.detectors.analysis._groups import (
     infer_groups,
 )
 from stepwatch.detectors.analysis._split import Split, split
-from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_CATEGORY, JobFrame
+from stepwatch.detectors.frame._frame import (
+    COMMUNICATION_CATEGORY,
+    COMPUTE_CATEGORY,
+    WAIT_HOLDING_PHASE,
+    JobFrame,
+)
 from stepwatch.detectors.stats._stats import BoolArray, FloatArray, nanmedian, safe_log
 
-#: Without a communication phase, the phase that holds the gradient all-reduce and the wait
-#: for the last rank in it: DDP, FSDP and Horovod start the all-reduce from backward hooks,
-#: so every producer that times ``loss.backward()`` (Lightning's and HF Trainer's timers, a
-#: hand-written ``with phase("backward")``, a device timer over backward) records it there.
-WAIT_HOLDING_PHASE = "backward"
 #: Compute kernels this much slower than the peers' are never called normal, flagged or not.
 SLOW_KERNELS = 1.2
 #: Share of a pipeline stage's ranks a finding must hold to be about the whole stage.

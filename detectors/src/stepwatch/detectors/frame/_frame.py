@@ -25,6 +25,11 @@ COMPUTE_CATEGORY = "compute"
 COMMUNICATION_CATEGORY = "communication"
 #: Phases whose wall time is host/device compute (not waiting in a collective).
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
+#: Without a communication phase, the phase that holds the gradient all-reduce and the wait
+#: for the last rank in it: DDP, FSDP and Horovod start the all-reduce from backward hooks,
+#: so every producer that times ``loss.backward()`` (Lightning's and HF Trainer's timers, a
+#: hand-written ``with phase("backward")``, a device timer over backward) records it there.
+WAIT_HOLDING_PHASE = "backward"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
