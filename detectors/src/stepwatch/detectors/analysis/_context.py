@@ -415,15 +415,20 @@ class Context(Basis):
                 continue
             hit = metrics.flags[first : last + 1, indices, m]
             if hit.any():
-                ratios[name.split(":", 1)[1]] = math.exp(
+                ratios[name.split(":", 1)[-1]] = math.exp(
                     float(np.nanmax(metrics.effect[first : last + 1, indices, m][hit]))
                 )
         return ratios
 
     def flagged(self, group: EpisodeGroupLike) -> set[str]:
         """The metrics flagged on the group's ranks in its windows."""
+        return set(self.flagged_counts(group))
+
+    def flagged_counts(self, group: EpisodeGroupLike) -> dict[str, int]:
+        """The metrics flagged on the group's ranks, and in how many of its windows."""
         block = self.metrics.flags[group.first : group.last + 1][:, list(group.indices), :]
-        return {self.metrics.names[m] for m in np.flatnonzero(block.any(axis=(0, 1)))}
+        counts = block.any(axis=1).sum(axis=0)
+        return {self.metrics.names[m]: int(counts[m]) for m in np.flatnonzero(counts)}
 
     def score(self, indices: Sequence[int], first: int, last: int) -> float:
         """Strongest robust z of the ranks' flags over the windows, capped at 99."""

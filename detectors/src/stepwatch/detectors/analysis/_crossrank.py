@@ -453,7 +453,7 @@ def outside_gap_s(basis: Basis) -> FloatArray | None:
     frame = basis.frame
     if not frame.phases:
         return None
-    overlap = bool(basis.overlap_waiting)
+    overlap = f"phase:{COMMUNICATION_CATEGORY}" in basis.overlap_waiting
     columns = [
         i for i, p in enumerate(frame.phases) if not (overlap and p == COMMUNICATION_CATEGORY)
     ]

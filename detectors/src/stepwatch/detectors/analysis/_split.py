@@ -109,17 +109,21 @@ def split(
         others = total - np.nan_to_num(communication)
         covered = others if nested else total
         evidence, waiting = COMMUNICATION, COMMUNICATION_CATEGORY
-    elif bool(np.isfinite(kernels).any()):
-        # No communication phase, communication kernels: the time outside them.
-        outside = step - np.where(np.isfinite(kernels), kernels, 0.0)
-        covered = total
-        evidence, waiting = COMMUNICATION, None
-    elif held is not None:
+    elif held is not None and not _kernels_time_wait(
+        kernels, frame.phase_s[:, :, phases.index(held)]
+    ):
+        # The phase that holds the collective holds its wait; a profiler's communication
+        # ops may not (torch.profiler's gloo ops on a CPU: a few % of it).
         index = phases.index(held)
         values = frame.phase_s[:, :, index]
         outside = frame.phase_base(index) - np.where(np.isfinite(values), values, 0.0)
         covered = total
         evidence, waiting = HELD, held
+    elif bool(np.isfinite(kernels).any()):
+        # No phase holds the collective, communication kernels time it: the time outside.
+        outside = step - np.where(np.isfinite(kernels), kernels, 0.0)
+        covered = total
+        evidence, waiting = COMMUNICATION, None
     else:
         outside = step
         covered = total
@@ -164,3 +168,16 @@ def structure(values: FloatArray, groups: PeerGroups, baseline: BoolArray) -> Fl
         if np.isfinite(values).any():
             result[members] = float(nanmedian(values.reshape(1, -1), axis=1)[0, 0])
     return result
+
+
+#: Communication kernels time the wait when they hold at least this share of the phase that
+#: holds the collective (NCCL kernels spin through the wait: most of it).
+KERNEL_WAIT_SHARE = 0.1
+
+
+def _kernels_time_wait(kernels: FloatArray, held: FloatArray) -> bool:
+    """Whether communication kernel times hold the collective's wait, not just its launch."""
+    both = np.isfinite(kernels) & np.isfinite(held) & (held > 0)
+    if not both.any():
+        return False
+    return bool(np.median(kernels[both]) >= KERNEL_WAIT_SHARE * np.median(held[both]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._crossrank import OUTSIDE
+from stepwatch.detectors.analysis._crossrank import ARRIVAL, OUTSIDE
 from stepwatch.detectors.analysis._rule import (
     Description,
     EpisodeGroup,
@@ -43,6 +43,14 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     if stalls:  # a one-off stall localised to a host-side phase
         phase, stall_ratio = max(stalls.items(), key=lambda item: item[1])
         ratio = max(ratio, stall_ratio)
+    elif ratio == 1.0 and _late_once(context.flagged_counts(group)):
+        late = max(context.stall_ratios(indices, first, last, prefix=ARRIVAL).values())
+        summary = (
+            f"{who} reached the collective late in one window (its time before it "
+            f"{late:.2f}x {context.groups.noun}) with its timed phases normal: a pause on "
+            f"a step whose phases were not timed, since {context.since(first)}"
+        )
+        return Description(RULE.kind, summary, late, None, indices=indices)
     summary = (
         f"{who} host-side stalls with the device idle: longest step "
         f"{ratio:.2f}x {context.groups.noun} since {context.since(first)}"
@@ -69,8 +77,18 @@ def _stalls_lead(flagged: Flagged) -> bool:
     return stalls > 0 and 2 * stalls >= max(work, default=0)
 
 
+#: Windows a rank may be late in (its time before the collective alone flagged) and still be
+#: a one-off: a pause on a step whose phases were not timed (sampled phases), not a link.
+LATE_ONCE_WINDOWS = 2
+
+
+def _late_once(flagged: Flagged) -> bool:
+    """Only the time before the collective flagged, in at most :data:`LATE_ONCE_WINDOWS`."""
+    return flagged.keys() == {ARRIVAL} and flagged[ARRIVAL] <= LATE_ONCE_WINDOWS
+
+
 RULE = EpisodeRule(
     kind="jit_stall",
-    signatures=(Signature(20, _stalls_lead),),
+    signatures=(Signature(20, _stalls_lead), Signature(55, _late_once)),
     describe=_describe,
 )
