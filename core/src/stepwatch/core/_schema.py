@@ -89,6 +89,9 @@ DIAGNOSIS_KINDS: Final = (
     "workload_imbalance",
     # No progress (issue 12): a rank stuck or silent while its peers wait, or the whole job.
     "hang",
+    # A rank slower than its peers in data that holds step times alone (issue 44): what it
+    # was slow in (compute, communication, partitioning) is not in the data.
+    "slow_rank",
 )
 SEVERITIES: Final = ("info", "warning", "critical")
 

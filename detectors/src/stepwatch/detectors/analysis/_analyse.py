@@ -139,6 +139,7 @@ PACED_KINDS = frozenset(
         "gpu_health",
         "link_degradation",
         "pipeline_bubble",
+        "slow_rank",
     }
 )
 

@@ -69,6 +69,7 @@ LATE_KINDS = frozenset(
         "jit_stall",
         "link_degradation",
         "pipeline_bubble",
+        "slow_rank",
     }
 )
 #: Kinds whose rank's own work may lie inside the phase that holds the wait as well

@@ -20,7 +20,9 @@ from stepwatch.detectors.analysis._rule import (
 )
 
 #: Without communication data: kinds that name a rank doing its own work slowly ...
-CULPRITS = frozenset({"compute_straggler", "gpu_health", "dataloader_stall", "jit_stall"})
+CULPRITS = frozenset(
+    {"compute_straggler", "gpu_health", "dataloader_stall", "jit_stall", "slow_rank"}
+)
 #: ... and kinds a rank that only waits inside its pipeline for one can look like.
 WAITERS = frozenset({"pipeline_bubble", "link_degradation", "masked_straggler"})
 #: A rank waited when its communication time is this much above the culprit's.
@@ -63,7 +65,7 @@ def find_episodes(metrics: Metrics, config: DetectorConfig) -> list[Episode]:
             first_flag, last = int(run[0]), int(run[-1])
             counts = metrics.flags[first_flag : last + 1, rank_index, :].sum(axis=0)
             flagged = {metrics.names[m]: int(counts[m]) for m in np.flatnonzero(counts)}
-            if flagged.keys() <= WAIT_METRICS:
+            if flagged.keys() <= WAIT_METRICS or _misaligned(flagged):
                 continue
             episodes.append(
                 Episode(
@@ -75,6 +77,25 @@ def find_episodes(metrics: Metrics, config: DetectorConfig) -> list[Episode]:
                 )
             )
     return episodes
+
+
+#: Windows a rank's step alone may differ from its peers' in and be an artifact: each
+#: producer closes its windows at its own instants (OpenTelemetry SDKs: when the rank's
+#: process started), so a window that straddles a change of the job's pace holds more slow
+#: steps on one rank than on another (for up to three windows when exports lie almost an
+#: interval apart). Synchronous ranks' steps end together; a real
+#: difference lasts.
+MISALIGNED_WINDOWS = 3
+
+
+def _misaligned(flagged: Flagged) -> bool:
+    """Only the step flagged, in at most :data:`MISALIGNED_WINDOWS` windows; or the step
+    with the rank's wait and nothing of its own: the longer wait of a window that holds more
+    of the slow steps than its peers' windows do (in step with them, a rank cannot take
+    longer per step without being late or slow itself)."""
+    if "step" not in flagged or not flagged.keys() <= {"step"} | WAIT_METRICS:
+        return False
+    return flagged.keys() != {"step"} or flagged["step"] <= MISALIGNED_WINDOWS
 
 
 def _onset(metrics: Metrics, config: DetectorConfig, rank_index: int, first_flag: int) -> int:

@@ -12,8 +12,9 @@ from stepwatch.core._diagnosis import format_time, parse_time
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._schema import DIAGNOSIS_KINDS
 
-#: The kinds the simulator can inject (a hang stops the job: not a timing model).
-SIMULATED_KINDS = tuple(kind for kind in DIAGNOSIS_KINDS if kind != "hang")
+#: The kinds the simulator can inject (a hang stops the job: not a timing model; a slow rank
+#: is what a producer of step times alone can say of a fault, not a fault of its own).
+SIMULATED_KINDS = tuple(kind for kind in DIAGNOSIS_KINDS if kind not in ("hang", "slow_rank"))
 
 _FAULT_RE = re.compile(
     r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<ranks>[^:]*))?(?::(?P<sev>[^:]*))?"
