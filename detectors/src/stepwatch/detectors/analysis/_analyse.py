@@ -52,11 +52,14 @@ class Finding:
         detected_unix_nano: end of the window at which the flags were first confirmed
             (flags only use past windows, so an incremental run raises it then).
         last_seen_unix_nano: end of the last window showing the condition.
+        evidence: what the finding rests on, as a ratio: its ranks against their peers in
+            the metric the rule names (a rank finding), or the job's own shift or loss.
     """
 
     diagnosis: Diagnosis
     detected_unix_nano: int
     last_seen_unix_nano: int
+    evidence: float = 1.0
 
 
 def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Finding]:
@@ -206,6 +209,7 @@ def _finding(context: Context, verdict: Verdict) -> Finding:
         diagnosis=diagnosis,
         detected_unix_nano=int(ends[verdict.detected]),
         last_seen_unix_nano=int(ends[verdict.last]),
+        evidence=what.ratio,
     )
 
 

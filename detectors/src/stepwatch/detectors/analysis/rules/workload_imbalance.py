@@ -21,6 +21,7 @@ import numpy as np
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._cost import heaviest_group, imbalance_lost_s, lead_s, pacing
 from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
+from stepwatch.detectors.analysis._split import COMMUNICATION
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray
 
@@ -142,6 +143,11 @@ def _describe(context: Context, span: slice, lost: float, slowdown: float) -> De
         f"({100 * lost / step:.0f}% of its step) for the last arrival{where}, since "
         f"{context.since(span.start)}"
     )
+    if context.groups.n_groups > 1 and context.split.evidence != COMMUNICATION:
+        summary += (
+            "; without a communication phase the stages' waits lie inside their phases: "
+            "the work that varies is seen in part, and the loss is a lower bound"
+        )
     return Description(RULE.kind, summary, slowdown, phase, slowdown=slowdown)
 
 
