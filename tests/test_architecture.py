@@ -37,6 +37,7 @@ THIRD_PARTY = {
     "prometheus_client": "prometheus-client",
     "influxdb_client": "influxdb-client",
     "numpy": "numpy",
+    "pyarrow": "pyarrow",
     "scipy": "scipy",
     "statsmodels": "statsmodels",
     "torch": "torch",
