@@ -36,7 +36,7 @@ from stepwatch.detectors.analysis._episodes import (
     merge_episodes,
     narrow_to_late,
 )
-from stepwatch.detectors.analysis._rule import Verdict, severity_of
+from stepwatch.detectors.analysis._rule import Kind, Verdict, raise_bar, severity_of
 from stepwatch.detectors.frame._frame import JobFrame
 
 # The package façade and stepwatch.detectors import these names from here.
@@ -93,7 +93,7 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
     registry = rules.registry()
     verdicts: list[Verdict] = []
     for rule, merged in merge_episodes(find_episodes(context.metrics, config), registry):
-        group = narrow_to_late(context, rule.kind, merged)
+        group = narrow_to_late(context, rule.declared, merged)
         description = rule.describe(context, group)
         verdicts.append(
             Verdict(
@@ -106,12 +106,16 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
                 score=context.score(description.indices, group.first, group.last),
             )
         )
-    verdicts = drop_waiters(context, verdicts)
+    verdicts = drop_waiters(context, verdicts, registry)
     # A rank finding too cheap to raise explains nothing: the job rules see the others only
     # (a noisy rank's unraised 1.01x episode once hid a 1.87x job regression that began
     # beside it, on a recorded real run).
     spans = [slice(v.first, v.last + 1) for v in verdicts]
-    raised = [v for v in verdicts if _costed(context, v, spans) is not None]
+    raised = [
+        v
+        for v in verdicts
+        if _costed(context, registry.kind(v.description.kind), v, spans) is not None
+    ]
     for job_rule in registry.job_rules:
         found = job_rule.find(context, tuple(raised))
         verdicts.extend(found)
@@ -119,7 +123,7 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
     busy = [slice(v.first, v.last + 1) for v in verdicts]
     findings = []
     for verdict in verdicts:
-        costed = _costed(context, verdict, busy)
+        costed = _costed(context, registry.kind(verdict.description.kind), verdict, busy)
         if costed is not None:
             findings.append(_finding(context, costed))
     return sorted(
@@ -131,28 +135,16 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
 #: A rank finding's evidence (its ratio to its peers) must differ from 1 by at least this
 #: much: a finding whose own evidence reads 1.00x shows nothing, whatever its cost says.
 MIN_EVIDENCE = 1.03
-#: Kinds whose evidence is the time a rank takes in what paces the job (a phase, its
-#: kernels, its clock, its arrival), against its peers': the job cannot lose more than that
-#: ratio to them. (A stall's evidence is how long its longest step was against the usual.)
-PACED_KINDS = frozenset(
-    {
-        "compute_straggler",
-        "masked_straggler",
-        "dataloader_stall",
-        "gpu_health",
-        "link_degradation",
-        "pipeline_bubble",
-        "slow_rank",
-    }
-)
 
 
-def _costed(context: Context, verdict: Verdict, busy: list[slice]) -> Verdict | None:
+def _costed(
+    context: Context, declared: Kind, verdict: Verdict, busy: list[slice]
+) -> Verdict | None:
     """The verdict with its cost and the severity of that cost; ``None`` below the bar.
 
     A rank finding the cost model prices is raised only when its evidence shows the anomaly
     (its ratio to its peers at least :data:`MIN_EVIDENCE` away from 1) and, for
-    :data:`PACED_KINDS`, costs at most that ratio: a rank that takes r times its peers'
+    ``paced`` kinds, costs at most that ratio: a rank that takes r times its peers'
     time in what paces the job cannot slow the job by more than r. A verdict whose rule
     measured no cost and whose kind has no cost model keeps its severity and a cost of 1.0
     (unknown), and is always raised.
@@ -161,7 +153,7 @@ def _costed(context: Context, verdict: Verdict, busy: list[slice]) -> Verdict | 
     slowdown = what.slowdown
     if slowdown is None:
         span = slice(verdict.first, verdict.last + 1)
-        slowdown = estimate(context, what.kind, what.indices, span, busy=busy)
+        slowdown = estimate(context, declared, what.indices, span, busy=busy)
     if slowdown is None:
         return verdict
     slowdown = max(1.0, float(slowdown))
@@ -169,9 +161,9 @@ def _costed(context: Context, verdict: Verdict, busy: list[slice]) -> Verdict | 
         evidence = max(what.ratio, 1.0 / what.ratio) if what.ratio > 0 else 1.0
         if evidence < MIN_EVIDENCE:
             return None
-        if what.kind in PACED_KINDS:
+        if declared.paced:
             slowdown = min(slowdown, evidence)
-    if slowdown < context.config.min_slowdown_for(what.kind):
+    if slowdown < raise_bar(context.config, declared):
         return None
     summary = with_cost(what.summary, slowdown)
     return dataclasses.replace(

@@ -54,27 +54,11 @@ import numpy as np
 
 from stepwatch.detectors.analysis._context import Context, held_wait_phase
 from stepwatch.detectors.analysis._crossrank import OUTSIDE, outside_gap_s
-from stepwatch.detectors.analysis._rule import Verdict
+from stepwatch.detectors.analysis._rule import Kind, Verdict
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.frame._sampled import MIN_TIMED_STEPS
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
 
-#: Kinds costed by the late-arrival what-if when their rule gives no cost.
-LATE_KINDS = frozenset(
-    {
-        "compute_straggler",
-        "masked_straggler",
-        "dataloader_stall",
-        "gpu_health",
-        "jit_stall",
-        "link_degradation",
-        "pipeline_bubble",
-        "slow_rank",
-    }
-)
-#: Kinds whose rank's own work may lie inside the phase that holds the wait as well
-#: (compute in forward and backward), see :func:`_held_growth`.
-OWN_WORK_KINDS = frozenset({"compute_straggler", "masked_straggler", "gpu_health"})
 #: Fewest clean windows for the temporal estimate.
 MIN_CLEAN_WINDOWS = 3
 
@@ -402,18 +386,19 @@ def temporal_slowdown(context: Context, span: slice, busy: Sequence[slice]) -> f
 
 def estimate(
     context: Context,
-    kind: str,
+    declared: Kind,
     indices: Sequence[int],
     span: slice,
     *,
     busy: Sequence[slice] = (),
 ) -> float | None:
-    """The what-if slowdown of a finding of ``kind`` on ``indices`` over ``span``.
+    """The what-if slowdown of a finding of kind ``declared`` on ``indices`` over ``span``.
 
-    Returns ``None`` when the kind has no cost model (``rank_missing``, ``hang``).
+    Returns ``None`` when the kind has no cost model here (not ``late_arrival``).
     """
-    if kind not in LATE_KINDS:
+    if not declared.late_arrival:
         return None
+    kind = declared.name
     step = context.step_median
     if kind == "jit_stall":  # a stall outside phases is paid in the peers' next step
         span = slice(span.start, min(span.stop + 1, step.shape[0]))
@@ -439,7 +424,7 @@ def estimate(
         paused = _paused_s(context, indices, span, busy)
         if paused is not None:
             saving = np.fmax(saving, paused)
-    if saving is not None and kind in OWN_WORK_KINDS:
+    if saving is not None and declared.own_work:
         grown = _held_growth(context, indices, span, busy)
         if grown is not None:  # only where they are the last to arrive (they wait for none)
             saving = saving + np.where(saving > 0, grown, 0.0)

@@ -15,16 +15,11 @@ from stepwatch.detectors.analysis._rule import (
     EpisodeGroup,
     EpisodeRule,
     Flagged,
+    Kind,
     Registry,
     Verdict,
 )
 
-#: Without communication data: kinds that name a rank doing its own work slowly ...
-CULPRITS = frozenset(
-    {"compute_straggler", "gpu_health", "dataloader_stall", "jit_stall", "slow_rank"}
-)
-#: ... and kinds a rank that only waits inside its pipeline for one can look like.
-WAITERS = frozenset({"pipeline_bubble", "link_degradation", "masked_straggler"})
 #: A rank waited when its communication time is this much above the culprit's.
 WAITED_RATIO = 1.1
 
@@ -150,7 +145,7 @@ def merge_episodes(
     return result
 
 
-def drop_waiters(context: Context, verdicts: list[Verdict]) -> list[Verdict]:
+def drop_waiters(context: Context, verdicts: list[Verdict], registry: Registry) -> list[Verdict]:
     """The verdicts without those on ranks that only waited for a culprit in their replica.
 
     In a pipeline, the stages of one data-parallel replica wait for each other: when one
@@ -177,7 +172,7 @@ def drop_waiters(context: Context, verdicts: list[Verdict]) -> list[Verdict]:
             and verdict.first <= other.last + slack
             and not mine & set(other.description.indices)
             and _replicas(context, mine) <= _replicas(context, other.description.indices)
-            and _waited_for(context, wait, verdict, other)
+            and _waited_for(context, registry, wait, verdict, other)
             for other in ranked
         )
         if not waited:
@@ -198,11 +193,21 @@ def _replicas(context: Context, indices: Sequence[int] | set[int]) -> set[int]:
 
 
 def _waited_for(
-    context: Context, wait: np.ndarray | None, waiter: Verdict, culprit: Verdict
+    context: Context,
+    registry: Registry,
+    wait: np.ndarray | None,
+    waiter: Verdict,
+    culprit: Verdict,
 ) -> bool:
-    """``waiter``'s ranks spent clearly more time in communication than ``culprit``'s."""
+    """``waiter``'s ranks spent clearly more time in communication than ``culprit``'s;
+    without communication data, ``waiter`` is of a waiter's kind and ``culprit`` of a
+    culprit's (``Kind.role``)."""
     if wait is None:
-        return waiter.description.kind in WAITERS and culprit.description.kind in CULPRITS
+        roles = (
+            registry.kind(waiter.description.kind).role,
+            registry.kind(culprit.description.kind).role,
+        )
+        return roles == ("waiter", "culprit")
     span = slice(min(waiter.first, culprit.first), max(waiter.last, culprit.last) + 1)
     with np.errstate(invalid="ignore"):
         theirs = float(np.nanmean(wait[span][:, list(waiter.description.indices)]))
@@ -210,12 +215,7 @@ def _waited_for(
     return bool(theirs > WAITED_RATIO * ours)
 
 
-#: Kinds whose episodes may hold a culprit together with the ranks of its pipeline that
-#: waited for it (same signature: device idle, longer phases, longer steps).
-NARROWED = frozenset({"masked_straggler", "jit_stall", "link_degradation"})
-
-
-def narrow_to_late(context: Context, kind: str, group: EpisodeGroup) -> EpisodeGroup:
+def narrow_to_late(context: Context, declared: Kind, group: EpisodeGroup) -> EpisodeGroup:
     """Keep, in each pipeline replica, only the ranks that waited least in communication.
 
     The stages of a replica wait for its slow rank in their point-to-point kernels (which
@@ -224,9 +224,9 @@ def narrow_to_late(context: Context, kind: str, group: EpisodeGroup) -> EpisodeG
     Needs data-parallel coordinates and communication data; otherwise the group as is.
     """
     groups = context.groups
-    if kind in DATA_PARALLEL_NARROWED and not (groups.replicas_known and groups.n_groups > 1):
+    if declared.narrows_neighbours and not (groups.replicas_known and groups.n_groups > 1):
         return _narrow_data_parallel(context, group)
-    if kind not in NARROWED or not groups.replicas_known or groups.n_groups < 2:
+    if not declared.narrows_replicas or not groups.replicas_known or groups.n_groups < 2:
         return group
     wait = _wait(context)
     if wait is None:
@@ -243,10 +243,8 @@ def narrow_to_late(context: Context, kind: str, group: EpisodeGroup) -> EpisodeG
     return group.with_indices(sorted(kept)) if kept else group
 
 
-#: Kinds whose episodes in a data-parallel job may hold a rank slowed only a little beside
-#: the straggler (a neighbour sharing its CPU): it still waits for the straggler.
-DATA_PARALLEL_NARROWED = frozenset({"masked_straggler", "compute_straggler"})
-#: ... it is dropped when its wait is past this share of the way to the peers' wait.
+#: A rank flagged beside a straggler in a data-parallel job (``Kind.narrows_neighbours``) is
+#: dropped when its wait is past this share of the way to the peers' wait.
 WAITER_SHARE = 0.75
 
 

@@ -22,6 +22,22 @@ from stepwatch.detectors.stats._stats import FloatArray
 
 #: Kinds whose fault names a kernel class (default ``gemm``).
 KERNEL_KINDS = ("compute_straggler", "job_regression")
+#: The kinds :func:`apply_fault` has a model for: every kind a rule declares simulated must
+#: be one of them (tests/detectors/test_kinds.py).
+FAULT_MODELS = frozenset(
+    {
+        *KERNEL_KINDS,
+        "masked_straggler",
+        "dataloader_stall",
+        "jit_stall",
+        "pipeline_bubble",
+        "link_degradation",
+        "rank_missing",
+        "gpu_health",
+        "stage_imbalance",
+        "workload_imbalance",
+    }
+)
 #: Share of a ``jit_stall`` rank's steps that stall.
 STALL_SHARE = 0.1
 

@@ -19,8 +19,9 @@ from datetime import UTC, datetime
 
 import numpy as np
 
+from stepwatch.detectors.analysis._config import DetectorConfig
 from stepwatch.detectors.analysis._context import Context, _format_ranks
-from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict
+from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict
 from stepwatch.detectors.frame._progress import (
     COMMUNICATION,
     PROGRESS_LOOKBACK_S,
@@ -28,8 +29,6 @@ from stepwatch.detectors.frame._progress import (
     ProgressFrame,
     RankProgress,
 )
-
-KIND = "hang"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +135,7 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
         first = min(int(np.searchsorted(ends, hang.onset_unix_nano)), last)
         confirmed = int(np.searchsorted(ends, hang.onset_unix_nano + hang.threshold_s * 1e9))
         description = Description(
-            kind=KIND,
+            kind=KIND.name,
             summary=hang.summary,
             ratio=hang.slowdown,
             slowdown=hang.slowdown,  # measured here: 1 + stalled time / usual step
@@ -149,4 +148,15 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     return verdicts
 
 
-RULE = JobRule(kind=KIND, order=95, find=_find)
+KIND = Kind(
+    name="hang",
+    shows="no progress: a rank stuck or silent while its peers wait, or the whole job",
+    localised="the stuck or silent ranks and their phase, or the job",
+)
+
+
+def _probe(progress: JobProgress, config: DetectorConfig) -> list[Hang]:
+    return find_hangs(progress, hang_steps=config.hang_steps, hang_min_s=config.hang_min_s)
+
+
+RULE = JobRule(declared=KIND, order=95, find=_find, probe=_probe)

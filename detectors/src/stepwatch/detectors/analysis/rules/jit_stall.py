@@ -19,6 +19,7 @@ from stepwatch.detectors.analysis._rule import (
     EpisodeGroup,
     EpisodeRule,
     Flagged,
+    Kind,
     Signature,
 )
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
@@ -87,8 +88,30 @@ def _late_once(flagged: Flagged) -> bool:
     return flagged.keys() == {ARRIVAL} and flagged[ARRIVAL] <= LATE_ONCE_WINDOWS
 
 
+KIND = Kind(
+    name="jit_stall",
+    shows=(
+        "host-side stalls on some steps of a rank (JIT, GC, a checkpoint), inside a phase "
+        "or between phases"
+    ),
+    localised="ranks, phase (none between phases)",
+    late_arrival=True,
+    role="culprit",
+    narrows_replicas=True,
+    simulated=4,
+)
+
+
 RULE = EpisodeRule(
-    kind="jit_stall",
-    signatures=(Signature(20, _stalls_lead), Signature(55, _late_once)),
+    declared=KIND,
+    signatures=(
+        Signature(
+            20,
+            _stalls_lead,
+            "`burst:*` or `stall:*`, in at least half as many windows as any phase, kernel or "
+            "clock metric",
+        ),
+        Signature(55, _late_once, "only `arrival`, in 1 or 2 windows"),
+    ),
     describe=_describe,
 )

@@ -19,7 +19,7 @@ import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._few_ranks import localise
-from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
+from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_of
 from stepwatch.detectors.analysis._shifts import Shift, group_shifts, thin_shift
 from stepwatch.detectors.analysis._split import STEPS
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
@@ -160,4 +160,12 @@ def _lacks(context: Context, phase: str | None) -> str:
     return ""
 
 
-RULE = JobRule(kind="job_regression", order=90, find=_find)
+KIND = Kind(
+    name="job_regression",
+    shows="the whole job slower from a point in time, no rank to blame",
+    localised="phase and kernel class that moved",
+    simulated=6,
+)
+
+
+RULE = JobRule(declared=KIND, order=90, find=_find)

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._crossrank import ARRIVAL
-from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.analysis._rule import (
+    Description,
+    EpisodeGroup,
+    EpisodeRule,
+    Kind,
+    Signature,
+)
 from stepwatch.detectors.analysis._split import STEPS
 from stepwatch.detectors.analysis.rules import slow_rank
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
@@ -52,8 +58,28 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     )
 
 
+KIND = Kind(
+    name="link_degradation",
+    shows=(
+        "ranks late into, or slow through, their collectives with normal compute; named by host"
+    ),
+    localised="hosts at least half flagged, their ranks",
+    late_arrival=True,
+    paced=True,
+    role="waiter",
+    narrows_replicas=True,
+    simulated=2,
+)
+
+
 RULE = EpisodeRule(
-    kind="link_degradation",
-    signatures=(Signature(60, lambda flagged: not _LINK.isdisjoint(flagged)),),
+    declared=KIND,
+    signatures=(
+        Signature(
+            60,
+            lambda flagged: not _LINK.isdisjoint(flagged),
+            "`step`, `arrival`, `phase:communication` or `category:communication`",
+        ),
+    ),
     describe=_describe,
 )

@@ -19,7 +19,13 @@ import numpy as np
 
 from stepwatch.detectors.analysis._arrival import collectives
 from stepwatch.detectors.analysis._context import Context, held_wait_phase
-from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.analysis._rule import (
+    Description,
+    EpisodeGroup,
+    EpisodeRule,
+    Kind,
+    Signature,
+)
 from stepwatch.detectors.analysis._split import COMMUNICATION as COMMUNICATION_EVIDENCE
 from stepwatch.detectors.analysis.rules import pipeline_bubble
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_PHASES
@@ -133,8 +139,24 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     return _straggler(context, group)
 
 
+KIND = Kind(
+    name="masked_straggler",
+    shows=(
+        "one rank's host-side compute slower while its kernels are normal; its peers wait for it"
+    ),
+    localised="the culprit, phase (never the waiters)",
+    late_arrival=True,
+    paced=True,
+    own_work=True,
+    role="waiter",
+    narrows_replicas=True,
+    narrows_neighbours=True,
+    simulated=1,
+)
+
+
 RULE = EpisodeRule(
-    kind="masked_straggler",
+    declared=KIND,
     signatures=(
         Signature(
             50,
@@ -142,8 +164,11 @@ RULE = EpisodeRule(
                 not _HOST_SIDE.isdisjoint(flagged)
                 or any(name.startswith("late:") for name in flagged)
             ),
+            "`idle`, a compute phase or `late:*`",
         ),
-        Signature(70, lambda flagged: any(name.startswith("phase:") for name in flagged)),
+        Signature(
+            70, lambda flagged: any(name.startswith("phase:") for name in flagged), "any phase"
+        ),
     ),
     describe=_describe,
 )

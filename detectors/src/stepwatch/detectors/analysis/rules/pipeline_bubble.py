@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule
+from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Kind
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 
 
@@ -29,4 +29,15 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     return Description(RULE.kind, summary, ratio, indices=indices)
 
 
-RULE = EpisodeRule(kind="pipeline_bubble", signatures=(), describe=_describe)
+KIND = Kind(
+    name="pipeline_bubble",
+    shows="whole pipeline stages idle or slow against their peers",
+    localised="the stages' ranks",
+    late_arrival=True,
+    paced=True,
+    role="waiter",
+    simulated=3,
+)
+
+
+RULE = EpisodeRule(declared=KIND, signatures=(), describe=_describe)

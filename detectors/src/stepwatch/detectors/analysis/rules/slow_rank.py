@@ -11,7 +11,7 @@ rank r times slower than its peers loses at most r).
 from __future__ import annotations
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule
+from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Kind
 
 
 def _describe(context: Context, group: EpisodeGroup) -> Description:
@@ -25,4 +25,17 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     return Description(RULE.kind, summary, ratio, indices=indices)
 
 
-RULE = EpisodeRule(kind="slow_rank", signatures=(), describe=_describe)
+KIND = Kind(
+    name="slow_rank",
+    shows=(
+        "a rank slower than its peers in data that holds step times alone: what it was "
+        "slow in is not in the data"
+    ),
+    localised="ranks",
+    late_arrival=True,
+    paced=True,
+    role="culprit",
+)
+
+
+RULE = EpisodeRule(declared=KIND, signatures=(), describe=_describe)

@@ -23,7 +23,7 @@ import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._cost import pacing, ratio_of, steps_per_window
-from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
+from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_of
 from stepwatch.detectors.analysis._split import COMMUNICATION
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
@@ -142,4 +142,15 @@ def _top_phase(context: Context, mine: Sequence[int], others: np.ndarray) -> str
     return best
 
 
-RULE = JobRule(kind="stage_imbalance", order=50, find=_find)
+KIND = Kind(
+    name="stage_imbalance",
+    shows=(
+        "one pipeline stage slower than the others on every replica: partitioning, not hardware"
+    ),
+    localised="the stage, its ranks, phase, kernel class",
+    raise_bar="structure_min_slowdown",
+    simulated=9,
+)
+
+
+RULE = JobRule(declared=KIND, order=50, find=_find)

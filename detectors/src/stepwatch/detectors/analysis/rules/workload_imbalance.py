@@ -20,7 +20,7 @@ import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._cost import heaviest_group, imbalance_lost_s, lead_s, pacing
-from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
+from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_of
 from stepwatch.detectors.analysis._split import COMMUNICATION
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray
@@ -151,4 +151,16 @@ def _describe(context: Context, span: slice, lost: float, slowdown: float) -> De
     return Description(RULE.kind, summary, slowdown, phase, slowdown=slowdown)
 
 
-RULE = JobRule(kind="workload_imbalance", order=60, find=_find)
+KIND = Kind(
+    name="workload_imbalance",
+    shows=(
+        "time lost to ranks finishing at different times while the slowest keeps "
+        "changing; no rank is blamed"
+    ),
+    localised="no rank; the phase that varies most",
+    raise_bar="imbalance_min_slowdown",
+    simulated=10,
+)
+
+
+RULE = JobRule(declared=KIND, order=60, find=_find)
