@@ -116,12 +116,19 @@ def _describe(
     phase = _top_phase(context, indices, others)
     kernel_class, kernel_ratio = context.top_class_between(indices, others)
     detail = f" ({kernel_class} {kernel_ratio:.2f}x)" if kernel_class else ""
-    what = "pipeline stage" if groups.source == "coordinates" else "structural group"
     name = groups.names[heavy].removeprefix("stage ").removeprefix("group ")
+    if groups.source == "coordinates":
+        what, why = "pipeline stage", "uneven partitioning, not slow hardware"
+    else:  # a group inferred from the data: the ranks are not known to be a stage
+        what = "structural group"
+        why = (
+            "a structure of the job from its start (a pipeline stage's partitioning if these "
+            "ranks are one: report stepwatch.pp_rank to tell)"
+        )
     summary = (
         f"{what} {name} ({context.rank_text(indices)}) does {ratio:.2f}x the work of the "
-        f"next heaviest, {groups.names[second]}, on every replica{detail}: uneven "
-        f"partitioning, not slow hardware, since {context.since(0)}"
+        f"next heaviest, {groups.names[second]}, on every replica{detail}: {why}, since "
+        f"{context.since(0)}"
     )
     return Description(
         RULE.kind, summary, ratio, phase, kernel_class, indices=indices, slowdown=slowdown
