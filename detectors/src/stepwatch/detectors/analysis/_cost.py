@@ -354,6 +354,19 @@ def _paused_s(
     return np.where(np.isfinite(longest), np.clip(longest - usual, 0.0, None) / steps, 0.0)
 
 
+def _one_pipeline(context: Context, indices: Sequence[int]) -> bool:
+    """Whether ``indices`` are some stages of the job's only pipeline replica."""
+    groups = context.groups
+    replicas = set(groups.replicas.tolist())
+    return (
+        bool(indices)
+        and groups.source == "coordinates"
+        and groups.replicas_known
+        and len(replicas) == 1
+        and len(indices) < groups.replicas.shape[0]
+    )
+
+
 def step_excess(context: Context, indices: Sequence[int], span: slice) -> FloatArray:
     """``(windows,)`` the ranks' median step above their peers' median step."""
     step = np.where(context.present, context.frame.step_s, np.nan)[span]
@@ -433,7 +446,10 @@ def estimate(
     if kind == "link_degradation" and indices:  # the job moves at its slowest rank's pace
         excess = step_excess(context, indices, span)
         costs.append(ratio_of(step[span] + np.clip(excess, 0.0, None), excess, weight))
-    if saving is None:
+    if saving is None or (_one_pipeline(context, indices) and kind != "jit_stall"):
+        # No other replica to pace against (a pipeline of one replica: its stages' fill and
+        # drain carry a slow stage's whole excess, which the lead over the next stage
+        # misses): the job's step over the finding against its step before it.
         temporal = temporal_slowdown(context, span, busy)
         if temporal is not None:
             costs.append(temporal)
@@ -498,15 +514,19 @@ def _rotation_lost_s(context: Context, paced: Pacing, earlier: Sequence[Verdict]
     collective of the stage, as without groups; the waits for the other stages are alike
     within a stage and cancel): their median over the stages is used instead where it is
     larger, and where the spread of the work allows it (at most ``2 sqrt(steps per
-    window)`` times the means' loss: a wait measured per operation, not per step, has a
-    shortest collective of almost nothing).
+    window)`` times the means' loss), in windows where it does when it does in at least
+    :data:`PLAUSIBLE_SHARE` of them.
     """
     lost = paced.rotation_s(heaviest_group(paced)).copy()
     waited = _stage_waits_lost_s(context)
     if waited is not None:
         steps = np.maximum(steps_per_window(context), 1.0)
-        plausible = np.isfinite(waited) & (waited <= 2.0 * np.sqrt(steps) * lost)
-        lost = np.where(plausible, np.fmax(lost, waited), lost)
+        known = np.isfinite(waited) & np.isfinite(lost)
+        plausible = known & (waited <= 2.0 * np.sqrt(steps) * lost)
+        # The waits are the stages' collectives only where most windows bear them out: a
+        # point-to-point wait on a starved CPU varies far more than any work does.
+        if known.any() and plausible.sum() >= PLAUSIBLE_SHARE * known.sum():
+            lost = np.where(plausible, np.fmax(lost, waited), lost)
     for verdict in earlier:
         if not verdict.description.indices or verdict.description.kind == "stage_imbalance":
             continue
@@ -515,6 +535,11 @@ def _rotation_lost_s(context: Context, paced: Pacing, earlier: Sequence[Verdict]
         if saving is not None:
             lost[span] -= np.clip(np.nan_to_num(saving), 0.0, None)
     return np.asarray(np.clip(np.nan_to_num(lost, nan=0.0), 0.0, None), dtype=np.float64)
+
+
+#: Share of the windows whose stage waits the work's spread must bear out for the waits to
+#: measure rotating imbalance at all.
+PLAUSIBLE_SHARE = 0.5
 
 
 def _stage_waits_lost_s(context: Context) -> FloatArray | None:
@@ -549,5 +574,15 @@ def _waits(context: Context) -> tuple[FloatArray, FloatArray] | None:
     shortest = wait
     if COMMUNICATION_CATEGORY in frame.phases and frame.phase_min_s is not None:
         column = frame.phases.index(COMMUNICATION_CATEGORY)
-        shortest = np.where(context.present, frame.phase_min_s[:, :, column], np.nan)
+        low = frame.phase_min_s[:, :, column]
+        # The histograms' min is one collective of a step only when the phase is timed once
+        # a step; timed per operation (each point-to-point wait) it is one operation.
+        if frame.phase_occurrences is not None:
+            once = frame.phase_occurrences[:, :, column] <= ONCE_A_STEP
+            low = np.where(once, low, wait)
+        shortest = np.where(context.present, low, np.nan)
     return wait, shortest
+
+
+#: A phase timed at most this many times a step on average is timed once a step.
+ONCE_A_STEP = 1.5

@@ -94,11 +94,16 @@ def _misaligned(flagged: Flagged) -> bool:
 
 
 def _onset(metrics: Metrics, config: DetectorConfig, rank_index: int, first_flag: int) -> int:
-    """Walk back from the first flag while the single-window effect stays large.
+    """The window the rank's condition began in, at or before its first flag.
 
-    The metric is the one with the largest z at the first flag; the walk stops at the first
-    window whose effect is below half its median over the first five flagged windows, or
-    after the longest scale plus the persistence a flag needs.
+    The metric is the one with the largest z at the first flag. First, walk back while its
+    single-window effect stays at least half its median over the first five flagged
+    windows. A noisy effect (a small job's rank flags only once it has been slow in 6 of 7
+    windows) dips below that before the real start: then the best single step in the
+    effect over the lookback (the split that separates the windows before from those after
+    most, :func:`_step_start`) dates it, when the windows after it hold the level and those
+    before are clearly below. The lookback is the longest scale plus the persistence a flag
+    needs.
     """
     hit = np.flatnonzero(metrics.flags[first_flag, rank_index, :])
     metric = int(hit[np.argmax(metrics.z[first_flag, rank_index, hit])])
@@ -113,7 +118,36 @@ def _onset(metrics: Metrics, config: DetectorConfig, rank_index: int, first_flag
         if not np.isfinite(value) or value < 0.5 * level:
             break
         onset = index
-    return onset
+    if metrics.names[metric].startswith(_EVENTS):
+        return onset  # a one-off event has no level to step up to
+    start = max(0, first_flag - lookback)
+    stepped = _step_start(series[start : first_flag + 1], level)
+    return min(onset, start + stepped) if stepped is not None else onset
+
+
+#: Metrics of one-off events (stalls, bursts, a late arrival in one step).
+_EVENTS = ("stall:", "burst:", "late:")
+
+
+def _step_start(values: np.ndarray, level: float) -> int | None:
+    """The index where ``values`` steps up to about ``level``: the split maximising the
+    two-sample statistic of the windows before and after it, when the mean after is at
+    least half ``level`` and the mean before under a quarter of it; else ``None``."""
+    finite = np.isfinite(values)
+    if finite.sum() < 4:
+        return None
+    x = np.where(finite, values, 0.0)
+    n_before = np.cumsum(finite)[:-1]  # windows before the split at 1 .. n-1
+    s_before = np.cumsum(x)[:-1]
+    n_after = finite.sum() - n_before
+    s_after = x.sum() - s_before
+    with np.errstate(invalid="ignore", divide="ignore"):
+        before, after = s_before / n_before, s_after / n_after
+        statistic = (after - before) * np.sqrt(n_before * n_after / (n_before + n_after))
+    usable = (n_before >= 2) & (n_after >= 2) & (after >= 0.5 * level) & (before < 0.25 * level)
+    if not usable.any():
+        return None
+    return int(np.argmax(np.where(usable, statistic, -np.inf))) + 1
 
 
 def merge_episodes(
