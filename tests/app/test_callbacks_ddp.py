@@ -147,24 +147,24 @@ def _print_means(arms: dict[str, Arm], names: tuple[str, ...]) -> None:
         )
 
 
-# The parity job: every phase holds a wait of known length (data 15 ms, forward and backward
-# 10 ms each: sleeps, which the host's load does not stretch), a small MLP's real compute and
-# DDP's real all-reduce; 60 steps an arm, in 3 blocks that alternate with the other arm's.
+# The parity job: every phase holds a wait of known length (data 30 ms, forward and backward
+# 20 ms each: sleeps, which the host's load does not stretch), a small MLP's real compute and
+# DDP's real all-reduce; 45 steps an arm, in 3 blocks that alternate with the other arm's.
 PARITY = {
-    "steps": 60,
+    "steps": 45,
     "blocks": 3,
-    "data_s": 0.015,
-    "forward_s": 0.010,
-    "backward_s": 0.010,
+    "data_s": 0.030,
+    "forward_s": 0.020,
+    "backward_s": 0.020,
     "hidden": 128,
     "export_interval_s": 0.25,
 }
-INJECTED_MS = {"data": 15.0, "forward": 10.0, "backward": 10.0}
+INJECTED_MS = {"data": 30.0, "forward": 20.0, "backward": 20.0}
 #: Callback over StepMonitor, per rank and phase: the arms alternate on the same processes,
 #: but on a shared 2-core host the all-reduce wait (who arrives last) moves by up to ~20 %
-#: from block to block, and the framework adds its own per-step work to data and forward
-#: (1-4 ms at load 10). Within these bounds, and exactly where no noise enters (steps, phase
-#: names, the injected waits, steps tiling the run).
+#: from block to block, and the framework adds its own per-step work to data and forward:
+#: ~1 ms of CPU, 2-6 ms of wall time at load 5-10. Within these bounds; exactly where no
+#: noise enters (steps, phase names, the injected waits, steps tiling the run).
 PARITY_RATIO = (0.7, 1.45)
 
 
@@ -179,9 +179,12 @@ def _assert_parity(arms: dict[str, Arm]) -> None:
         tiled = arm.stored_over_wall()
         print(f"  {name}: stored steps / own clock {np.round(tiled, 3)}")
         assert ((tiled > 0.95) & (tiled < 1.12)).all(), (name, tiled)
-        # Each phase holds its injected wait; the phases make up the step.
+        # Each phase holds its injected wait (data on all steps but each block's first, which
+        # has no step before it); the phases make up the step.
+        first_steps = PARITY["blocks"] / PARITY["steps"]
         for phase, floor_ms in INJECTED_MS.items():
-            assert (arm.mean_ms(phase) >= 0.98 * floor_ms).all(), (name, phase)
+            share = 1.0 - first_steps if phase == "data" else 1.0
+            assert (arm.mean_ms(phase) >= 0.98 * share * floor_ms).all(), (name, phase)
         parts = sum(arm.mean_ms(phase) for phase in TILING)
         step = arm.mean_ms("step")
         assert ((parts <= 1.02 * step) & (step <= 1.25 * parts + 2.0)).all(), (name, parts, step)
