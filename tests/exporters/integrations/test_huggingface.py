@@ -97,7 +97,9 @@ def test_a_step_holds_the_wait_for_its_batches_and_accumulates(tmp_path: Path) -
     # the previous one, so the loading of its batches (4 rows x 5 ms each) is inside it.
     exporter = InMemoryExporter()
     callback = StepwatchTrainerCallback(exporter=exporter, export_interval_s=0.05, phase_sampling=1)
-    data = Dataset(rows=4 * 2 * STEPS, wait_s=0.005)
+    # Rows to spare: accelerate's loader reads a batch ahead, so the last step's reads
+    # would find the end one batch early.
+    data = Dataset(rows=4 * 2 * (STEPS + 1), wait_s=0.005)
     trainer(tmp_path, callback, data=data, gradient_accumulation_steps=2).train()
     totals = exported_totals(exporter)
     assert totals.steps == STEPS
