@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -286,3 +287,9 @@ def test_the_callback_class_follows_what_is_installed(monkeypatch: pytest.Monkey
             patch.setitem(sys.modules, name, None)
         with pytest.raises(ImportError, match=r"stepwatch-exporters\[lightning\]"):
             integration.callback_classes()
+
+
+def test_the_callback_pickles_as_ddp_spawn_sends_it(pl: ModuleType) -> None:
+    callback = pickle.loads(pickle.dumps(StepwatchCallback(job_id="pl-run")))
+    assert isinstance(callback, StepwatchCallback) and isinstance(callback, pl.Callback)
+    assert callback.monitor is None
