@@ -44,6 +44,7 @@ THIRD_PARTY = {
     "cupti": "cupti-python",
     "pynvml": "nvidia-ml-py",
     "pytorch_lightning": "pytorch-lightning",
+    "lightning": "lightning",
     "transformers": "transformers",
 }
 #: Modules that exist for an extra: they import it at module level (users import them only
