@@ -19,7 +19,7 @@ from stepwatch.detectors.analysis._rule import (
     Signature,
 )
 from stepwatch.detectors.analysis._split import STEPS
-from stepwatch.detectors.analysis.rules import slow_rank
+from stepwatch.detectors.analysis.rules import dataloader_stall, masked_straggler, slow_rank
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 
 _LINK = frozenset(
@@ -30,6 +30,11 @@ _LINK = frozenset(
 def _describe(context: Context, group: EpisodeGroup) -> Description:
     if context.split.evidence == STEPS:  # step times alone: "slower", never "link"
         return slow_rank.RULE.describe(context, group)
+    own = _own_phase(context, group)
+    if own == "data":  # the lateness is its data loading, flagged or not: no link
+        return dataloader_stall.RULE.describe(context, group)
+    if own is not None:
+        return masked_straggler.RULE.describe(context, group)
     indices, hosts = context.host_group(group.indices)
     # Arrival tells when the ranks are late to the collective (the step holds the wait for
     # peers, or the time outside the collective grew more than the step).
@@ -56,6 +61,35 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
         indices=tuple(indices),
         hosts=hosts,
     )
+
+
+#: A host-side phase that holds at least this share of a rank's lead over its peers, at
+#: a ratio of at least :data:`OWN_RATIO`, is where the rank is late: not a link.
+OWN_SHARE = 0.5
+OWN_RATIO = 1.2
+
+
+def _own_phase(context: Context, group: EpisodeGroup) -> str | None:
+    """The host-side phase (``data``, ``forward``, ``optimizer``) that carries the ranks'
+    lateness, when one does: in a window or two of noise its flags may miss, but its seconds
+    above the peers still hold most of the lead the ranks are late by."""
+    frame = context.frame
+    if ARRIVAL not in context.metrics.names:
+        return None
+    lead = context.excess_s(ARRIVAL, context.split.lead_s, group.indices, group.span)
+    if not lead > 0:
+        return None
+    best, best_excess = None, 0.0
+    for phase in ("data", "forward", "optimizer"):
+        values = frame.phase(phase)
+        name = f"phase:{phase}"
+        if values is None or name not in context.metrics.names:
+            continue
+        excess = context.excess_s(name, values, group.indices, group.span)
+        ratio = context.ratio(name, group.indices, group.first, group.last)
+        if excess >= OWN_SHARE * lead and ratio >= OWN_RATIO and excess > best_excess:
+            best, best_excess = phase, excess
+    return best
 
 
 KIND = Kind(
