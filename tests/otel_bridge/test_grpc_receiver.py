@@ -111,8 +111,8 @@ def test_a_message_not_received_in_time_is_deadline_exceeded() -> None:
                     received = received[9 + length :]
                     if kind == attacks.HEADERS:
                         for name, value in decoder.decode(payload):
-                            if name == "grpc-status":
-                                status = str(value)
+                            if name in ("grpc-status", b"grpc-status"):
+                                status = value.decode() if isinstance(value, bytes) else value
         elapsed = time.monotonic() - started
     assert status == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
     assert 0.4 < elapsed < 5.0
@@ -127,3 +127,24 @@ def test_the_server_options_are_the_limits() -> None:
     assert options["grpc.max_connection_age_ms"] == 300_000
     assert options["grpc.absolute_max_metadata_size"] == 16 * 1024
     assert options["grpc.max_receive_message_length"] == 1 << 20
+
+
+def test_silent_connections_at_the_bound_make_room_after_the_handshake_timeout() -> None:
+    """gRPC refuses connections beyond ``max_connections``; silent ones are closed after
+    ``handshake_timeout_s``, so a new client waits that long at most, then gets in."""
+    body = window_request(job="room", rank=0, world_size=1, window=0).SerializeToString()
+    with Bridge(
+        RecordingWriter(), http_port=None, max_connections=10, handshake_timeout_s=1.0
+    ) as bridge:
+        assert bridge.grpc_port is not None
+        silent = [socket.create_connection(("127.0.0.1", bridge.grpc_port)) for _ in range(20)]
+        try:
+            time.sleep(0.3)
+            started = time.monotonic()
+            with grpc.insecure_channel(bridge.grpc_endpoint) as channel:
+                export = channel.unary_unary(EXPORT_PATH)
+                assert export(body, timeout=15, wait_for_ready=True) == b""
+            assert time.monotonic() - started < 10
+        finally:
+            for sock in silent:
+                sock.close()
