@@ -23,7 +23,8 @@ Starts a managed influxd and the bridge as its own process (``stepwatch bridge``
 6. CPU per call: for each protocol, a fresh bridge process takes every window over
    ``--clients`` connections of that protocol alone; its CPU (``/proc``, all threads) from the
    first request until InfluxDB has every point, per request and per point, and what that is
-   for a fleet of ``--fleet-ranks`` ranks exporting every ``--fleet-interval-s``.
+   for a fleet of ``--fleet-ranks`` ranks exporting every ``--fleet-interval-s``
+   (``--cpu-only``: this phase alone).
 
 Bounded in count and time; prints its figures.
 """
@@ -236,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slow-clients", type=int, default=300)
     parser.add_argument("--fleet-ranks", type=int, default=10_000)
     parser.add_argument("--fleet-interval-s", type=float, default=10.0)
+    parser.add_argument("--cpu-only", action="store_true", help="phase [6] alone")
     args = parser.parse_args(argv)
 
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -273,6 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as directory:
         influxd = ManagedInfluxDB(Path(directory) / "influxd").start()
         try:
+            if args.cpu_only:
+                cpu_report(influxd.url, per_client[: args.clients], points_per_window, args)
+                return 0
             # 1. sustained load through the bridge
             process, endpoints = start_bridge(influxd.url, "load", [])
             try:
@@ -404,23 +409,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  windows exported: {exported} of {windows_sent} "
                   f"({exported / windows_sent:.0%}); bridge threads {threads_now}")  # fmt: skip
 
-            print(f"\n[6] bridge CPU per call, {args.clients} connections of one protocol; "
-                  f"a {args.fleet_ranks:,}-rank fleet at one window every "
-                  f"{args.fleet_interval_s:g} s makes "
-                  f"{args.fleet_ranks / args.fleet_interval_s:,.0f} calls/s")  # fmt: skip
-            for transport in ("http", "grpc"):
-                calls, cpu_s = cpu_per_call(
-                    influxd.url, f"cpu_{transport}", transport, per_client[: args.clients],
-                    points_per_window,
-                )  # fmt: skip
-                per_call_us = cpu_s / calls * 1e6
-                share = per_call_us * 1e-6 * args.fleet_ranks / args.fleet_interval_s
-                print(f"  {transport}: {calls} calls, {per_call_us:.0f} us CPU per call, "
-                      f"{per_call_us / points_per_window:.1f} us per point; the fleet: "
-                      f"{share:.2f} of one core")  # fmt: skip
+            cpu_report(influxd.url, per_client[: args.clients], points_per_window, args)
         finally:
             influxd.stop()
     return 0
+
+
+def cpu_report(
+    influx_url: str, bodies: list[list[bytes]], points_per_window: int, args: argparse.Namespace
+) -> None:
+    """Phase [6]: the bridge's CPU per call for each protocol, and for the fleet."""
+    print(f"\n[6] bridge CPU per call, {args.clients} connections of one protocol; "
+          f"a {args.fleet_ranks:,}-rank fleet at one window every "
+          f"{args.fleet_interval_s:g} s makes "
+          f"{args.fleet_ranks / args.fleet_interval_s:,.0f} calls/s")  # fmt: skip
+    for transport in ("http", "grpc"):
+        calls, cpu_s = cpu_per_call(
+            influx_url, f"cpu_{transport}", transport, bodies,
+            points_per_window,
+        )  # fmt: skip
+        per_call_us = cpu_s / calls * 1e6
+        share = per_call_us * 1e-6 * args.fleet_ranks / args.fleet_interval_s
+        print(f"  {transport}: {calls} calls, {per_call_us:.0f} us CPU per call, "
+              f"{per_call_us / points_per_window:.1f} us per point; the fleet: "
+              f"{share:.2f} of one core")  # fmt: skip
 
 
 def cpu_seconds(pid: int) -> float:
