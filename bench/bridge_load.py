@@ -20,6 +20,11 @@ Starts a managed influxd and the bridge as its own process (``stepwatch bridge``
 5. slow clients: ``--slow-clients`` connections send a request's headers, then trickle its
    body one byte a second while a real ``StepMonitor`` exports windows: the share of windows
    delivered, and the bridge's thread count.
+6. CPU per call: for each protocol, a fresh bridge process takes every window over
+   ``--clients`` connections of that protocol alone; its CPU (``/proc``, all threads) from the
+   first request until InfluxDB has every point, per request and per point, and what that is
+   for a fleet of ``--fleet-ranks`` ranks exporting every ``--fleet-interval-s``
+   (``--cpu-only``: this phase alone).
 
 Bounded in count and time; prints its figures.
 """
@@ -230,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--overload-seconds", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--slow-clients", type=int, default=300)
+    parser.add_argument("--fleet-ranks", type=int, default=10_000)
+    parser.add_argument("--fleet-interval-s", type=float, default=10.0)
+    parser.add_argument("--cpu-only", action="store_true", help="phase [6] alone")
     args = parser.parse_args(argv)
 
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -267,6 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as directory:
         influxd = ManagedInfluxDB(Path(directory) / "influxd").start()
         try:
+            if args.cpu_only:
+                cpu_report(influxd.url, per_client[: args.clients], points_per_window, args)
+                return 0
             # 1. sustained load through the bridge
             process, endpoints = start_bridge(influxd.url, "load", [])
             try:
@@ -397,9 +408,70 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\n[5] {args.slow_clients} slow clients trickling bodies, one StepMonitor")
             print(f"  windows exported: {exported} of {windows_sent} "
                   f"({exported / windows_sent:.0%}); bridge threads {threads_now}")  # fmt: skip
+
+            cpu_report(influxd.url, per_client[: args.clients], points_per_window, args)
         finally:
             influxd.stop()
     return 0
+
+
+def cpu_report(
+    influx_url: str, bodies: list[list[bytes]], points_per_window: int, args: argparse.Namespace
+) -> None:
+    """Phase [6]: the bridge's CPU per call for each protocol, and for the fleet."""
+    print(f"\n[6] bridge CPU per call, {args.clients} connections of one protocol; "
+          f"a {args.fleet_ranks:,}-rank fleet at one window every "
+          f"{args.fleet_interval_s:g} s makes "
+          f"{args.fleet_ranks / args.fleet_interval_s:,.0f} calls/s")  # fmt: skip
+    for transport in ("http", "grpc"):
+        calls, cpu_s = cpu_per_call(
+            influx_url, f"cpu_{transport}", transport, bodies,
+            points_per_window,
+        )  # fmt: skip
+        per_call_us = cpu_s / calls * 1e6
+        share = per_call_us * 1e-6 * args.fleet_ranks / args.fleet_interval_s
+        print(f"  {transport}: {calls} calls, {per_call_us:.0f} us CPU per call, "
+              f"{per_call_us / points_per_window:.1f} us per point; the fleet: "
+              f"{share:.2f} of one core")  # fmt: skip
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system, all threads), from ``/proc``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_call(
+    influx_url: str, database: str, transport: str, bodies: list[list[bytes]], points: int
+) -> tuple[int, float]:
+    """Calls accepted and the bridge's CPU seconds for them (one protocol, fresh process)."""
+    from stepwatch.core import InfluxClient
+    from stepwatch.core._influx import wait_until
+
+    InfluxClient(influx_url, database=database).create_database()
+    process, endpoints = start_bridge(influx_url, database, [])
+    try:
+        if transport == "grpc":
+            endpoint = endpoints["OTLP/gRPC"]
+        else:
+            endpoint = endpoints["OTLP/HTTP"].split("://", 1)[1].split("/", 1)[0]
+        deadline = time.monotonic() + 120
+        threads = [Client(transport, endpoint, share, deadline) for share in bodies]
+        before = cpu_seconds(process.pid)
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(130)
+        calls = sum(len(thread.accepted_bodies) for thread in threads)
+
+        def drained() -> bool:
+            values = scrape(endpoints["metrics"])
+            return values.get("stepwatch_bridge_datapoints_written_total", 0.0) >= calls * points
+
+        wait_until(drained, timeout_s=120, interval_s=0.2)
+        return calls, cpu_seconds(process.pid) - before
+    finally:
+        stop_bridge(process)
 
 
 def ack_latencies(influx_url: str, bodies: list[bytes], extra: list[str]) -> list[float]:

@@ -11,11 +11,9 @@ server process whose handler answers at once after burning ``--handler-us`` of C
 - ``http``: the bridge's own ``AsyncHttpServer`` (handled on the loop as the bridge does with
   a memory spool), 1.1 kB bodies over keep-alive connections; with ``--baseline-rev`` also
   ``http@before``, that revision's server (``git archive``) in the same rounds;
-- ``grpc-own``: the bridge's own gRPC server (``_h2_server.GrpcServer``, the receiver's
-  default), handled on its loop as the bridge does with a memory spool;
-- ``grpc:N``: grpcio's synchronous server with N handler threads (the receiver's
-  ``grpc_server="grpcio"``);
-- ``grpc-aio``: grpcio's asyncio server, handler on its loop.
+- ``grpc:N``: grpcio's synchronous server with N handler threads;
+- ``grpc-aio``: grpcio's asyncio server, handler on its loop (what the bridge's OTLP/gRPC
+  receiver runs on).
 
 ``--connections`` client threads in this process send the requests; the server process's CPU
 (``/proc``, user + system) is read from the first request to the last answer. Every figure
@@ -45,7 +43,7 @@ def _burn(seconds: float) -> None:
         pass
 
 
-# the bridge's limits, handled on the loop as with a memory spool: both of the bridge's servers
+# the bridge's limits, handled on the loop as with a memory spool
 _LOOP_LIMITS: dict[str, Any] = {
     "max_connections": 1024,
     "max_concurrent_requests": 64,
@@ -70,34 +68,13 @@ def serve(arm: str, handler_s: float, tree: Path) -> None:
 
         server = AsyncHttpServer(
             handle,
-            early=lambda _m, _p, headers: int(headers.get("Content-Length", "0")),
+            early=lambda _m, _p, _headers: 16 << 20,
             busy=lambda _request: ok,
             **_LOOP_LIMITS,
         )
         print(server.start("127.0.0.1", 0), flush=True)
         _report()
         server.stop(timeout_s=5.0)
-        return
-    if arm == "grpc-own":
-        from stepwatch.otel_bridge._h2_frames import GrpcAnswer
-        from stepwatch.otel_bridge._h2_server import GrpcServer
-
-        answer = GrpcAnswer(0)
-
-        def call(_call: object) -> GrpcAnswer:
-            _burn(handler_s)
-            return answer
-
-        own = GrpcServer(
-            call,
-            early=lambda _path, _metadata: None,
-            busy=lambda: answer,
-            max_message_bytes=16 << 20,
-            **_LOOP_LIMITS,
-        )
-        print(own.start("127.0.0.1", 0), flush=True)
-        _report()
-        own.stop(timeout_s=5.0)
         return
     import grpc
 
@@ -216,7 +193,7 @@ def one_run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arms", default="http,grpc-own,grpc:2,grpc:8,grpc-aio")
+    parser.add_argument("--arms", default="http,grpc:2,grpc:8,grpc-aio")
     parser.add_argument("--requests", type=int, default=16000)
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--handler-us", type=float, default=80.0)

@@ -39,3 +39,20 @@ if ! .venv/bin/pip install -q --disable-pip-version-check -e ./core -e "./export
   grep -v "is ignored: it is neither a file nor a directory" "$log" >&2; exit 1
 fi
 .venv/bin/python -c "import stepwatch.core, torch; print('setup: ok, stepwatch', stepwatch.core.__version__, 'torch', torch.__version__)"
+
+# ---- Node.js and the JS interop producer (tests/interop/js; issue 45) ----------------------
+# The OpenTelemetry JavaScript SDK exports to the bridge in tests/interop: Node.js and npm from
+# Debian when missing, then the project's locked packages (npm ci).
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  echo "setup: installing Debian packages: nodejs npm"
+  $SUDO apt-get update -qq || true
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    nodejs npm >/dev/null || true
+fi
+if command -v node >/dev/null && command -v npm >/dev/null; then
+  echo "setup: installing tests/interop/js (npm ci)"
+  (cd tests/interop/js && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
+else
+  echo "setup: no node/npm after trying apt-get: tests/interop (the JS SDK) will be skipped"
+fi
+# ---- end of the Node.js block ---------------------------------------------------------------

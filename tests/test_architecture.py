@@ -33,7 +33,7 @@ THIRD_PARTY = {
     "opentelemetry": "opentelemetry-",
     "google": "protobuf",
     "grpc": "grpcio",
-    "hpack": "hpack",
+    "httptools": "httptools",
     "prometheus_client": "prometheus-client",
     "influxdb_client": "influxdb-client",
     "numpy": "numpy",

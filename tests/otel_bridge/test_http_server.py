@@ -1,4 +1,5 @@
-"""The bridge's HTTP server: header parsing (RFC 9112 section 5), and where requests run."""
+"""The bridge's HTTP/1.1 server: llhttp's framing answered as RFC 9112 says, and the policy
+around it (where requests run, pipelining, keep-alive, limits, the connection bound)."""
 
 from __future__ import annotations
 
@@ -14,47 +15,8 @@ import pytest
 
 from stepwatch.core._influx import wait_until
 from stepwatch.otel_bridge import Bridge, DiskSpool
-from stepwatch.otel_bridge._http_server import MAX_HEADERS, _Refused, parse_headers
+from stepwatch.otel_bridge._http_server import MAX_HEADERS
 from tests.otel_bridge.otlp_requests import RecordingWriter, post, window_request
-
-
-def test_fields_are_read_by_case_insensitive_name() -> None:
-    headers = parse_headers(
-        b"Host: 127.0.0.1:4318\r\ncontent-TYPE:application/x-protobuf \r\n"
-        b"Content-Length:\t12\r\nX-Empty:\r\n\r\n"
-    )
-    assert headers.get("Content-Type") == "application/x-protobuf"
-    assert headers.get("content-length") == "12"
-    assert headers.get("X-Empty") == ""
-    assert headers.get("Missing") is None
-    assert headers.get("Missing", "default") == "default"
-
-
-def test_the_first_of_repeated_fields_and_bare_line_feeds() -> None:
-    headers = parse_headers(b"Accept: a\nAccept: b\nContent-Length: 3\nContent-Length: 3\n\n")
-    assert headers.get("accept") == "a"
-    assert headers.get("content-length") == "3"
-    # the head ends at its first blank line: nothing after it is a field
-    assert parse_headers(b"A: 1\r\n\r\nB: 2\r\n").get("B") is None
-
-
-@pytest.mark.parametrize(
-    ("block", "status"),
-    [
-        (b"Content-Length: 3\r\nContent-Length: 4\r\n\r\n", 400),  # smuggling
-        (b"X-Folded: a\r\n  b\r\n\r\n", 400),  # obsolete line folding
-        (b"No colon here\r\n\r\n", 400),
-        (b"Bad Name: x\r\n\r\n", 400),
-        (b": no name\r\n\r\n", 400),
-        (b"".join(b"X-%d: v\r\n" % i for i in range(MAX_HEADERS + 1)) + b"\r\n", 431),
-    ],
-)
-def test_malformed_heads_are_refused(block: bytes, status: int) -> None:
-    with pytest.raises(_Refused) as refused:
-        parse_headers(block)
-    assert refused.value.status == status
-    fields = b"".join(b"X-%d: v\r\n" % i for i in range(MAX_HEADERS)) + b"\r\n"
-    assert parse_headers(fields).get(f"x-{MAX_HEADERS - 1}") == "v"  # the limit itself is fine
 
 
 def _exchange(port: int, request: bytes) -> bytes:
@@ -66,18 +28,70 @@ def _exchange(port: int, request: bytes) -> bytes:
         return answer
 
 
-def test_a_bad_head_gets_its_status_and_the_bridge_keeps_serving() -> None:
-    with Bridge(RecordingWriter(), grpc_port=None, http_port=0) as bridge:  # type: ignore[arg-type]
+_HEAD = b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (_HEAD + b"Content-Length: 0\r\nContent-Length: 5\r\n\r\n", 400),  # smuggling
+        (_HEAD + b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+        (_HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),  # not a chunk size
+        (b"GET /healthz HTTP/1.1\r\nBad Name: x\r\n\r\n", 400),
+        (b"GET /healthz HTTP/1.1\r\n" + b"X: y\r\n" * (MAX_HEADERS + 1) + b"\r\n", 431),
+        (b"GET /healthz HTTP/1.1\r\nX: " + b"v" * (17 * 1024) + b"\r\n\r\n", 431),
+        (b"DELETE /v1/metrics HTTP/1.1\r\n\r\n", 501),
+        (_HEAD + b"Content-Length: 99999999999\r\n\r\n", 413),
+        (_HEAD + b"Transfer-Encoding: chunked\r\n\r\n4000\r\n" + b"z" * 0x4000 + b"\r\n", 413),
+    ],
+    ids=["conflicting-lengths", "length-and-chunked", "bad-chunk", "bad-field-name",
+         "too-many-fields", "long-field", "method", "too-long", "chunked-too-long"],
+)  # fmt: skip
+def test_a_bad_request_gets_its_status_and_the_bridge_keeps_serving(
+    request_bytes: bytes, status: int
+) -> None:
+    with Bridge(RecordingWriter(), grpc_port=None, http_port=0,
+                max_request_bytes=8192) as bridge:  # type: ignore[arg-type]  # fmt: skip
         port = int(bridge.http_url.split(":")[2].split("/")[0])
-        smuggled = (
-            b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
-            b"Content-Length: 0\r\nContent-Length: 5\r\n\r\n"
-        )
-        assert _exchange(port, smuggled).startswith(b"HTTP/1.1 400 ")
-        many = b"GET /healthz HTTP/1.1\r\n" + b"X: y\r\n" * (MAX_HEADERS + 1) + b"\r\n"
-        assert _exchange(port, many).startswith(b"HTTP/1.1 431 ")
+        assert _exchange(port, request_bytes).startswith(b"HTTP/1.1 %d " % status)
         healthy = _exchange(port, b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n")
         assert healthy.startswith(b"HTTP/1.1 200 ")
+
+
+def test_chunked_bodies_with_extensions_and_trailers_are_read_whole() -> None:
+    """RFC 9112 §7.1: what the OpenTelemetry JS exporter sends (no Content-Length)."""
+    writer = RecordingWriter()
+    with Bridge(writer, grpc_port=None, http_port=0) as bridge:  # type: ignore[arg-type]
+        port = int(bridge.http_url.split(":")[2].split("/")[0])
+        body = window_request(job="chunked", rank=0, world_size=1, window=0).SerializeToString()
+        chunks = b"".join(
+            b"%x;ext=1\r\n%s\r\n" % (len(body[i : i + 100]), body[i : i + 100])
+            for i in range(0, len(body), 100)
+        )
+        request = _HEAD + b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        answer = _exchange(port, request + chunks + b"0\r\nX-Trailer: t\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        assert bridge.forwarder.wait_idle(10)
+    assert len(writer.lines) > 0
+
+
+def test_a_new_connection_takes_the_place_of_the_one_idle_longest() -> None:
+    with _serving(inline=True, max_connections=3) as (server, port):
+        silent = socket.create_connection(("127.0.0.1", port), timeout=10)
+        served = socket.create_connection(("127.0.0.1", port), timeout=10)
+        served.sendall(b"GET /a HTTP/1.1\r\n\r\n")
+        _read_answers(served, 1)
+        busy = socket.create_connection(("127.0.0.1", port), timeout=10)
+        busy.sendall(b"POST /b HTTP/1.1\r\nContent-Length: 9\r\n\r\nabc")  # mid-request
+        assert wait_until(lambda: server.connections == 3, timeout_s=5)
+        newcomer = socket.create_connection(("127.0.0.1", port), timeout=10)
+        newcomer.sendall(b"GET /c HTTP/1.1\r\n\r\n")
+        assert _read_answers(newcomer, 1)[0].startswith(b"GET /c ")
+        assert silent.recv(4096) == b""  # it had sent nothing: its place went first
+        served.sendall(b"GET /d HTTP/1.1\r\n\r\n")
+        assert _read_answers(served, 1)[0].startswith(b"GET /d ")
+        for sock in (silent, served, busy, newcomer):
+            sock.close()
 
 
 @pytest.mark.parametrize("durable", [False, True])
@@ -112,7 +126,7 @@ def test_exports_run_on_the_loop_unless_the_spool_waits_for_a_disk(
 
 
 # ---- the connection state machine, on a bare AsyncHttpServer ---------------------------------
-def _echo_server(*, inline: bool, idle_timeout_s: float = 30.0) -> Any:
+def _echo_server(*, inline: bool, idle_timeout_s: float = 30.0, max_connections: int = 16) -> Any:
     from stepwatch.otel_bridge._http_server import AsyncHttpServer, HttpRequest, HttpResponse
 
     def handle(request: HttpRequest) -> HttpResponse:
@@ -123,9 +137,9 @@ def _echo_server(*, inline: bool, idle_timeout_s: float = 30.0) -> Any:
 
     return AsyncHttpServer(
         handle,
-        early=lambda _method, _path, headers: int(headers.get("Content-Length", "0")),
+        early=lambda _method, _path, _headers: 1 << 20,
         busy=lambda _request: HttpResponse(503, {}, b"busy", False),
-        max_connections=16,
+        max_connections=max_connections,
         max_concurrent_requests=4,
         request_timeout_s=5.0,
         idle_timeout_s=idle_timeout_s,
@@ -219,7 +233,7 @@ def test_expect_continue_head_and_a_half_closed_client() -> None:
 
 def test_an_oversized_head_is_refused() -> None:
     with _serving(inline=True) as (_server, port):
-        huge = b"GET / HTTP/1.1\r\nX-Big: " + b"v" * (70 * 1024) + b"\r\n\r\n"
+        huge = b"GET / HTTP/1.1\r\nX-Big: " + b"v" * (20 * 1024) + b"\r\n\r\n"
         assert _exchange(port, huge).startswith(b"HTTP/1.1 431 ")
         endless = b"GET / HTTP/1.1\r\nX-Big: " + b"v" * (70 * 1024)  # no end of head at all
         assert _exchange_half(port, endless).startswith(b"HTTP/1.1 431 ")

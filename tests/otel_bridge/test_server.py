@@ -265,12 +265,12 @@ def test_backpressure_answers_429_and_resource_exhausted() -> None:
 
 
 def test_grpc_handler_threads_follow_the_spool(tmp_path: Path) -> None:
-    # A memory spool never blocks a handler: two threads (more only contend for the GIL);
-    # a disk spool's handler waits for its fsync'd group commit: eight.
+    # A memory spool never blocks: calls are handled on the server's loop (one idle thread);
+    # a disk spool's call waits for its fsync'd group commit in one of eight.
     memory = Bridge(RecordingWriter())
     disk = Bridge(RecordingWriter(), spool_dir=tmp_path / "spool")
     chosen = Bridge(RecordingWriter(), grpc_workers=3)
-    assert (memory._grpc.workers, disk._grpc.workers, chosen._grpc.workers) == (2, 8, 3)
+    assert (memory._grpc.workers, disk._grpc.workers, chosen._grpc.workers) == (1, 8, 3)
     with pytest.raises(ConfigError, match="grpc_workers"):
         Bridge(RecordingWriter(), grpc_workers=0)
 

@@ -40,12 +40,16 @@ OPTIONS: tuple[tuple[Setting[Any], str], ...] = (
     (settings.BRIDGE_MAX_QUEUE_LINES, ""),
     (settings.BRIDGE_REQUEST_TIMEOUT_S, ""),
     (settings.BRIDGE_MAX_CONNECTIONS, ""),
+    (settings.BRIDGE_IDLE_TIMEOUT_S, ""),
+    (settings.BRIDGE_HANDSHAKE_TIMEOUT_S, ""),
+    (settings.BRIDGE_MAX_CONNECTION_AGE_S, ""),
+    (settings.BRIDGE_MAX_HEADER_BYTES, ""),
+    (settings.BRIDGE_GRPC_MAX_CONCURRENT_STREAMS, ""),
     (settings.BRIDGE_MAX_FUTURE_SKEW_S, ""),
     (settings.BRIDGE_MAX_PAST_SKEW_S, "; e.g. 604800"),
     (settings.BRIDGE_MAX_DURATION_S, ""),
     (settings.BRIDGE_DUPLICATE_RANK_TAKEOVER_S, ""),
     (settings.BRIDGE_HISTOGRAM_LAYOUT, ""),
-    (settings.BRIDGE_GRPC_SERVER, ""),
 )
 
 
@@ -163,6 +167,11 @@ def run_bridge(args: argparse.Namespace) -> int:
         max_new_series_per_s=_limit(options, settings.BRIDGE_MAX_NEW_SERIES_PER_S),
         request_timeout_s=options[settings.BRIDGE_REQUEST_TIMEOUT_S.name],
         max_connections=options[settings.BRIDGE_MAX_CONNECTIONS.name],
+        idle_timeout_s=options[settings.BRIDGE_IDLE_TIMEOUT_S.name],
+        handshake_timeout_s=options[settings.BRIDGE_HANDSHAKE_TIMEOUT_S.name],
+        max_connection_age_s=options[settings.BRIDGE_MAX_CONNECTION_AGE_S.name],
+        max_header_bytes=options[settings.BRIDGE_MAX_HEADER_BYTES.name],
+        grpc_max_concurrent_streams=options[settings.BRIDGE_GRPC_MAX_CONCURRENT_STREAMS.name],
         max_queue_lines=options[settings.BRIDGE_MAX_QUEUE_LINES.name],
         auth_token=auth_token(options, environ),
         tls_cert_file=options[settings.BRIDGE_TLS_CERT.name],
@@ -173,7 +182,6 @@ def run_bridge(args: argparse.Namespace) -> int:
         max_duration_s=_limit(options, settings.BRIDGE_MAX_DURATION_S),
         duplicate_rank_takeover_s=_limit(options, settings.BRIDGE_DUPLICATE_RANK_TAKEOVER_S),
         histogram_layout=_layout(options[settings.BRIDGE_HISTOGRAM_LAYOUT.name]),
-        grpc_server=options[settings.BRIDGE_GRPC_SERVER.name],
     )
     stop = threading.Event()
 

@@ -232,14 +232,52 @@ BRIDGE_REQUEST_TIMEOUT_S = Setting[float](
     "STEPWATCH_BRIDGE_REQUEST_TIMEOUT_S",
     30.0,
     _float,
-    "deadline for one OTLP/HTTP request's headers and body (408 after it)",
+    "deadline for one request's headers and body (HTTP 408) or one call's message (gRPC "
+    "DEADLINE_EXCEEDED), from its first byte",
 )
 BRIDGE_MAX_CONNECTIONS = Setting[int](
     "max_connections",
     "STEPWATCH_BRIDGE_MAX_CONNECTIONS",
     4096,
     _int,
-    "OTLP/HTTP connections open at once (beyond it 503 and closed)",
+    "connections open at once per receiver (HTTP: a new one replaces the one idle longest; "
+    "gRPC: beyond it closed)",
+)
+BRIDGE_IDLE_TIMEOUT_S = Setting[float](
+    "idle_timeout_s",
+    "STEPWATCH_BRIDGE_IDLE_TIMEOUT_S",
+    120.0,
+    _float,
+    "a connection with no request or call in progress is closed after this (PINGs do not count)",
+)
+BRIDGE_HANDSHAKE_TIMEOUT_S = Setting[float](
+    "handshake_timeout_s",
+    "STEPWATCH_BRIDGE_HANDSHAKE_TIMEOUT_S",
+    5.0,
+    _float,
+    "a new gRPC connection must finish TLS, its HTTP/2 preface and SETTINGS within this",
+)
+BRIDGE_MAX_CONNECTION_AGE_S = Setting[float](
+    "max_connection_age_s",
+    "STEPWATCH_BRIDGE_MAX_CONNECTION_AGE_S",
+    300.0,
+    _float,
+    "a gRPC connection gets GOAWAY after this and is closed 30 s later with what it holds",
+)
+BRIDGE_MAX_HEADER_BYTES = Setting[int](
+    "max_header_bytes",
+    "STEPWATCH_BRIDGE_MAX_HEADER_BYTES",
+    16384,
+    _int,
+    "request line and header fields (HTTP, 431 beyond) or a call's header list (gRPC)",
+)
+BRIDGE_GRPC_MAX_CONCURRENT_STREAMS = Setting[int](
+    "grpc_max_concurrent_streams",
+    "STEPWATCH_BRIDGE_GRPC_MAX_CONCURRENT_STREAMS",
+    32,
+    _int,
+    "HTTP/2 streams per gRPC connection (advertised); a stream holding an answer the client's "
+    "flow-control window keeps back still counts",
 )
 
 # ---- the bridge: stored histogram layout (issue 15; docs/storage.md, "Histogram layouts") ----
@@ -250,15 +288,6 @@ BRIDGE_HISTOGRAM_LAYOUT = Setting[str](
     _text,
     "compact (buckets in one string field: a fixed set of columns) or per_bound (one field per "
     "bucket bound, as a Collector's influxdb exporter writes)",
-)
-
-# ---- the bridge: which server speaks OTLP/gRPC (issue 15; docs/deployment.md) -------------
-BRIDGE_GRPC_SERVER = Setting[str](
-    "grpc_server",
-    "STEPWATCH_BRIDGE_GRPC_SERVER",
-    "stepwatch",
-    _text,
-    "stepwatch (the bridge's own HTTP/2 server, ~3x less CPU a call) or grpcio",
 )
 
 # ---- detectors' sinks ----------------------------------------------------------------------

@@ -22,7 +22,7 @@ from stepwatch.otel_bridge._convert import MAX_DURATION_S, TAG_ALLOWLIST
 from stepwatch.otel_bridge._cumulative import CumulativeState
 from stepwatch.otel_bridge._fields import LAYOUT_COMPACT
 from stepwatch.otel_bridge._forwarder import Forwarder
-from stepwatch.otel_bridge._grpc_receiver import GrpcReceiver
+from stepwatch.otel_bridge._grpc_receiver import GrpcLimits, GrpcReceiver
 from stepwatch.otel_bridge._http_receiver import HTTP_PATH, HttpReceiver
 from stepwatch.otel_bridge._identity import RankIdentityGuard
 from stepwatch.otel_bridge._intake import ClockSkew, Intake, Outcome, ReceiverContext
@@ -87,24 +87,29 @@ class Bridge:
         tls_cert_file: PEM certificate; with ``tls_key_file`` both receivers use TLS.
         tls_key_file: PEM private key.
         reuse_port: set SO_REUSEPORT so several bridge processes can share the ports.
-        grpc_workers: grpcio's handler threads (``grpc_server="grpcio"``); by default 2 with
-            a memory spool (a handler never blocks there, and more threads only contend for
-            the GIL: −20 % of the bridge's CPU per point over gRPC against 8,
-            bench/bridge_e2e.py) and 8 with a disk spool (a handler waits for its fsync'd
-            group commit).
-        grpc_server: ``"stepwatch"`` (the default): the bridge's own gRPC server
-            (``_h2_server``: HTTP/2 on the event loop, ~3x less CPU around a call than
-            grpcio's, ``bench/receiver_cost.py``); ``"grpcio"``: grpcio's server.
-        grpc_max_concurrent_rpcs: calls handled at once; beyond it RESOURCE_EXHAUSTED. The
-            bridge's own server adds RetryInfo, so OTLP clients retry; grpcio answers
-            *without* it, which OTLP clients do not retry, so with ``grpc_server="grpcio"``
-            keep it above the number of concurrent exporters.
+        grpc_workers: threads that run gRPC calls whose intake may block; by default 8 with a
+            disk spool (a call waits for its fsync'd group commit) and 1 with a memory spool
+            (unused: calls are handled on the server's event loop, never blocking).
+        grpc_max_concurrent_rpcs: gRPC calls being handled at once (their message received);
+            beyond it RESOURCE_EXHAUSTED with RetryInfo, which OTLP clients retry.
+        grpc_max_concurrent_streams: HTTP/2 streams per gRPC connection, advertised; a
+            stream whose answer waits for the client's flow-control window still counts.
         max_concurrent_requests: OTLP/HTTP requests processed at once (each fully read
             first); beyond it 503 + ``Retry-After`` (with the queue bound this bounds the
             bridge's memory).
-        max_connections: OTLP/HTTP connections open at once (slow ones cost no thread).
-        request_timeout_s: deadline for one OTLP/HTTP request's headers and body (408).
-        idle_timeout_s: an idle OTLP/HTTP keep-alive connection is closed after this.
+        max_connections: connections open at once, per receiver. OTLP/HTTP: at the bound a
+            new connection is admitted by closing the connection idle longest (one that never
+            sent a request first); gRPC: beyond it new connections are closed.
+        request_timeout_s: deadline for one request's headers and body (HTTP 408) or one
+            call's message (DEADLINE_EXCEEDED), counted from its first byte, never restarted.
+        idle_timeout_s: a connection without a request or call in progress is closed after
+            this (PINGs do not count as activity).
+        handshake_timeout_s: a new gRPC connection must finish TLS and its HTTP/2 preface and
+            SETTINGS within this.
+        max_connection_age_s: a gRPC connection is sent GOAWAY after this and closed 30 s
+            later with whatever it still holds (clients reconnect, spreading over processes).
+        max_header_bytes: request line and header fields (HTTP, 431 beyond) or a call's header
+            list (gRPC, counted while decoding) at most this many bytes.
         retry_after_s: the ``Retry-After`` / RetryInfo delay under backpressure.
         max_future_skew_s: points stamped further than this ahead of the receive time are
             rejected (``clock_skew``); None accepts any future time.
@@ -160,12 +165,15 @@ class Bridge:
         tls_key_file: str | os.PathLike[str] | None = None,
         reuse_port: bool = False,
         grpc_workers: int | None = None,
-        grpc_server: str = "stepwatch",
         grpc_max_concurrent_rpcs: int = 256,
+        grpc_max_concurrent_streams: int = 32,
         max_concurrent_requests: int = 64,
         max_connections: int = 4096,
         request_timeout_s: float = 30.0,
         idle_timeout_s: float = 120.0,
+        handshake_timeout_s: float = 5.0,
+        max_connection_age_s: float = 300.0,
+        max_header_bytes: int = 16 * 1024,
         commit_timeout_s: float = 10.0,
         stall_timeout_s: float = 60.0,
         retry_after_s: int = 1,
@@ -269,17 +277,21 @@ class Bridge:
             self.intake, self.metrics, max_request_bytes, retry_after_s, reuse_port
         )
         if grpc_workers is None:
-            grpc_workers = 8 if self.forwarder.spool.durable else 2
+            grpc_workers = 8 if self.forwarder.spool.durable else 1
         self._grpc = GrpcReceiver(
             context,
             workers=grpc_workers,
             max_concurrent_rpcs=grpc_max_concurrent_rpcs,
             tls=tls,
-            tls_files=tls_files,
-            server=grpc_server,
-            request_timeout_s=request_timeout_s,
-            idle_timeout_s=idle_timeout_s,
-            max_connections=max_connections,
+            limits=GrpcLimits(
+                max_connections=max_connections,
+                max_concurrent_streams=grpc_max_concurrent_streams,
+                request_timeout_s=request_timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                handshake_timeout_s=handshake_timeout_s,
+                max_connection_age_s=max_connection_age_s,
+                max_header_bytes=max_header_bytes,
+            ),
         )
         self._http = HttpReceiver(
             context,
@@ -287,6 +299,7 @@ class Bridge:
             max_connections=max_connections,
             request_timeout_s=request_timeout_s,
             idle_timeout_s=idle_timeout_s,
+            max_header_bytes=max_header_bytes,
             tls_files=tls_files,
         )
         self.grpc_port: int | None = None

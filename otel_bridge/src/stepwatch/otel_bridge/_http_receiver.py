@@ -3,14 +3,15 @@
 Answers follow the OTLP specification (https://opentelemetry.io/docs/specs/otlp/#otlphttp):
 200 with an ``ExportMetricsServiceResponse`` in the request's encoding (``partial_success``
 counting refused points); 400 malformed body, 401 missing or wrong bearer token, 404 unknown
-path, 408 request not complete within ``request_timeout_s``, 411 no ``Content-Length``, 413
-body too large (also after decompression), 415 unknown content type or encoding (not
-retryable); 429 queue or spool full, new series too fast, and 503 bridge unable to store or
-too many requests in flight, both with ``Retry-After`` (retryable). Error bodies are a
+path, 408 request not complete within ``request_timeout_s``, 413 body too large (also after
+decompression; a ``Content-Length`` or chunked body alike), 415 unknown content type or
+encoding (not retryable); 429 queue or spool full, new series too fast, and 503 bridge unable
+to store or too many requests in flight, both with ``Retry-After`` (retryable). Error bodies are a
 ``google.rpc.Status``. Every bad request is answered and the server keeps serving.
 
-Connections, deadlines and request slots are :class:`~._http_server.AsyncHttpServer`'s: a
-request takes a slot only once its body is read, so slow clients cannot starve fast ones.
+The wire is llhttp's and connections, deadlines and request slots are
+:class:`~._http_server.AsyncHttpServer`'s: a request takes a slot only once its body is read,
+so slow clients cannot starve fast ones.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class HttpReceiver:
         max_connections: connections open at once.
         request_timeout_s: deadline for a request's headers and body together.
         idle_timeout_s: how long an idle keep-alive connection is kept.
+        max_header_bytes: request line and header fields together (431 beyond).
         tls_files: PEM ``(certificate file, private key file)``; plaintext when None.
     """
 
@@ -75,6 +77,7 @@ class HttpReceiver:
         max_connections: int = 4096,
         request_timeout_s: float = 30.0,
         idle_timeout_s: float = 120.0,
+        max_header_bytes: int = 16 * 1024,
         tls_files: tuple[str | os.PathLike[str], str | os.PathLike[str]] | None,
     ) -> None:
         for name, value in (
@@ -82,6 +85,7 @@ class HttpReceiver:
             ("max_connections", max_connections),
             ("request_timeout_s", request_timeout_s),
             ("idle_timeout_s", idle_timeout_s),
+            ("max_header_bytes", max_header_bytes),
         ):
             if not value > 0:
                 raise ConfigError(f"{name}: must be positive, got {value}")
@@ -90,6 +94,7 @@ class HttpReceiver:
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
         self.idle_timeout_s = idle_timeout_s
+        self.max_header_bytes = max_header_bytes
         self._tls_files = tls_files
         self._counters: dict[int, Any] = {}  # status -> its requests{protocol="http"} child
         self._server: AsyncHttpServer | None = None
@@ -110,6 +115,7 @@ class HttpReceiver:
             max_concurrent_requests=self.max_concurrent_requests,
             request_timeout_s=self.request_timeout_s,
             idle_timeout_s=self.idle_timeout_s,
+            max_header_bytes=self.max_header_bytes,
             ssl_context=tls,
             reuse_port=self.context.reuse_port,
             # a memory spool never waits: handled on the loop; a disk spool's fsync'd group
@@ -156,7 +162,7 @@ class HttpReceiver:
         return HttpResponse(status, headers, body, close)
 
     def _early(self, method: str, path: str, headers: Headers) -> HttpResponse | int:
-        """Refuse what can be refused before the body is read; else the body's length."""
+        """Refuse what can be refused before the body is read; else the largest body to read."""
         path = path.split("?", 1)[0]
         json_body = media_type(headers.get("Content-Type")) == JSON
         if method in ("GET", "HEAD"):
@@ -165,18 +171,11 @@ class HttpReceiver:
             return self._fail(404, f"no such endpoint {path[:100]!r}", json_body=json_body)
         if not self.context.intake.authorized(headers.get("Authorization")):
             return self._fail(401, "missing or wrong bearer token", json_body=json_body)
-        if (headers.get("Transfer-Encoding") or "").lower() == "chunked":
-            return self._fail(411, "chunked bodies are not accepted", json_body=json_body)
-        try:
-            length = int(headers.get("Content-Length", ""))
-        except ValueError:
-            return self._fail(411, "Content-Length required", json_body=json_body)
-        if length < 0:
-            return self._fail(400, "negative Content-Length", json_body=json_body)
         limit = self.context.max_request_bytes
-        if length > limit:
+        length = headers.get("Content-Length")  # llhttp has checked it is a number, or absent
+        if length is not None and int(length) > limit:
             return self._fail(413, f"body of {length} bytes exceeds {limit}", json_body=json_body)
-        return length
+        return limit  # a chunked body is counted as it arrives (413 once past the limit)
 
     def _busy(self, request: HttpRequest) -> HttpResponse:
         json_body = media_type(request.headers.get("Content-Type")) == JSON

@@ -1,21 +1,31 @@
-"""A small HTTP/1.1 server on asyncio: slow clients cost a socket, never a thread.
+"""The bridge's HTTP/1.1 server: llhttp (through ``httptools``) parses, asyncio serves.
 
-One event-loop thread reads every connection; a request is handled only once its headers and
-body are complete (by a worker thread, or on the loop itself when the handler cannot block),
-so a client trickling bytes holds no worker and no request slot. Limits, each answered with
-the protocol's own error:
+The wire is parsed by llhttp, Node.js's HTTP/1.1 parser (``httptools``, the binding uvicorn
+uses): request lines, header fields, ``Content-Length`` and chunked bodies (RFC 9112 §6–7,
+chunk extensions and trailers included), keep-alive and pipelined requests; what llhttp
+refuses (conflicting lengths, both ``Content-Length`` and ``Transfer-Encoding``, bad
+characters) is answered 400. This module is the policy around it, each limit answered with
+the protocol's own error and the server serving on:
 
-- ``request_timeout_s``: the whole request, headers and body, from its first byte (408, then
-  the connection is closed); ``idle_timeout_s`` between keep-alive requests (closed); both
-  checked once a tick (:attr:`AsyncHttpServer.tick_s`), so up to a tick late;
-- ``max_connections`` open at once (beyond it a new connection gets 503 and is closed);
-- ``max_concurrent_requests`` complete requests in the workers at once (beyond it 503 +
-  ``Retry-After``, from the loop: no thread is spent on the refusal);
-- ``max_header_bytes`` (431), the body size the ``early`` check allows (413 there).
+- ``request_timeout_s``: a whole request, headers and body, from its first byte (408, then
+  the connection is closed; never restarted by a byte that trickles in); ``idle_timeout_s``
+  between keep-alive requests (closed); both checked once a tick, so up to a tick late;
+- ``max_header_bytes`` of request line and fields, counted as they are parsed, and at most
+  :data:`MAX_HEADERS` fields (431);
+- the body size the ``early`` check allows, also for chunked bodies (413 once passed);
+- ``max_connections`` open at once: a new connection takes the place of the one idle longest
+  (one that never sent a request first; :class:`LoopServer`), and gets 503 only when every
+  connection is busy with a request;
+- ``max_concurrent_requests`` complete requests being handled at once (503 + ``Retry-After``
+  beyond it, from the loop);
+- a client that does not read its answers: reading stops once its unread answers fill the
+  transport's buffer (asyncio's high-water mark), and it is dropped after
+  ``request_timeout_s``; requests it pipelined meanwhile wait unparsed in the socket.
 
-HTTP/1.1 as RFC 9112: keep-alive by default (``Connection: close`` honoured), HTTP/1.0
-closes unless ``keep-alive``; ``Expect: 100-continue`` answered once the early check passes;
-``Content-Length`` bodies only (the receiver refuses chunked ones before reading).
+A request is handled only once its headers and body are complete (on the loop, or by a worker
+when the handler may block), so a slow client holds a socket, never a thread or a slot.
+``Expect: 100-continue`` is answered once the early check passes; an ``Upgrade`` is ignored
+(the request is answered, then the connection closed).
 """
 
 from __future__ import annotations
@@ -23,24 +33,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
+from collections import deque
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, NamedTuple, overload
 
-from stepwatch.otel_bridge._loop_server import NEVER, LoopConnection, LoopServer
+import httptools
+
+from stepwatch.otel_bridge._loop_server import (
+    BUSY,
+    IDLE,
+    NEVER,
+    READING,
+    LoopConnection,
+    LoopServer,
+)
 
 _log = logging.getLogger("stepwatch.otel_bridge")
-
 
 MAX_HEADERS = 100  # as http.client
 #: Longest a closing connection drains the client's unread input (``_linger``).
 LINGER_S = 2.0
+_METHODS = frozenset({"GET", "HEAD", "POST"})
 
 
 class Headers:
     """A request's header fields: ``get`` by case-insensitive name; the first of repeated
-    fields (a repeated ``Content-Length`` that differs is refused when parsed)."""
+    fields (llhttp refuses repeated ``Content-Length``)."""
 
     __slots__ = ("_fields",)
 
@@ -53,41 +72,6 @@ class Headers:
     def get(self, name: str, default: str) -> str: ...
     def get(self, name: str, default: str | None = None) -> str | None:
         return self._fields.get(name.lower(), default)
-
-
-# RFC 9110 5.1: a field name is a token
-_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
-
-
-def parse_headers(block: bytes) -> Headers:
-    """The header fields of a request head (after its request line), RFC 9112 section 5.
-
-    Raises:
-        _Refused: 400 for a malformed field, obsolete line folding or conflicting
-            Content-Length fields; 431 for more than ``MAX_HEADERS`` fields.
-    """
-    fields: dict[str, str] = {}
-    match = _FIELD_NAME.match
-    for count, line in enumerate(block.decode("latin-1").split("\n"), 1):
-        if line.endswith("\r"):
-            line = line[:-1]
-        if not line:
-            break  # the blank line that ends the head
-        if line[0] in " \t":
-            raise _Refused(400, "bad headers: obsolete line folding")
-        if count > MAX_HEADERS:
-            raise _Refused(431, "too many headers")
-        name, colon, value = line.partition(":")
-        if not colon or not match(name):
-            raise _Refused(400, "bad headers")
-        key = name.lower()
-        value = value.strip(" \t")
-        known = fields.get(key)
-        if known is None:
-            fields[key] = value
-        elif key == "content-length" and known != value:
-            raise _Refused(400, "bad headers: conflicting Content-Length")
-    return Headers(fields)
 
 
 class HttpRequest(NamedTuple):
@@ -106,14 +90,8 @@ class HttpResponse(NamedTuple):
 
 Handler = Callable[[HttpRequest], HttpResponse]
 EarlyCheck = Callable[[str, str, Headers], "HttpResponse | int"]
-"""Before the body is read: a response to refuse with, or the body's length to read."""
+"""Before the body is read: a response to refuse with, or the largest body to accept."""
 Busy = Callable[[HttpRequest], HttpResponse]
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _plain(status: int, message: str, *, close: bool = True) -> HttpResponse:
@@ -122,21 +100,24 @@ def _plain(status: int, message: str, *, close: bool = True) -> HttpResponse:
     )
 
 
-class AsyncHttpServer(LoopServer):
-    """Serves ``handler`` on ``host:port`` from an event-loop thread and a worker pool.
+class _Refused(Exception):
+    """Raised from a parser callback: answer ``response`` and close."""
 
-    Each connection is an :class:`asyncio.Protocol` (:class:`_Connection`) that parses what
-    arrives as it arrives: no stream reader, coroutine or timer per request (deadlines are
-    :class:`LoopServer`'s sweep). Against asyncio's streams with a timer per wait this took the
-    server's CPU around a request from ~100 to ~45 us (``bench/receiver_cost.py``).
+    def __init__(self, response: HttpResponse) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+class AsyncHttpServer(LoopServer):
+    """Serves ``handler`` on ``host:port`` from an event-loop thread (and workers).
 
     Args:
         handler: answers a complete request (runs in a worker thread, or on the loop when
             ``inline`` says so).
         early: checks method, path and headers before the body is read (runs in the loop;
-            must be cheap): returns a response to refuse with, or the body length to read.
+            must be cheap): returns a response to refuse with, or the largest body to read.
         busy: the answer when every request slot is taken (runs in the loop).
-        max_header_bytes: request line and headers together.
+        max_header_bytes: request line and header fields together.
         **limits: :class:`LoopServer`'s connection and request limits, TLS and ``inline``.
     """
 
@@ -146,7 +127,7 @@ class AsyncHttpServer(LoopServer):
         *,
         early: EarlyCheck,
         busy: Busy,
-        max_header_bytes: int = 64 * 1024,
+        max_header_bytes: int = 16 * 1024,
         **limits: Any,
     ) -> None:
         super().__init__(**limits)
@@ -169,24 +150,42 @@ class AsyncHttpServer(LoopServer):
 _IDLE, _READING, _HANDLING, _LINGERING, _CLOSED = range(5)
 
 
-class _Connection(LoopConnection):
-    """One client connection: reads requests as bytes arrive, answers them in order.
+class _Pending(NamedTuple):
+    request: HttpRequest
+    keep_alive: bool
 
-    States: idle (waiting for a request's first byte; closed after ``idle_timeout_s``),
-    reading (head, then body; 408 after ``request_timeout_s`` from the first byte), handling
-    (a worker has the request; reading paused), lingering (the last answer sent: input is
-    read and dropped until the client closes, for at most :data:`LINGER_S`), closed.
+
+class _Connection(LoopConnection):
+    """One client connection: llhttp's callbacks build requests, answered in order.
+
+    States: idle (no request begun; closed after ``idle_timeout_s``), reading (a request's
+    head or body; 408 after ``request_timeout_s`` from its first byte), handling (a worker has
+    a request; reading paused), lingering (the last answer sent: input is read and dropped
+    until the client closes, for at most :data:`LINGER_S`), closed.
     """
 
     server: AsyncHttpServer
 
     def __init__(self, server: AsyncHttpServer) -> None:
         super().__init__(server)
-        self.buffer = bytearray()
+        self.parser = httptools.HttpRequestParser(self)
         self.state = _IDLE
-        self.request: tuple[str, str, str, Headers, bool] | None = None  # the head read
-        self.length = 0  # of the body being read
         self.eof = False
+        self.upgraded = False
+        self.ready: deque[_Pending] = deque()  # complete requests not yet answered
+        # the request being parsed
+        self.in_message = False
+        self.in_head = False
+        self.head_fed = 0  # bytes fed to llhttp while in a head (bounds its buffers)
+        self.head_size = 0  # request line and complete fields, as parsed
+        self.begun = 0.0  # loop time of the request's first byte
+        self.url = b""
+        self.fields: dict[str, str] = {}
+        self.field_count = 0
+        self.method = ""
+        self.keep_alive = True
+        self.body = bytearray()
+        self.body_limit = 0
 
     # ---- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -201,19 +200,55 @@ class _Connection(LoopConnection):
     def data_received(self, data: bytes) -> None:
         if self.state >= _LINGERING:
             return  # what a closing client still sends is dropped
-        self.buffer += data
-        if self.state == _HANDLING:
-            return  # the next request waits for this one's answer (reading is paused)
+        if self.state == _IDLE:
+            self.state = _READING
+            self.deadline = self.loop.time() + self.server.request_timeout_s
+            self._mark(READING)
         try:
-            self._advance()
+            self._feed(data)
+        except _Refused as refused:
+            self._refuse(refused.response)
+            return
+        except httptools.HttpParserUpgrade:
+            self.upgraded = True  # the request is answered, then the connection closed
+        except httptools.HttpParserCallbackError as error:
+            if isinstance(error.__context__, _Refused):
+                self._refuse(error.__context__.response)
+            else:
+                _log.debug("bridge HTTP connection failed", exc_info=True)
+                self.abort()
+            return
+        except httptools.HttpParserError as error:
+            self._refuse(_plain(400, f"bad request: {error}"))
+            return
         except Exception:  # never let a connection's failure reach the loop
             _log.debug("bridge HTTP connection failed", exc_info=True)
             self.abort()
+            return
+        self._advance()
+
+    def _feed(self, data: bytes) -> None:
+        """Feed llhttp; while a head is incomplete, no more than its remaining budget at once,
+        so an endless header line costs at most ``max_header_bytes``."""
+        limit = self.server.max_header_bytes
+        with memoryview(data) as view:
+            offset = 0
+            while offset < len(view):
+                if self.in_message and not self.in_head:  # a body: llhttp streams it
+                    self.parser.feed_data(view[offset:])
+                    return
+                room = max(1, limit + 1 - self.head_fed)
+                chunk = view[offset : offset + room]
+                self.head_fed += len(chunk)
+                offset += len(chunk)
+                self.parser.feed_data(chunk)
+                if (self.in_head or not self.in_message) and self.head_fed > limit:
+                    raise _Refused(_plain(431, "request headers too large"))
 
     def eof_received(self) -> bool:
         self.eof = True
-        if self.state == _HANDLING:
-            return True  # answer first, then close (_answer sees eof)
+        if self.state == _HANDLING or self.ready:
+            return True  # answer first, then close
         self._close()
         return False
 
@@ -226,53 +261,86 @@ class _Connection(LoopConnection):
 
     def resume_writing(self) -> None:
         self.paused = False
-        if self.transport is not None and self.state in (_IDLE, _READING):
-            self.transport.resume_reading()
+        if self.transport is not None and self.state < _LINGERING:
             self._restart_deadline()
             self._advance()
 
+    # ---- llhttp's callbacks ----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self.in_message = self.in_head = True
+        self.head_fed = self.head_size = 0
+        self.begun = self.loop.time()
+        self.url = b""
+        self.fields = {}
+        self.field_count = 0
+        self.body = bytearray()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        self._count_head(len(url))
+
+    def _count_head(self, size: int) -> None:
+        self.head_size += size
+        if self.head_size > self.server.max_header_bytes:
+            raise _Refused(_plain(431, "request headers too large"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.field_count += 1
+        if self.field_count > MAX_HEADERS:
+            raise _Refused(_plain(431, "too many headers"))
+        self._count_head(len(name) + len(value) + 4)
+        key = name.decode("latin-1").lower()
+        if key not in self.fields:
+            self.fields[key] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        parser = self.parser
+        method = parser.get_method().decode("latin-1")
+        if method not in _METHODS:
+            raise _Refused(_plain(501, f"unsupported method {method[:20]}"))
+        self.method = method
+        self.keep_alive = parser.should_keep_alive()
+        path = self.url.decode("latin-1")
+        headers = Headers(self.fields)
+        checked = self.server.early(method, path, headers)
+        if isinstance(checked, HttpResponse):
+            raise _Refused(checked._replace(close=True))
+        self.body_limit = checked
+        if (self.fields.get("expect") or "").lower() == "100-continue" and method == "POST":
+            self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        if len(self.body) + len(body) > self.body_limit:
+            raise _Refused(_plain(413, f"body exceeds {self.body_limit} bytes"))
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        self.in_message = False
+        self.head_fed = 0
+        request = HttpRequest(
+            self.method, self.url.decode("latin-1"), Headers(self.fields), bytes(self.body)
+        )
+        self.body = bytearray()
+        self.ready.append(_Pending(request, self.keep_alive))
+
     # ---- requests ---------------------------------------------------------------------------
     def _advance(self) -> None:
-        """Parse and answer every request complete in the buffer."""
-        server = self.server
-        while self.state in (_IDLE, _READING) and not self.paused:
-            if self.request is None:
-                if not self.buffer:
-                    return
-                if self.state == _IDLE:
-                    self.state = _READING
-                    self.deadline = self.loop.time() + server.request_timeout_s
-                end = self.buffer.find(b"\r\n\r\n")
-                if end < 0 or end + 4 > server.max_header_bytes:
-                    if end >= 0 or len(self.buffer) > server.max_header_bytes:
-                        self._answer(_plain(431, "request headers too large"), "", False)
-                    return
-                head = bytes(self.buffer[:end])
-                del self.buffer[: end + 4]
-                try:
-                    method, path, version, headers = _parse_head(head)
-                except _Refused as refused:
-                    self._answer(_plain(refused.status, str(refused)), "", False)
-                    return
-                checked = server.early(method, path, headers)
-                if isinstance(checked, HttpResponse):
-                    self._answer(checked._replace(close=True), method, False)
-                    return
-                if checked and headers.get("Expect", "").lower() == "100-continue":
-                    self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                self.request = (method, path, version, headers, _keep_alive(version, headers))
-                self.length = checked
-            if len(self.buffer) < self.length:
-                return
-            method, path, _version, headers, keep_alive = self.request
-            if self.length:
-                with memoryview(self.buffer) as view:
-                    body = bytes(view[: self.length])
-                del self.buffer[: self.length]
-            else:
-                body = b""
-            self.request = None
-            self._dispatch(HttpRequest(method, path, headers, body), keep_alive)
+        """Answer the complete requests in order while the client reads its answers."""
+        while self.ready and self.state in (_IDLE, _READING) and not self.paused:
+            pending = self.ready.popleft()
+            self._dispatch(pending.request, pending.keep_alive)
+        transport = self.transport
+        if transport is None or self.state >= _LINGERING:
+            return
+        if self.ready or self.state == _HANDLING or self.paused:
+            transport.pause_reading()  # pipelined requests wait in the socket
+        else:
+            transport.resume_reading()
+            if self.upgraded:
+                self._linger()
+            elif self.eof:
+                self._close()
 
     def _dispatch(self, request: HttpRequest, keep_alive: bool) -> None:
         server = self.server
@@ -298,8 +366,7 @@ class _Connection(LoopConnection):
             return
         self.state = _HANDLING
         self.deadline = NEVER  # a handler is not timed out; the client waits for it
-        assert self.transport is not None
-        self.transport.pause_reading()
+        self._mark(BUSY)
         try:
             future = self.loop.run_in_executor(workers, server._handle, request)
         except RuntimeError:  # the pool is shutting down
@@ -319,15 +386,10 @@ class _Connection(LoopConnection):
         if done.cancelled() or done.exception() is not None:
             self.abort()
             return
-        self.state = _IDLE
+        self.state = _READING if self.ready else _IDLE
         try:
-            if self.transport is not None and not self.paused:
-                self.transport.resume_reading()
             self._answer(done.result(), method, keep_alive)
-            if self.eof and self.state < _LINGERING:
-                self._close()
-            elif self.state in (_IDLE, _READING):
-                self._advance()
+            self._advance()
         except Exception:  # never let a connection's failure reach the loop
             _log.debug("bridge HTTP connection failed", exc_info=True)
             self.abort()
@@ -341,17 +403,26 @@ class _Connection(LoopConnection):
         if not keep_alive or response.close:
             self._linger()
             return
-        self.state = _IDLE
+        self.state = _READING if self.ready or self.in_message else _IDLE
         self._restart_deadline()
+
+    def _refuse(self, response: HttpResponse) -> None:
+        """A request llhttp or a limit refused: answer it (after those before it), close."""
+        self.ready.clear()
+        self._answer(response._replace(close=True), "", False)
 
     def _restart_deadline(self) -> None:
         server = self.server
-        timeout = server.request_timeout_s if self.buffer else server.idle_timeout_s
-        if self.buffer:
-            self.state = _READING
-        self.deadline = self.loop.time() + timeout
+        now = self.loop.time()
+        if self.state == _IDLE:
+            self.deadline = now + server.idle_timeout_s
+            self._mark(IDLE)
+        elif self.state == _READING:
+            start = self.begun if self.in_message else now
+            self.deadline = start + server.request_timeout_s
+            self._mark(READING)
         if self.paused:
-            self.deadline = min(self.deadline, self.loop.time() + server.request_timeout_s)
+            self.deadline = min(self.deadline, now + server.request_timeout_s)
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -364,8 +435,7 @@ class _Connection(LoopConnection):
         if self.paused or self.state == _LINGERING:
             self.abort()
         elif self.state == _READING:
-            self.request = None
-            self._answer(_plain(408, "request not received in time"), "", False)
+            self._refuse(_plain(408, "request not received in time"))
         elif self.state == _IDLE:
             self._close()
 
@@ -373,11 +443,10 @@ class _Connection(LoopConnection):
         """Close after a last answer without resetting it: send FIN, then read and drop what
         the client still sends (the rest of a body it was told was late or too big) until it
         closes too, for at most :data:`LINGER_S`. Closing with unread input makes the kernel
-        send a reset, and a client can get that reset instead of the answer (a trickling
-        client read ``ConnectionResetError`` rather than its 408)."""
+        send a reset, and a client can get that reset instead of the answer."""
         self.state = _LINGERING
-        self.buffer.clear()
-        self.request = None
+        self.ready.clear()
+        self._mark(BUSY)
         self.deadline = self.loop.time() + LINGER_S
         transport = self.transport
         if transport is None or transport.is_closing():
@@ -399,23 +468,6 @@ class _Connection(LoopConnection):
         self._close(reset=True)
 
 
-def _parse_head(head: bytes) -> tuple[str, str, str, Headers]:
-    """Request line and header fields of a head (without its blank line).
-
-    Raises:
-        _Refused: 400 malformed request line or headers, 431, 501 unsupported method.
-    """
-    line, _, rest = head.partition(b"\r\n")
-    parts = line.decode("latin-1").split()
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise _Refused(400, "malformed request line")
-    method, path, version = parts
-    headers = parse_headers(rest + b"\r\n") if rest else Headers({})
-    if method not in ("GET", "HEAD", "POST"):
-        raise _Refused(501, f"unsupported method {method[:20]}")
-    return method, path, version, headers
-
-
 def _encode(response: HttpResponse) -> bytes:
     reason = _REASONS.get(response.status, "Status")
     head = [f"HTTP/1.1 {response.status} {reason}"]
@@ -427,10 +479,3 @@ def _encode(response: HttpResponse) -> bytes:
 
 
 _REASONS = {status.value: status.phrase for status in HTTPStatus}
-
-
-def _keep_alive(version: str, headers: Headers) -> bool:
-    connection = (headers.get("Connection") or "").lower()
-    if version == "HTTP/1.0":
-        return "keep-alive" in connection
-    return "close" not in connection

@@ -1,10 +1,10 @@
-"""The event-loop machinery the bridge's two servers share (HTTP/1.1 and gRPC over HTTP/2).
+"""The event-loop machinery under the bridge's HTTP/1.1 server (no protocol: that is llhttp's).
 
 One event-loop thread serves every connection of a server; a connection is an
-:class:`asyncio.Protocol` that parses bytes as they arrive, so a slow client costs a socket,
-never a thread. What is shared: the listener, the set of open connections and its bound,
-the one sweep a tick that times connections out, the count of requests in flight and the
-workers that run handlers which may block, and TLS.
+:class:`asyncio.Protocol` fed bytes as they arrive, so a slow client costs a socket, never a
+thread. Here: the listener, the set of open connections and its bound (a new connection takes
+the place of the one that has been idle longest), the one sweep a tick that times connections
+out, the count of requests in flight and the workers that run handlers which may block, and TLS.
 """
 
 from __future__ import annotations
@@ -48,16 +48,19 @@ def tls_context(
 class LoopServer:
     """One event-loop thread serving connections, a worker pool, and the deadline sweep.
 
-    What a protocol's connections share (:class:`AsyncHttpServer` for HTTP/1.1,
-    ``_h2_server.GrpcServer`` for gRPC over HTTP/2): the listening socket, the set of open
-    connections (each an :class:`asyncio.Protocol` with a ``deadline`` in loop time, an
-    ``expire()`` called once it has passed, and an ``abort()``), the count of requests in
+    What :class:`~._http_server.AsyncHttpServer`'s connections share: the listening socket,
+    the set of open connections (each an :class:`asyncio.Protocol` with a ``deadline`` in loop
+    time, an ``expire()`` called once it has passed, and an ``abort()``), the count of requests in
     flight, and the workers that run handlers which may block. Deadlines are checked by one
     sweep of the connections a tick (:attr:`tick_s`: an eighth of the shorter timeout,
     between 50 ms and 1 s), so a timeout fires up to a tick late.
 
     Args:
-        max_connections: open connections at once.
+        max_connections: open connections at once. At the bound a new connection is admitted
+            in place of another, chosen in this order: one that has sent nothing yet (oldest
+            first), one idle between requests (idle longest first), one reading a request
+            (begun earliest first); one being handled is never chosen. Only when every
+            connection is being handled is the new one refused.
         max_concurrent_requests: complete requests being handled at once.
         request_timeout_s: deadline for one request's headers and body.
         idle_timeout_s: how long a connection may wait for its next request.
@@ -98,6 +101,8 @@ class LoopServer:
         self._workers: futures.ThreadPoolExecutor | None = None
         self._sweep: asyncio.TimerHandle | None = None
         self._connections: set[Any] = set()
+        # reclaimable connections by kind, each in the order it became so (dicts keep it)
+        self._reclaimable: tuple[dict[Any, None], ...] = ({}, {}, {})
 
     @property
     def connections(self) -> int:
@@ -187,10 +192,16 @@ class LoopServer:
         self._sweep = loop.call_later(self.tick_s, self._expire)
 
 
+#: What a connection is doing, for reclaiming one at the connection bound (in that order).
+FRESH, IDLE, READING, BUSY = range(4)
+
+
 class LoopConnection(asyncio.Protocol):
     """What a :class:`LoopServer`'s connections share: admission under ``max_connections``,
     ``TCP_NODELAY``, the deadline the sweep reads, and a client that does not read its
     answers (reading paused; dropped after ``request_timeout_s``)."""
+
+    kind = BUSY
 
     def __init__(self, server: LoopServer) -> None:
         self.server = server
@@ -204,8 +215,12 @@ class LoopConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         server = self.server
         if len(server._connections) >= server.max_connections:
-            return False
+            victim = next((next(iter(kind)) for kind in server._reclaimable if kind), None)
+            if victim is None:
+                return False
+            victim.abort()  # its place goes to the new connection
         server._connections.add(self)
+        self._mark(FRESH)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -216,9 +231,27 @@ class LoopConnection(asyncio.Protocol):
         """Whether requests are still read (not closing)."""
         raise NotImplementedError
 
+    def abort(self) -> None:
+        """Close at once (a reset)."""
+        raise NotImplementedError
+
+    def expire(self) -> None:
+        """Past the deadline."""
+        raise NotImplementedError
+
+    def _mark(self, kind: int) -> None:
+        """Say what the connection is doing now (FRESH, IDLE, READING or BUSY)."""
+        reclaimable = self.server._reclaimable
+        if self.kind != BUSY:
+            reclaimable[self.kind].pop(self, None)
+        self.kind = kind
+        if kind != BUSY:
+            reclaimable[kind][self] = None
+
     def _closed(self) -> None:
         """Mark the connection closed (no deadline, out of the server's set)."""
         self.deadline = NEVER
+        self._mark(BUSY)
         self.server._connections.discard(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

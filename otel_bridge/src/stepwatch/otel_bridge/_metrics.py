@@ -128,16 +128,8 @@ class BridgeMetrics:
         )
         self.connections = Gauge(
             "stepwatch_bridge_connections",
-            "Client connections open now, by protocol (grpc/http; the bridge's own servers).",
+            "OTLP/HTTP client connections open now (protocol=http).",
             ["protocol"],
-            registry=self.registry,
-        )
-        self.grpc_protocol_errors = Counter(
-            "stepwatch_bridge_grpc_protocol_errors",
-            "HTTP/2 errors the gRPC server answered: a connection closed with GOAWAY "
-            "(scope=connection) or a stream reset (scope=stream), by RFC 9113 error code; "
-            "REFUSED_STREAM counts streams beyond the per-connection limit.",
-            ["scope", "code"],
             registry=self.registry,
         )
 
