@@ -20,6 +20,8 @@ import pytest
 
 from stepwatch.core import InfluxClient
 from stepwatch.core._influx import wait_until
+from stepwatch.detectors import detect_job
+from stepwatch.detectors.frame import job_time_range
 from stepwatch.otel_bridge import Bridge
 
 PROJECT = Path(__file__).resolve().parent / "js"
@@ -120,3 +122,39 @@ def test_a_masked_straggler_shows_in_the_stored_phases(
     forward, communication = mean("forward"), mean("communication")
     assert forward[2] > 1.8 * max(forward[r] for r in (0, 1, 3))
     assert communication[2] < 0.5 * min(communication[r] for r in (0, 1, 3))
+
+
+def test_a_js_sdk_job_gets_the_diagnosis_stepwatch_gives(
+    bridge: Bridge, influx: InfluxClient
+) -> None:
+    """A masked straggler exported by the JS SDK as a site would (OTLP/gRPC, cumulative, the
+    SDK's default buckets, each rank's windows closing at its own instant): the straggler
+    alone, at what the job's own model says it costs; quantiles no wider than the window
+    allows."""
+    job = "js-diagnosed"
+    summary = run_producer(
+        "--endpoint", f"http://{bridge.grpc_endpoint}", "--protocol", "grpc",
+        "--temporality", "cumulative", "--buckets", "default", "--ranks", "4", "--job", job,
+        "--duration-s", "16", "--step-ms", "50", "--export-interval-ms", "1000",
+        "--slow-rank", "2", "--slow-from-s", "6", "--slow-factor", "2",
+        "--phases", "data,forward,backward,optimizer,communication",
+        timeout_s=90,
+    )  # fmt: skip
+    assert summary["exports_failed"] == 0
+    assert bridge.forwarder.wait_idle(10)
+    span = job_time_range(influx, job)
+    assert span is not None
+    found = detect_job(influx, job, start_unix_nano=span[0] - 10**9, end_unix_nano=span[1] + 10**9)
+    # Synchronous: every rank's step is the slowest compute (forward is 30 % of it, doubled).
+    truth = 1.3
+    print([(d.kind, d.ranks, round(d.slowdown, 3), d.summary) for d in found])
+    assert [(d.kind, d.ranks, d.phase) for d in found] == [("masked_straggler", (2,), "forward")], (
+        found
+    )
+    assert found[0].slowdown == pytest.approx(truth, rel=0.15)
+    steps = influx.query(
+        'SELECT "p50", "sum", "count" FROM "stepwatch.step.duration" '
+        f"WHERE \"stepwatch.job.id\" = '{job}'"
+    )
+    rows = [row for series in steps for row in series.values if row[1] is not None]
+    assert rows and all(row[1] <= 2.0 * row[2] / row[3] * 1.001 for row in rows)
