@@ -19,20 +19,17 @@ from typing import Any
 import pytest
 
 from stepwatch.app._demo import StoredSummary, last_steps, summarize, wait_for_job
-from stepwatch.app._pipeline_job import (
+from stepwatch.app._pipeline_config import (
     FAULTS,
-    Compute,
     PipelineJobConfig,
-    Transfer,
     fault_active,
-    launch,
-    one_f_one_b,
-    paired_truth,
-    results_of,
     sequence_lengths,
     stall_step,
     truth_block,
 )
+from stepwatch.app._pipeline_job import launch
+from stepwatch.app._pipeline_schedule import Compute, Transfer, one_f_one_b
+from stepwatch.app._pipeline_truth import paired_truth, results_of
 from stepwatch.app._stack import LocalStack
 from stepwatch.core import ConfigError, ManagedInfluxDB
 from stepwatch.core._influx import quote_literal

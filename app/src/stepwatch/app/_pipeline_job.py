@@ -7,10 +7,10 @@ Run: ``python -m stepwatch.app._pipeline_job --pp 2 --dp 2 --fault slow-worker``
 sequences) split into ``pp`` stages; rank ``pp_rank * dp + dp_rank`` (stages contiguous, as
 Megatron orders them). Stage 0 holds the embedding, the last stage the loss head (a vocabulary
 projection and cross-entropy: heavier by design, as in real jobs). Each step runs a
-hand-written 1F1B schedule (:func:`one_f_one_b`) over ``microbatches`` microbatches with
-``torch.distributed`` point-to-point sends and receives of activations and gradients between
-adjacent stages, then all-reduces each stage's gradients among its ``dp`` replicas (none when
-``dp`` is 1), then steps the optimizer.
+hand-written 1F1B schedule (``_pipeline_schedule.one_f_one_b``) over ``microbatches``
+microbatches with ``torch.distributed`` point-to-point sends and receives of activations and
+gradients between adjacent stages, then all-reduces each stage's gradients among its ``dp``
+replicas (none when ``dp`` is 1), then steps the optimizer.
 
 It is instrumented as docs/exporters.md ("Instrumenting a pipeline by hand") says a user
 should: ``monitor.step()`` around the step, ``phase("data")`` where a stage reads its
@@ -18,7 +18,7 @@ microbatches, ``phase("forward")``/``phase("backward")`` around each microbatch'
 ``phase("communication")`` around every point-to-point wait and the all-reduce,
 ``phase("optimizer")``; ``pp_rank`` and ``dp_rank`` on the monitor.
 
-Faults (:data:`FAULTS`), real effects inside the job:
+Faults (``_pipeline_config.FAULTS``), real effects inside the job:
 
 - ``healthy``: none (the last stage is still heavier: the loss head);
 - ``slow-worker``: one rank's compute is ``fault_factor`` times slower from ``fault_step``
@@ -27,379 +27,45 @@ Faults (:data:`FAULTS`), real effects inside the job:
   step 0 (partitioning);
 - ``rotating-microbatches``: from ``fault_step`` the microbatches' sequence lengths differ
   between replicas, and the replica with the longest ones changes every step;
-- ``stall``: one rank stops :data:`STALL_S` once at ``fault_step``, between its optimizer and
+- ``stall``: one rank stops ``STALL_S`` (3 s) once at ``fault_step``, between its optimizer and
   the end of its step (outside every phase).
 
-**Ground truth in the same run.** After the ``steps`` recorded steps the job closes its
-monitor and runs ``truth_pairs`` pairs of ``truth_block_steps``-step blocks, one block with the
-fault and one without in each pair (their order alternating, ABBA), exporting to the job
+**Ground truth in the same run.** After the ``steps`` recorded steps the job closes its monitor
+and runs ``truth_pairs`` pairs of ``truth_block_steps``-step blocks, one block with the fault
+and one without in each pair (their order alternating, ABBA), exporting to the job
 ``<job_id>-truth`` so that the recorded job holds a clean onset and a sustained fault only.
-Each rank times every step with its own clock; :func:`paired_truth` turns the blocks into the
-fault's cost (mean step with the fault / without). ``heavy-stage``'s block without the fault
-skips the heavy stage's extra blocks (balanced stages); ``healthy``'s pairs are the same job
-twice (the measurement's noise floor); ``stall``'s block with the fault holds one stall.
+Each rank times every step with its own clock; ``_pipeline_truth.paired_truth`` turns the
+blocks into the fault's cost (mean step with the fault / without). ``heavy-stage``'s block
+without the fault skips the heavy stage's extra blocks (balanced stages); ``healthy``'s pairs
+are the same job twice (the measurement's noise floor); ``stall``'s block with the fault holds
+one stall.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
-import math
 import os
-import random
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from stepwatch.app._pipeline_config import (
+    FAULTS,
+    STALL_S,
+    PipelineJobConfig,
+    fault_active,
+    sequence_lengths,
+    stall_step,
+)
+from stepwatch.app._pipeline_schedule import Transfer, one_f_one_b
+from stepwatch.app._pipeline_truth import results_of
 from stepwatch.app._ranks import join_gloo, run_ranks
-from stepwatch.core._errors import ConfigError
-
-#: The faults :class:`PipelineJobConfig` injects.
-FAULTS = ("healthy", "slow-worker", "heavy-stage", "rotating-microbatches", "stall")
-#: Faults on one rank (``fault_rank``).
-RANK_FAULTS = ("slow-worker", "stall")
-#: Faults present from step 0: the structure of the job, not an event.
-STRUCTURAL_FAULTS = ("healthy", "heavy-stage")
-#: How long the ``stall`` fault stops its rank.
-STALL_S = 3.0
-#: ``rotating-microbatches``: the longest replica's sequences are this much above the mean
-#: length, the others' below it by the same total.
-ROTATION_SPREAD = 0.4
-#: ``rotating-microbatches``: each microbatch's length varies by up to this fraction more.
-ROTATION_JITTER = 0.15
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineJobConfig:
-    """What one pipeline job does.
-
-    ``fault_rank`` (a rank fault) defaults to rank 1: stage 0's second replica with
-    ``dp`` 2, stage 1 with ``dp`` 1. ``fault_stage`` (``heavy-stage``) defaults to stage 1 when
-    there are more than two stages, else stage 0: never the last stage, whose loss head
-    already makes it heavier. ``result_file``: where rank 0 writes what the job measured with
-    its own clock (JSON: :func:`results_of`).
-    """
-
-    job_id: str
-    pp: int = 2
-    dp: int = 2
-    microbatches: int = 4
-    steps: int = 300
-    fault: str = "healthy"
-    fault_rank: int | None = None
-    fault_stage: int | None = None
-    fault_step: int = 120
-    fault_factor: float = 2.0
-    truth_pairs: int = 0
-    truth_block_steps: int = 5
-    endpoint: str = "http://127.0.0.1:4318"
-    export_interval_s: float = 0.25
-    hidden: int = 128
-    seq_len: int = 16
-    batch: int = 8
-    vocab: int = 512
-    blocks_per_stage: int = 2
-    seed: int = 1234
-    result_file: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.fault not in FAULTS:
-            raise ConfigError(f"fault: {self.fault!r} is not one of {FAULTS}")
-        if self.pp < 2:
-            raise ConfigError(f"pp: a pipeline needs at least 2 stages, got {self.pp}")
-        if self.dp < 1:
-            raise ConfigError(f"dp: must be positive, got {self.dp}")
-        if self.microbatches < 1:
-            raise ConfigError(f"microbatches: must be positive, got {self.microbatches}")
-        if self.steps < 1:
-            raise ConfigError(f"steps: must be positive, got {self.steps}")
-        if not 0 <= self.faulty_rank < self.world_size:
-            raise ConfigError(f"fault_rank: {self.faulty_rank} is not a rank of this job")
-        if not 0 <= self.heavy_stage < self.pp:
-            raise ConfigError(f"fault_stage: {self.heavy_stage} is not a stage of this job")
-        if self.fault == "rotating-microbatches" and self.dp < 2:
-            raise ConfigError("fault: rotating-microbatches needs dp >= 2 (replicas to rotate)")
-        if self.fault_factor <= 1.0:
-            raise ConfigError(f"fault_factor: must exceed 1.0, got {self.fault_factor}")
-        if self.truth_pairs < 0 or self.truth_block_steps < 2:
-            raise ConfigError("truth_pairs must be >= 0 and truth_block_steps >= 2")
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp
-
-    @property
-    def total_steps(self) -> int:
-        """The recorded steps and the truth blocks' steps."""
-        return self.steps + 2 * self.truth_pairs * self.truth_block_steps
-
-    @property
-    def faulty_rank(self) -> int:
-        return 1 if self.fault_rank is None else self.fault_rank
-
-    @property
-    def heavy_stage(self) -> int:
-        if self.fault_stage is not None:
-            return self.fault_stage
-        return 1 if self.pp > 2 else 0
-
-    @property
-    def onset_step(self) -> int | None:
-        """The first recorded step with the fault (None: structural, present from step 0)."""
-        return None if self.fault in STRUCTURAL_FAULTS else self.fault_step
-
-    def coordinates(self, rank: int) -> tuple[int, int]:
-        """``(pp_rank, dp_rank)`` of ``rank``."""
-        return divmod(rank, self.dp)
-
-    def rank_of(self, stage: int, replica: int) -> int:
-        return stage * self.dp + replica
-
-
-# ---------------------------------------------------------------- the schedule
-
-
-@dataclasses.dataclass(frozen=True)
-class Compute:
-    """One microbatch's ``forward`` or ``backward`` on this stage."""
-
-    kind: str
-    microbatch: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Transfer:
-    """Point-to-point operations issued together and then waited for together.
-
-    Each is ``(op, microbatch)``: ``send_forward`` (this stage's output to the next stage),
-    ``recv_forward`` (the previous stage's output), ``send_backward`` (the gradient of this
-    stage's input to the previous stage), ``recv_backward`` (the gradient of this stage's
-    output from the next stage).
-    """
-
-    ops: tuple[tuple[str, int], ...]
-
-
-def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Compute | Transfer]:
-    """The 1F1B schedule of one stage (PipeDream-Flush, as Megatron-LM runs it).
-
-    Stage ``s`` runs ``min(stages - s - 1, microbatches)`` warm-up forwards, then alternates
-    one forward and one backward, then drains the remaining backwards. In the steady state
-    the output sent forward and the gradient received back travel together (as do the
-    gradient sent back and the next input), so two neighbours never wait on each other's
-    send. The first stage has no previous stage and the last no next one: their transfers
-    leave those operations out.
-
-    References:
-        Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021;
-        Megatron-LM ``forward_backward_pipelining_without_interleaving``.
-    """
-    first, last = stage == 0, stage == stages - 1
-
-    def transfer(*ops: tuple[str, int]) -> list[Compute | Transfer]:
-        kept = tuple(
-            (op, mb)
-            for op, mb in ops
-            if not (first and op in ("recv_forward", "send_backward"))
-            and not (last and op in ("send_forward", "recv_backward"))
-        )
-        return [Transfer(kept)] if kept else []
-
-    warmup = min(stages - stage - 1, microbatches)
-    steady = microbatches - warmup
-    items: list[Compute | Transfer] = []
-    for mb in range(warmup):
-        items += transfer(("recv_forward", mb))
-        items.append(Compute("forward", mb))
-        items += transfer(("send_forward", mb))
-    if steady:
-        items += transfer(("recv_forward", warmup))
-    for i in range(steady):
-        forward = warmup + i
-        items.append(Compute("forward", forward))
-        items += transfer(("send_forward", forward), ("recv_backward", i))
-        items.append(Compute("backward", i))
-        if i == steady - 1:
-            items += transfer(("send_backward", i))
-        else:
-            items += transfer(("send_backward", i), ("recv_forward", forward + 1))
-    for mb in range(steady, microbatches):
-        items += transfer(("recv_backward", mb))
-        items.append(Compute("backward", mb))
-        items += transfer(("send_backward", mb))
-    return items
-
-
-# ---------------------------------------------------------------- faults and data
-
-
-def fault_active(config: PipelineJobConfig, step: int) -> bool:
-    """Whether ``step`` runs with the fault: from ``fault_step`` in the recorded steps (from
-    step 0 for a structural fault); in the truth blocks, the blocks with the fault."""
-    if step >= config.steps:
-        block = truth_block(config, step)
-        return block is not None and block[1]
-    if config.fault in STRUCTURAL_FAULTS:
-        return config.fault != "healthy"
-    return step >= config.fault_step
-
-
-def truth_block(config: PipelineJobConfig, step: int) -> tuple[int, bool] | None:
-    """``(block index, with the fault)`` of a truth step; None for a recorded step."""
-    index = (step - config.steps) // config.truth_block_steps
-    if step < config.steps or index >= 2 * config.truth_pairs:
-        return None
-    return index, _block_faulty(config, index)
-
-
-def _block_faulty(config: PipelineJobConfig, index: int) -> bool:
-    """Whether truth block ``index`` runs with the fault.
-
-    Pair ``k`` holds blocks ``2k`` and ``2k + 1``; even pairs run the fault second, odd pairs
-    first (ABBA), so a drift of the host's load cancels over two pairs. ``healthy``'s blocks
-    never have a fault (an A/A comparison).
-    """
-    second = index % 2 == 1
-    faulty = second if (index // 2) % 2 == 0 else not second
-    return faulty and config.fault != "healthy"
-
-
-def stall_step(config: PipelineJobConfig, step: int) -> bool:
-    """Whether the ``stall`` fault stops its rank at the end of ``step``: at ``fault_step``,
-    and in the middle of each truth block with the fault."""
-    if config.fault != "stall":
-        return False
-    if step < config.steps:
-        return step == config.fault_step
-    block = truth_block(config, step)
-    if block is None or not block[1]:
-        return False
-    offset = (step - config.steps) % config.truth_block_steps
-    return offset == config.truth_block_steps // 2
-
-
-def sequence_lengths(config: PipelineJobConfig, step: int, replica: int) -> list[int]:
-    """The sequence length of each of ``replica``'s microbatches at ``step``.
-
-    Every rank computes the same lengths (a seeded generator per step and replica), so a
-    stage knows the shape of what its neighbour sends. ``rotating-microbatches`` makes
-    replica ``step % dp`` the longest: ``1 + ROTATION_SPREAD`` times the mean length, the
-    others shorter by as much in all, each microbatch varying by ``±ROTATION_JITTER`` more.
-    """
-    base = config.seq_len
-    if config.fault != "rotating-microbatches" or not fault_active(config, step):
-        return [base] * config.microbatches
-    if replica == step % config.dp:
-        scale = 1.0 + ROTATION_SPREAD
-    else:
-        scale = 1.0 - ROTATION_SPREAD / (config.dp - 1)
-    draw = random.Random(config.seed * 1_000_003 + step * 131 + replica)
-    return [
-        max(1, round(base * scale * draw.uniform(1 - ROTATION_JITTER, 1 + ROTATION_JITTER)))
-        for _ in range(config.microbatches)
-    ]
-
-
-# ---------------------------------------------------------------- ground truth
-
-
-@dataclasses.dataclass(frozen=True)
-class Truth:
-    """A fault's cost measured by the job's own clock over paired blocks of steps.
-
-    Attributes:
-        ratio: mean step time in the blocks with the fault / in the blocks without.
-        ratio_se: standard error of the mean of the pairs' ratios (their spread / √pairs).
-        ratio_min, ratio_max: the lowest and highest pair's ratio.
-        pairs: each pair's ``(mean step without, mean step with)`` in seconds.
-        lost_s: mean over the pairs of (a block with the fault - one without), in seconds:
-            the time the fault cost one block (a one-off stall's cost).
-    """
-
-    ratio: float
-    ratio_se: float
-    ratio_min: float
-    ratio_max: float
-    pairs: tuple[tuple[float, float], ...]
-    lost_s: float
-
-
-def paired_truth(blocks: Sequence[tuple[bool, Sequence[float]]]) -> Truth:
-    """The fault's cost from consecutive blocks ``(with the fault, step times in s)``.
-
-    Blocks pair up in order (0 with 1, 2 with 3, ...); each pair holds one block of each
-    arm (for an A/A comparison, the second block counts as the one "with").
-    """
-    if len(blocks) < 2 or len(blocks) % 2:
-        raise ConfigError(f"blocks: need pairs of blocks, got {len(blocks)}")
-    pairs = []
-    lost = []
-    for index in range(0, len(blocks), 2):
-        (first_on, first), (_, second) = blocks[index], blocks[index + 1]
-        off, on = (second, first) if first_on else (first, second)
-        pairs.append((statistics.fmean(off), statistics.fmean(on)))
-        lost.append(math.fsum(on) - math.fsum(off))
-    ratios = [on / off for off, on in pairs]
-    spread = statistics.stdev(ratios) if len(ratios) > 1 else math.nan
-    return Truth(
-        ratio=statistics.fmean(on for _, on in pairs) / statistics.fmean(off for off, _ in pairs),
-        ratio_se=spread / math.sqrt(len(ratios)),
-        ratio_min=min(ratios),
-        ratio_max=max(ratios),
-        pairs=tuple(pairs),
-        lost_s=statistics.fmean(lost),
-    )
-
-
-def results_of(config: PipelineJobConfig, timings: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """What the job measured, from every rank's ``_Worker.timings()`` (in rank order).
-
-    ``recorded``: the mean step time (over ranks) of the recorded steps before and from the
-    fault's onset, and each stage's forward + backward compute per step before it (the
-    first steps left out: warm-up). ``truth``: :class:`Truth` over the ranks' mean step time
-    in each block (absent without truth blocks).
-    """
-    steps = [t["step_s"] for t in timings]
-    mean_step = [statistics.fmean(values) for values in zip(*steps, strict=True)]
-    onset = config.onset_step if config.onset_step is not None else config.steps
-    warm = min(5, onset - 1)
-    recorded: dict[str, Any] = {
-        "mean_step_s_before": statistics.fmean(mean_step[warm:onset]) if onset > warm else None,
-        "mean_step_s_after": (
-            statistics.fmean(mean_step[onset : config.steps]) if onset < config.steps else None
-        ),
-        "stage_compute_s": [
-            statistics.fmean(
-                statistics.fmean(timings[config.rank_of(stage, r)]["compute_s"][warm:onset])
-                for r in range(config.dp)
-            )
-            if onset > warm
-            else None
-            for stage in range(config.pp)
-        ],
-    }
-    results: dict[str, Any] = {"recorded": recorded}
-    if config.truth_pairs:
-        size = config.truth_block_steps
-        blocks = [
-            (
-                _block_faulty(config, index),
-                mean_step[config.steps + index * size : config.steps + (index + 1) * size],
-            )
-            for index in range(2 * config.truth_pairs)
-        ]
-        results["truth"] = dataclasses.asdict(paired_truth(blocks))
-    return results
-
-
-# ---------------------------------------------------------------- the ranks
 
 
 def launch(config: PipelineJobConfig, *, timeout_s: float = 900.0) -> dict[str, Any] | None:
