@@ -53,6 +53,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from stepwatch.app._demo_job import demo_host
 from stepwatch.app._pipeline_config import (
     FAULTS,
     STALL_S,
@@ -64,8 +65,7 @@ from stepwatch.app._pipeline_config import (
 from stepwatch.app._pipeline_schedule import Transfer, one_f_one_b
 from stepwatch.app._pipeline_truth import results_of
 from stepwatch.app._ranks import join_gloo, run_ranks
-
-logger = logging.getLogger(__name__)
+from stepwatch.exporters import StepMonitor
 
 
 def launch(config: PipelineJobConfig, *, timeout_s: float = 900.0) -> dict[str, Any] | None:
@@ -101,9 +101,7 @@ def _rank_main(rank: int, config: PipelineJobConfig, master_port: int) -> None:
         dist.destroy_process_group()
 
 
-def _monitor(config: PipelineJobConfig, rank: int, job_id: str) -> Any:
-    from stepwatch.app._demo_job import demo_host
-    from stepwatch.exporters import StepMonitor
+def _monitor(config: PipelineJobConfig, rank: int, job_id: str) -> StepMonitor:
 
     stage, replica = config.coordinates(rank)
     return StepMonitor(
@@ -162,7 +160,7 @@ class _Worker:
                 self.train_step(truth, step)
             truth.close()
 
-    def train_step(self, monitor: Any, step: int) -> None:
+    def train_step(self, monitor: StepMonitor, step: int) -> None:
         config = self.config
         active = fault_active(config, step)
         slow = config.fault == "slow-worker" and self.rank == config.faulty_rank and active
@@ -195,7 +193,7 @@ class _Worker:
         self.step_s.append(time.perf_counter() - started)
         self.compute_s.append(compute_ns / 1e9)
 
-    def read_batch(self, monitor: Any, step: int, lengths: Sequence[int]) -> list[Any]:
+    def read_batch(self, monitor: StepMonitor, step: int, lengths: Sequence[int]) -> list[Any]:
         """The step's token ids (first stage) or targets (last stage), one per microbatch;
         every stage of a replica draws the same ones."""
         import torch
