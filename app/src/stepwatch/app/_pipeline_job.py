@@ -65,6 +65,7 @@ from stepwatch.app._pipeline_config import (
 from stepwatch.app._pipeline_schedule import Transfer, one_f_one_b
 from stepwatch.app._pipeline_truth import results_of
 from stepwatch.app._ranks import join_gloo, run_ranks
+from stepwatch.core._errors import ConfigError
 from stepwatch.exporters import StepMonitor
 
 
@@ -370,23 +371,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     scratch = tempfile.TemporaryDirectory(prefix="stepwatch-pipeline-")
-    result_file = os.path.join(scratch.name, "results.json")
-    config = PipelineJobConfig(
-        job_id=args.job,
-        pp=args.pp,
-        dp=args.dp,
-        microbatches=args.microbatches,
-        steps=args.steps,
-        fault=args.fault,
-        fault_rank=args.fault_rank,
-        fault_stage=args.fault_stage,
-        fault_step=args.fault_step,
-        truth_pairs=args.truth_pairs,
-        truth_block_steps=args.truth_block_steps,
-        endpoint=args.endpoint,
-        export_interval_s=args.export_interval,
-        result_file=result_file,
-    )
+    try:
+        config = PipelineJobConfig(
+            job_id=args.job,
+            pp=args.pp,
+            dp=args.dp,
+            microbatches=args.microbatches,
+            steps=args.steps,
+            fault=args.fault,
+            fault_rank=args.fault_rank,
+            fault_stage=args.fault_stage,
+            fault_step=args.fault_step,
+            truth_pairs=args.truth_pairs,
+            truth_block_steps=args.truth_block_steps,
+            endpoint=args.endpoint,
+            export_interval_s=args.export_interval,
+            result_file=os.path.join(scratch.name, "results.json"),
+        )
+    except ConfigError as exc:
+        scratch.cleanup()
+        parser.error(str(exc))
     started = time.monotonic()
     with scratch:
         results = launch(config)
