@@ -54,8 +54,10 @@ SAMPLED_KERNELS = (
 #: The description of a panel reading the bridge's derived quantiles.
 BRIDGE_ONLY = (
     "Needs the stepwatch bridge: p50/p90/p99 are derived from the buckets by the bridge "
-    "(docs/storage.md). Data a Collector's influxdb exporter wrote has count, sum, min, max "
-    "and the bucket fields only, so this shows no data there."
+    "(docs/storage.md), clamped to the window's min and max, else bounded by its mean: with "
+    "buckets far wider than the values (an OpenTelemetry SDK's default bounds) they are "
+    "bounds, not estimates. Data a Collector's influxdb exporter wrote has count, sum, min, "
+    "max and the bucket fields only, so this shows no data there."
 )
 
 

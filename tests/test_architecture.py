@@ -37,12 +37,14 @@ THIRD_PARTY = {
     "prometheus_client": "prometheus-client",
     "influxdb_client": "influxdb-client",
     "numpy": "numpy",
+    "pyarrow": "pyarrow",
     "scipy": "scipy",
     "statsmodels": "statsmodels",
     "torch": "torch",
     "cupti": "cupti-python",
     "pynvml": "nvidia-ml-py",
     "pytorch_lightning": "pytorch-lightning",
+    "lightning": "lightning",
     "transformers": "transformers",
 }
 #: Modules that exist for an extra: they import it at module level (users import them only

@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from stepwatch.app._demo import HangDemo, run_hang_demo
 from stepwatch.app._demo_job import DemoJobConfig, start
 from stepwatch.app._stack import LocalStack
-from stepwatch.core import InfluxClient, ManagedInfluxDB
+from stepwatch.core import Diagnosis, InfluxClient, ManagedInfluxDB
 from stepwatch.core._influx import wait_until
-from stepwatch.detectors import read_diagnoses
+from stepwatch.detectors import detect_job, read_diagnoses
 from stepwatch.detectors.frame import read_progress
 
 pytestmark = pytest.mark.slow
@@ -69,37 +69,76 @@ def _gone(seen: HangDemo) -> bool:
     return False
 
 
-@pytest.mark.parametrize("phase_sampling", [1, 1_000_000])
+#: Where the waiting ranks are, by the job's instrumentation: auto mode's communication
+#: phase, or (the README's loop: hand phases, no communication) backward, which holds DDP's
+#: all-reduce.
+WAITING = {
+    "auto": "ranks 0-1,3 wait in communication",
+    "hand": "ranks 0-1,3 wait in backward (which holds the collective)",
+}
+
+
+def _one_shot(client: InfluxClient, job: str, found: list[Diagnosis]) -> Callable[[], None]:
+    """A one-shot ``stepwatch detect`` over the last minutes of the hung job."""
+
+    def detect() -> None:
+        now = time.time_ns()
+        found.extend(detect_job(client, job, start_unix_nano=now - 600 * 10**9, end_unix_nano=now))
+
+    return detect
+
+
+@pytest.mark.parametrize(
+    ("instrumentation", "phase_sampling"), [("auto", 1), ("auto", 1_000_000), ("hand", "auto")]
+)
 def test_a_rank_blocked_in_its_data_phase_is_named_within_30_s(
-    stack: LocalStack, phase_sampling: int
+    stack: LocalStack, instrumentation: str, phase_sampling: int | str
 ) -> None:
     # 1_000_000: auto mode times (almost) no step's phases: the waiting ranks are found in
     # communication from their stacks and the last gradient's mark (``_AutoState._stack_phase``).
-    config = _config(stack, "hang", phase_sampling=phase_sampling)
-    seen = run_hang_demo(_client(stack), config, progress=lambda _: None)
+    config = _config(stack, "hang", phase_sampling=phase_sampling, instrumentation=instrumentation)
+    detected: list[Diagnosis] = []
+    seen = run_hang_demo(
+        _client(stack),
+        config,
+        progress=lambda _: None,
+        while_hung=_one_shot(_client(stack), config.job_id, detected),
+    )
     assert _gone(seen), "a process of the hung job is still alive"
     finding = seen.finding
     assert finding is not None, "no hang found"
     assert (finding.ranks, finding.phase, finding.severity) == ((2,), "data", "critical")
-    assert "ranks 0-1,3 wait in communication" in finding.summary
+    assert WAITING[instrumentation] in finding.summary
     assert seen.found_after_s is not None and seen.found_after_s <= FOUND_WITHIN_S
     assert seen.closed is not None, "the finding did not close once the job was killed"
+    hangs = [d for d in detected if d.kind == "hang"]
+    assert [(d.ranks, d.phase) for d in hangs] == [((2,), "data")], detected
 
 
-def test_a_sigstopped_rank_is_named_within_30_s(stack: LocalStack) -> None:
-    seen = run_hang_demo(_client(stack), _config(stack, "freeze"), progress=lambda _: None)
+@pytest.mark.parametrize("instrumentation", ["auto", "hand"])
+def test_a_sigstopped_rank_is_named_within_30_s(stack: LocalStack, instrumentation: str) -> None:
+    config = _config(stack, "freeze", instrumentation=instrumentation)
+    detected: list[Diagnosis] = []
+    seen = run_hang_demo(
+        _client(stack),
+        config,
+        progress=lambda _: None,
+        while_hung=_one_shot(_client(stack), config.job_id, detected),
+    )
     assert _gone(seen), "a process of the frozen job is still alive"
     finding = seen.finding
     assert finding is not None, "no hang found"
     assert (finding.ranks, finding.severity) == ((2,), "critical")
     assert "rank 2 silent since" in finding.summary
-    assert "ranks 0-1,3 wait in communication" in finding.summary
+    assert WAITING[instrumentation] in finding.summary
     assert seen.found_after_s is not None and seen.found_after_s <= FOUND_WITHIN_S
     assert seen.closed is not None
+    assert [d.ranks for d in detected if d.kind == "hang"] == [(2,)], detected
 
 
+@pytest.mark.parametrize("instrumentation", ["auto", "hand"])
 def test_an_evaluation_pass_on_every_rank_and_the_end_of_the_job_are_not_hangs(
-    stack: LocalStack,
+    stack: LocalStack, instrumentation: str
 ) -> None:
     client = _client(stack)
     config = DemoJobConfig(
@@ -108,6 +147,7 @@ def test_an_evaluation_pass_on_every_rank_and_the_end_of_the_job_are_not_hangs(
         fault_step=40,
         steps=120,
         endpoint=stack.otlp_http_endpoint,
+        instrumentation=instrumentation,
     )
     detector = stack.detector_service
     assert detector is not None

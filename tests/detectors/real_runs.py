@@ -63,15 +63,34 @@ def write(client: InfluxClient, points: list[str]) -> None:
         client.write_lines(points[start : start + 5000])
 
 
-def load(client: InfluxClient, name: str, *, communication: bool = True) -> RealRun:
+#: What a producer that times steps and nothing else stores.
+_STEP_ONLY = ("stepwatch.step.duration,", "stepwatch.step.last,", "stepwatch.monitor.closed,")
+
+
+def steps_only(points: list[str]) -> list[str]:
+    """The run as a producer of step times alone would have stored it."""
+    return [line for line in points if line.startswith(_STEP_ONLY)]
+
+
+#: How a run may be stored (:func:`load`): as recorded (stepwatch's auto mode), without its
+#: communication phase (the README's loop), or step times alone.
+LAYOUTS = ("auto", "no-communication", "steps")
+
+
+def load(
+    client: InfluxClient, name: str, *, communication: bool = True, layout: str = "auto"
+) -> RealRun:
     """Write ``<name>.lp.gz`` into ``client``'s database; the run's description.
 
-    ``communication=False``: without its communication phase (:func:`without_communication`).
+    ``communication=False`` (or ``layout="no-communication"``): without its communication
+    phase (:func:`without_communication`); ``layout="steps"``: :func:`steps_only`.
     """
     meta = json.loads((RUNS / f"{name}.json").read_text())
     points = lines(name)
-    if not communication:
+    if not communication or layout == "no-communication":
         points = without_communication(points)
+    elif layout == "steps":
+        points = steps_only(points)
     write(client, points)
     return RealRun(
         name=name,

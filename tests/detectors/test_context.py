@@ -57,10 +57,12 @@ def test_host_group_takes_hosts_at_least_half_flagged(context: Context) -> None:
     assert context.host_group([8, 17]) == ([8, 17], ("node-0001", "node-0002"))
 
 
-def test_stage_group_needs_half_a_stage_and_a_pipeline(context: Context) -> None:
-    assert context.stage_group([8, 9, 10, 11]) == list(range(8, 16))
+def test_stage_group_needs_the_whole_stage_and_a_pipeline(context: Context) -> None:
+    assert context.stage_group(list(range(8, 16))) == list(range(8, 16))
+    # Half a stage is not the stage: one slow worker (of two replicas) is never a stage.
+    assert context.stage_group([8, 9, 10, 11]) is None
     assert context.stage_group([8, 9, 10]) is None
-    assert _context().stage_group([8, 9, 10, 11]) is None  # one stage: no pipeline
+    assert _context().stage_group(list(range(8, 16))) is None  # one stage: no pipeline
 
 
 def test_a_clean_job_has_no_flags_and_no_effect(context: Context) -> None:

@@ -47,9 +47,47 @@ def rank(
     )
 
 
-def hangs(*ranks: RankProgress, steps: float = 10.0, min_s: float = 10.0) -> list:
-    progress = JobProgress(job="j", now_unix_nano=NOW, ranks=tuple(ranks))
+def hangs(
+    *ranks: RankProgress,
+    steps: float = 10.0,
+    min_s: float = 10.0,
+    phases: frozenset[str] | None = None,
+) -> list:
+    progress = JobProgress(job="j", now_unix_nano=NOW, ranks=tuple(ranks), phases=phases)
     return find_hangs(progress, hang_steps=steps, hang_min_s=min_s)
+
+
+#: The phases of the README's loop: no communication phase (DDP's all-reduce in backward).
+HAND = frozenset({"data", "forward", "backward", "optimizer"})
+
+
+def test_without_a_communication_phase_ranks_in_backward_wait() -> None:
+    (hang,) = hangs(
+        rank(0, "backward"), rank(1, "backward"), rank(2, "data"), rank(3, "backward"), phases=HAND
+    )
+    assert (hang.ranks, hang.phase) == ((2,), "data")
+    assert "while ranks 0-1,3 wait in backward (which holds the collective)" in hang.summary
+    # The same ranks in a job that times communication: backward is work, not a wait.
+    assert (
+        hangs(
+            rank(0, "backward"),
+            rank(1, "backward"),
+            rank(2, "data"),
+            rank(3, "backward"),
+            phases=HAND | {"communication"},
+        )
+        == []
+    )
+
+
+def test_without_a_communication_phase_every_rank_in_backward_is_a_collective_hang() -> None:
+    (hang,) = hangs(*(rank(r, "backward", in_phase_s=12.0) for r in range(4)), phases=HAND)
+    assert (hang.ranks, hang.phase) == ((), "backward")
+    assert hang.summary.startswith("every rank waits in backward (which holds the collective)")
+
+
+def test_without_a_communication_phase_an_evaluation_pass_is_not_a_hang() -> None:
+    assert hangs(*(rank(r, "eval", in_phase_s=12.0) for r in range(4)), phases=HAND) == []
 
 
 def test_a_rank_stuck_outside_communication_is_named_with_its_phase() -> None:

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import pkgutil
-import re
-from pathlib import Path
 
 import pytest
 
 from stepwatch.core import ConfigError
-from stepwatch.core._schema import DIAGNOSIS_KINDS
 from stepwatch.detectors.analysis import rules
 from stepwatch.detectors.analysis._rule import (
     Description,
@@ -19,34 +16,11 @@ from stepwatch.detectors.analysis._rule import (
     Signature,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-#: Kinds the schema names whose rules are still to come (none: every kind has one).
-NOT_YET: frozenset[str] = frozenset()
-MAX_RULE_LINES = 150
 
-
-def _schema_md_kinds() -> set[str]:
-    """The kinds docs/schema.md lists in its "`kind` is one of ..." sentence."""
-    text = (REPO / "docs" / "schema.md").read_text()
-    match = re.search(r"`kind` is one of(.*?)(?:\n\n|`end`)", text, flags=re.DOTALL)
-    assert match, "docs/schema.md no longer says which kinds there are"
-    return set(re.findall(r"`([a-z_]+)`", match.group(1)))
-
-
-def test_the_registry_implements_every_kind_the_schema_names() -> None:
-    kinds = rules.registry().kinds
-    assert kinds == set(DIAGNOSIS_KINDS) - NOT_YET
-    assert kinds == _schema_md_kinds() - NOT_YET
-    assert not kinds & NOT_YET, "implemented now: take it out of NOT_YET"
-
-
-def test_each_rule_is_one_small_module_named_after_its_kind() -> None:
+def test_each_rule_is_one_module_named_after_its_kind() -> None:
+    # Size follows cohesion: function complexity and length are ruff's (C901, PLR0915).
     modules = [info.name for info in pkgutil.iter_modules(rules.__path__)]
     assert sorted(modules) == sorted(rules.registry().kinds)
-    for name in modules:
-        path = Path(rules.__path__[0]) / f"{name}.py"
-        lines = len(path.read_text().splitlines())
-        assert lines <= MAX_RULE_LINES, f"{path.name}: {lines} lines"
 
 
 @pytest.mark.parametrize(
@@ -62,14 +36,17 @@ def test_each_rule_is_one_small_module_named_after_its_kind() -> None:
         ({"idle", "step"}, "masked_straggler"),
         ({"phase:backward", "phase:communication"}, "masked_straggler"),
         ({"step", "phase:other"}, "link_degradation"),
-        ({"arrival"}, "link_degradation"),
+        ({"arrival": 3}, "link_degradation"),
+        ({"arrival": 2}, "jit_stall"),  # late in one or two windows alone: a pause
         ({"category:communication"}, "link_degradation"),
         ({"phase:other"}, "masked_straggler"),
         ({"category:memory"}, "compute_straggler"),  # nothing more specific: the catch-all
     ],
 )
-def test_precedence_reproduces_the_classification_order(flagged: set[str], kind: str) -> None:
-    counts = dict.fromkeys(flagged, 1)
+def test_precedence_reproduces_the_classification_order(
+    flagged: set[str] | dict[str, int], kind: str
+) -> None:
+    counts = flagged if isinstance(flagged, dict) else dict.fromkeys(flagged, 1)
     assert rules.registry().classify(counts).kind == kind
 
 
@@ -95,7 +72,7 @@ def _describe_nothing(context: object, group: object) -> Description:
 
 def test_a_new_kind_is_one_rule_and_takes_its_place_by_precedence() -> None:
     new = EpisodeRule(
-        kind="stage_imbalance",
+        declared=rules.registry().kind("stage_imbalance"),
         signatures=(Signature(5, lambda flagged: "clock" in flagged and "idle" in flagged),),
         describe=_describe_nothing,
     )
@@ -108,9 +85,11 @@ def test_registry_refuses_clashes_and_a_missing_catch_all() -> None:
     gpu = rules.registry().episode_rules["gpu_health"]
     with pytest.raises(ConfigError, match="kind"):
         Registry.of([gpu, gpu])
-    twin = EpisodeRule("jit_stall", (Signature(10, bool),), _describe_nothing)
+    twin = EpisodeRule(
+        rules.registry().kind("jit_stall"), (Signature(10, bool),), _describe_nothing
+    )
     with pytest.raises(ConfigError, match="precedence"):
         Registry.of([gpu, twin])
-    job = JobRule("rank_missing", 1, lambda context, earlier: [])
+    job = JobRule(rules.registry().kind("rank_missing"), 1, lambda context, earlier: [])
     with pytest.raises(ConfigError, match="no signature"):
         Registry.of([gpu, job]).classify({"step": 3})

@@ -343,12 +343,14 @@ def run_hang_demo(
     *,
     timeout_s: float = 120.0,
     progress: Callable[[str], None] = print,
+    while_hung: Callable[[], None] | None = None,
 ) -> HangDemo:
     """Start a job that hangs, wait for the detector service's finding, kill the job.
 
     The stack's detector service must be running (``stepwatch up``'s defaults find a hang
     within ~15 s of its onset). The job runs in its own session and is killed whole, found or
-    not; then the finding should close (the job ended).
+    not; then the finding should close (the job ended). ``while_hung`` runs once the finding
+    is seen, before the kill (a one-shot ``stepwatch detect`` of the hung job, say).
     """
     with tempfile.TemporaryDirectory(prefix="stepwatch-hang-") as scratch:
         onset_file = Path(scratch) / "onset"
@@ -364,6 +366,8 @@ def run_hang_demo(
             )
             seen_unix_nano = time.time_ns()
             onset = int(onset_file.read_text()) if onset_file.exists() else None
+            if found and while_hung is not None:
+                while_hung()
         finally:
             job.kill()
     progress(f"job killed (process group {job.process.pid})")

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from stepwatch.app._ranks import join_gloo, run_ranks
@@ -55,6 +56,8 @@ FAULT_KINDS = (
 RANK_FAULTS = ("straggler", "link", "jit", "stall", "dataloader", "hang", "freeze")
 #: Faults after which the job never finishes: it must be killed (:meth:`DemoJobProcess.kill`).
 HANG_FAULTS = ("hang", "freeze")
+#: How the demo's loop is timed (``DemoJobConfig.instrumentation``).
+INSTRUMENTATIONS = ("auto", "hand")
 #: The default demo: steps, the step its fault starts, and the profiler's period (steps).
 DEMO_STEPS = 600
 DEMO_FAULT_STEP = 240
@@ -97,6 +100,11 @@ class DemoJobConfig:
     ``onset_file``: where the faulty rank writes the wall time (Unix ns) at which a ``hang``
     or ``freeze`` begins (to time how fast it is found).
     ``phase_sampling``: ``StepMonitor``'s (``"auto"``, its default; 1: every step's phases).
+    ``instrumentation``: ``"auto"`` (``monitor.instrument(ddp, optimizer)``: forward,
+    backward, optimizer and the collective wait as ``communication``) or ``"hand"``: the
+    README's loop, ``data``, ``forward``, ``backward`` and ``optimizer`` timed with
+    ``monitor.phase()`` and no ``communication`` phase (DDP's all-reduce runs inside
+    ``backward``).
     """
 
     job_id: str
@@ -115,8 +123,13 @@ class DemoJobConfig:
     kernel_period_steps: int | None = DEMO_KERNEL_PERIOD_STEPS
     onset_file: str | None = None
     phase_sampling: int | str = "auto"
+    instrumentation: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.instrumentation not in INSTRUMENTATIONS:
+            raise ConfigError(
+                f"instrumentation: {self.instrumentation!r} is not one of {INSTRUMENTATIONS}"
+            )
         if self.fault not in FAULT_KINDS:
             raise ConfigError(f"fault: {self.fault!r} is not one of {FAULT_KINDS}")
         if self.world_size < 2:
@@ -241,12 +254,17 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
         # fault is a delay inside one rank's comm hook (passed in: DDP accepts a single one),
         # which times that rank's collectives one by one; the others then do the same
         # (collective_timing) so every rank measures communication alike.
-        monitor.instrument(
-            ddp,
-            optimizer,
-            comm_hook=_slow_comm_hook(config) if config.fault == "link" and faulty else None,
-            collective_timing=config.fault == "link",
-        )
+        hand = config.instrumentation == "hand"
+        if not hand:
+            monitor.instrument(
+                ddp,
+                optimizer,
+                comm_hook=_slow_comm_hook(config) if config.fault == "link" and faulty else None,
+                collective_timing=config.fault == "link",
+            )
+        elif config.fault == "link" and faulty:
+            ddp.register_comm_hook(None, _slow_comm_hook(config))
+        timed = monitor.phase if hand else _untimed
         for step in range(config.steps):
             active = step >= config.fault_step
             at_fault = step == config.fault_step
@@ -269,16 +287,26 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
                         threading.Event().wait()  # never returns: the job must be killed
                 if config.fault == "eval" and at_fault:
                     _evaluate(monitor, ddp, config)
-                output = ddp(inputs)
-                loss = loss_fn(output, targets)
+                with timed("forward"):
+                    output = ddp(inputs)
+                    loss = loss_fn(output, targets)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                with timed("backward"):
+                    loss.backward()
+                with timed("optimizer"):
+                    optimizer.step()
                 if config.fault == "stall" and faulty and step == config.fault_step:
                     time.sleep(STALL_S)  # outside every phase: a checkpoint write, a GC pause
         monitor.close()
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _untimed(name: str) -> Iterator[None]:
+    """No phase of the loop's own: auto mode times it (``monitor.instrument``)."""
+    del name
+    yield
 
 
 def _demo_model(hidden: int) -> Any:

@@ -6,11 +6,12 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from datetime import UTC, datetime
 from typing import Any
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.core._schema import DIAGNOSIS_KINDS, SEVERITIES
+from stepwatch.core._schema import DIAGNOSIS_KIND_PATTERN, SEVERITIES
 
 
 def format_time(time_unix_nano: int) -> str:
@@ -52,8 +53,10 @@ class Diagnosis:
     slowdown: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in DIAGNOSIS_KINDS:
-            raise ConfigError(f"kind: {self.kind!r} is not one of {DIAGNOSIS_KINDS}")
+        if not re.fullmatch(DIAGNOSIS_KIND_PATTERN, self.kind):
+            raise ConfigError(
+                f"kind: {self.kind!r} is not a kind's name ({DIAGNOSIS_KIND_PATTERN})"
+            )
         if self.severity not in SEVERITIES:
             raise ConfigError(f"severity: {self.severity!r} is not one of {SEVERITIES}")
         if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):

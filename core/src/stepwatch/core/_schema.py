@@ -72,24 +72,9 @@ GPU_CLOCK_EVENT_REASON: Final = "stepwatch.gpu.clock_event.reason"
 PHASES: Final = ("data", "forward", "backward", "optimizer", "communication", "other")
 KERNEL_CATEGORIES: Final = ("compute", "communication", "memory", "other")
 
-DIAGNOSIS_KINDS: Final = (
-    "compute_straggler",
-    "masked_straggler",
-    "link_degradation",
-    "pipeline_bubble",
-    "jit_stall",
-    "dataloader_stall",
-    "job_regression",
-    "gpu_health",
-    # A rank that stopped reporting mid-job (issue 6): missing windows are a finding.
-    "rank_missing",
-    # Real-world structure (issue 11): a pipeline stage slower on every replica (partitioning),
-    # and time lost to ranks finishing at different times while the slowest keeps changing.
-    "stage_imbalance",
-    "workload_imbalance",
-    # No progress (issue 12): a rank stuck or silent while its peers wait, or the whole job.
-    "hang",
-)
+#: A diagnosis kind's name: each kind is declared once, by its rule module in
+#: ``stepwatch.detectors.analysis.rules`` (docs/schema.md's list is generated from them).
+DIAGNOSIS_KIND_PATTERN: Final = r"[a-z][a-z0-9_]*"
 SEVERITIES: Final = ("info", "warning", "critical")
 
 # Measurement holding diagnoses (Grafana's annotation query reads it).

@@ -211,6 +211,19 @@ def _rounded(value: float, minimum: float | None, maximum: float | None) -> floa
     return value
 
 
+def markov_bound(mean: float, quantile: float, minimum: float | None) -> float:
+    """The most a ``quantile`` of non-negative values with this ``mean`` can be.
+
+    Buckets wider than the values (the OpenTelemetry SDKs' default bounds, 0-5-10-25-...,
+    are meant for milliseconds; a step of 60 ms falls in the first) put a bucket's midpoint,
+    2.5 s, above every value. Without the window's ``max`` to clamp it (a cumulative stream
+    turned into deltas has none), Markov's inequality does: at most ``1 - q`` of
+    non-negative values exceed ``mean / (1 - q)``. Never below ``minimum``.
+    """
+    bound = mean / max(1.0 - quantile, 1e-12)
+    return bound if minimum is None else max(bound, minimum)
+
+
 def _add_buckets(
     head: _Head,
     buckets: Buckets,
@@ -218,9 +231,12 @@ def _add_buckets(
     *,
     text: str | None,
     sparse: bool = False,
+    nonnegative: bool = False,
 ) -> dict[str, FieldValue]:
     """The head's fields plus the quantiles and the buckets: the ``buckets`` string when
-    ``text`` is given (compact layout), else one cumulative count per bound and ``+Inf``."""
+    ``text`` is given (compact layout), else one cumulative count per bound and ``+Inf``.
+    ``nonnegative``: the values cannot be negative (durations), so a quantile without a
+    ``max`` to clamp it is bounded by the mean (:func:`markov_bound`)."""
     fields, minimum, maximum = head
     if text is None:
         keep = populated_edges(buckets) if sparse else range(len(buckets.uppers))
@@ -230,8 +246,11 @@ def _add_buckets(
             fields[key] = float(buckets.cumulative[index])
         if not buckets.uppers or not math.isinf(buckets.uppers[-1]):
             fields["+Inf"] = fields["count"]
+    mean = fields.get("mean")
     for name, quantile in QUANTILES if text is None else COMPACT_QUANTILES:
         value = nearest_rank_quantile(buckets, quantile, minimum=minimum, maximum=maximum)
+        if value is not None and nonnegative and maximum is None and isinstance(mean, float):
+            value = min(value, markov_bound(mean, quantile, minimum))
         if value is not None:
             fields[name] = value if text is None else _rounded(value, minimum, maximum)
     if text is not None:
@@ -263,7 +282,10 @@ def _histogram_fields(
     if duration and point.count > 0 and buckets.uppers[0] < 0 and buckets.cumulative[0] > 0:
         raise Rejected(REASON_NEGATIVE_DURATION)
     text = encode_explicit(bounds, counts) if layout == LAYOUT_COMPACT else None
-    return _add_buckets(head, buckets, int(point.start_time_unix_nano), text=text)
+    # Explicit bounds may be far wider than the values (the SDKs' defaults): bound by the mean.
+    return _add_buckets(
+        head, buckets, int(point.start_time_unix_nano), text=text, nonnegative=duration
+    )
 
 
 def _exponential_fields(

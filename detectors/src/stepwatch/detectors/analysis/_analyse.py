@@ -36,7 +36,7 @@ from stepwatch.detectors.analysis._episodes import (
     merge_episodes,
     narrow_to_late,
 )
-from stepwatch.detectors.analysis._rule import Verdict, severity_of
+from stepwatch.detectors.analysis._rule import Kind, Verdict, raise_bar, severity_of
 from stepwatch.detectors.frame._frame import JobFrame
 
 # The package façade and stepwatch.detectors import these names from here.
@@ -52,11 +52,14 @@ class Finding:
         detected_unix_nano: end of the window at which the flags were first confirmed
             (flags only use past windows, so an incremental run raises it then).
         last_seen_unix_nano: end of the last window showing the condition.
+        evidence: what the finding rests on, as a ratio: its ranks against their peers in
+            the metric the rule names (a rank finding), or the job's own shift or loss.
     """
 
     diagnosis: Diagnosis
     detected_unix_nano: int
     last_seen_unix_nano: int
+    evidence: float = 1.0
 
 
 def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Finding]:
@@ -90,7 +93,7 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
     registry = rules.registry()
     verdicts: list[Verdict] = []
     for rule, merged in merge_episodes(find_episodes(context.metrics, config), registry):
-        group = narrow_to_late(context, rule.kind, merged)
+        group = narrow_to_late(context, rule.declared, merged)
         description = rule.describe(context, group)
         verdicts.append(
             Verdict(
@@ -103,12 +106,16 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
                 score=context.score(description.indices, group.first, group.last),
             )
         )
-    verdicts = drop_waiters(context, verdicts)
+    verdicts = drop_waiters(context, verdicts, registry)
     # A rank finding too cheap to raise explains nothing: the job rules see the others only
     # (a noisy rank's unraised 1.01x episode once hid a 1.87x job regression that began
     # beside it, on a recorded real run).
     spans = [slice(v.first, v.last + 1) for v in verdicts]
-    raised = [v for v in verdicts if _costed(context, v, spans) is not None]
+    raised = [
+        v
+        for v in verdicts
+        if _costed(context, registry.kind(v.description.kind), v, spans) is not None
+    ]
     for job_rule in registry.job_rules:
         found = job_rule.find(context, tuple(raised))
         verdicts.extend(found)
@@ -116,7 +123,7 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
     busy = [slice(v.first, v.last + 1) for v in verdicts]
     findings = []
     for verdict in verdicts:
-        costed = _costed(context, verdict, busy)
+        costed = _costed(context, registry.kind(verdict.description.kind), verdict, busy)
         if costed is not None:
             findings.append(_finding(context, costed))
     return sorted(
@@ -125,21 +132,38 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
     )
 
 
-def _costed(context: Context, verdict: Verdict, busy: list[slice]) -> Verdict | None:
+#: A rank finding's evidence (its ratio to its peers) must differ from 1 by at least this
+#: much: a finding whose own evidence reads 1.00x shows nothing, whatever its cost says.
+MIN_EVIDENCE = 1.03
+
+
+def _costed(
+    context: Context, declared: Kind, verdict: Verdict, busy: list[slice]
+) -> Verdict | None:
     """The verdict with its cost and the severity of that cost; ``None`` below the bar.
 
-    A verdict whose rule measured no cost and whose kind has no cost model keeps its
-    severity and a cost of 1.0 (unknown), and is always raised.
+    A rank finding the cost model prices is raised only when its evidence shows the anomaly
+    (its ratio to its peers at least :data:`MIN_EVIDENCE` away from 1) and, for
+    ``paced`` kinds, costs at most that ratio: a rank that takes r times its peers'
+    time in what paces the job cannot slow the job by more than r. A verdict whose rule
+    measured no cost and whose kind has no cost model keeps its severity and a cost of 1.0
+    (unknown), and is always raised.
     """
     what = verdict.description
     slowdown = what.slowdown
     if slowdown is None:
         span = slice(verdict.first, verdict.last + 1)
-        slowdown = estimate(context, what.kind, what.indices, span, busy=busy)
+        slowdown = estimate(context, declared, what.indices, span, busy=busy)
     if slowdown is None:
         return verdict
     slowdown = max(1.0, float(slowdown))
-    if slowdown < context.config.min_slowdown_for(what.kind):
+    if what.indices and what.slowdown is None:  # a rank finding the cost model priced
+        evidence = max(what.ratio, 1.0 / what.ratio) if what.ratio > 0 else 1.0
+        if evidence < MIN_EVIDENCE:
+            return None
+        if declared.paced:
+            slowdown = min(slowdown, evidence)
+    if slowdown < raise_bar(context.config, declared):
         return None
     summary = with_cost(what.summary, slowdown)
     return dataclasses.replace(
@@ -177,6 +201,7 @@ def _finding(context: Context, verdict: Verdict) -> Finding:
         diagnosis=diagnosis,
         detected_unix_nano=int(ends[verdict.detected]),
         last_seen_unix_nano=int(ends[verdict.last]),
+        evidence=what.ratio,
     )
 
 

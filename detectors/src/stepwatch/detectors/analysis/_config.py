@@ -89,12 +89,11 @@ class DetectorConfig:
     imbalance_min_slowdown: float = 1.2
 
     def min_slowdown_for(self, kind: str) -> float:
-        """The smallest cost at which a finding of ``kind`` is raised."""
-        if kind == "stage_imbalance":
-            return max(self.min_slowdown, self.structure_min_slowdown)
-        if kind == "workload_imbalance":
-            return max(self.min_slowdown, self.imbalance_min_slowdown)
-        return self.min_slowdown
+        """The smallest cost at which a finding of ``kind`` is raised (its rule module
+        declares which field holds its bar: ``Kind.raise_bar``)."""
+        from stepwatch.detectors.analysis import rules  # the rules import this module
+
+        return max(self.min_slowdown, float(getattr(self, rules.registry().kind(kind).raise_bar)))
 
     def __post_init__(self) -> None:
         if not 0 < self.fdr_q < 1:

@@ -23,16 +23,19 @@ from stepwatch.detectors.analysis._groups import (
     coordinate_groups,
     infer_groups,
 )
-from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_CATEGORY, JobFrame
+from stepwatch.detectors.analysis._split import Split, split
+from stepwatch.detectors.frame._frame import (
+    COMMUNICATION_CATEGORY,
+    COMPUTE_CATEGORY,
+    WAIT_HOLDING_PHASE,
+    JobFrame,
+)
 from stepwatch.detectors.stats._stats import BoolArray, FloatArray, nanmedian, safe_log
 
-#: Without a communication phase, the phase that holds the gradient all-reduce and the wait
-#: for the last rank in it: DDP, FSDP and Horovod start the all-reduce from backward hooks,
-#: so every producer that times ``loss.backward()`` (Lightning's and HF Trainer's timers, a
-#: hand-written ``with phase("backward")``, a device timer over backward) records it there.
-WAIT_HOLDING_PHASE = "backward"
 #: Compute kernels this much slower than the peers' are never called normal, flagged or not.
 SLOW_KERNELS = 1.2
+#: Share of a pipeline stage's ranks a finding must hold to be about the whole stage.
+STAGE_FILLED = 0.9
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -52,6 +55,7 @@ class Basis:
         overlap_waiting: series that hold the wait for peers (:func:`_overlap_waiting`).
         baseline: ``(W,)`` the first windows, which define the job's structure.
         groups: the peer groups (pipeline stages, or groups inferred from the baseline).
+        split: each rank's step split into its own work and its waiting (:mod:`._split`).
     """
 
     frame: JobFrame
@@ -66,6 +70,7 @@ class Basis:
     overlap_waiting: frozenset[str]
     baseline: BoolArray
     groups: PeerGroups
+    split: Split
 
     @classmethod
     def of(cls, frame: JobFrame, config: DetectorConfig) -> Basis:
@@ -103,6 +108,15 @@ class Basis:
         if groups is None:
             profile = _profile(frame, compute_s, overlap_waiting, settled)
             groups = infer_groups(profile, baseline, dp_ranks=frame.dp_ranks)
+        nested = f"phase:{COMMUNICATION_CATEGORY}" in overlap_waiting
+        parts = split(
+            frame,
+            present=present,
+            nested=nested,
+            held=held_wait_phase(frame),
+            groups=groups,
+            baseline=baseline,
+        )
         return cls(
             frame=frame,
             config=config,
@@ -116,6 +130,7 @@ class Basis:
             overlap_waiting=overlap_waiting,
             baseline=baseline,
             groups=groups,
+            split=parts,
         )
 
     @property
@@ -388,24 +403,32 @@ class Context(Basis):
             return None, 1.0
         return frame.kernel_classes[classes[best]], float(own[best] / theirs[best])
 
-    def stall_ratios(self, indices: Sequence[int], first: int, last: int) -> dict[str, float]:
-        """Flagged ``stall:`` phases → longest occurrence / peers' longest (largest in span)."""
+    def stall_ratios(
+        self, indices: Sequence[int], first: int, last: int, *, prefix: str = "stall:"
+    ) -> dict[str, float]:
+        """Flagged ``stall:`` phases → longest occurrence / peers' longest (largest in span);
+        with ``prefix="burst:"``, the burstiness metrics' largest flagged ratio."""
         metrics = self.metrics
         ratios: dict[str, float] = {}
         for m, name in enumerate(metrics.names):
-            if not name.startswith("stall:"):
+            if not name.startswith(prefix):
                 continue
             hit = metrics.flags[first : last + 1, indices, m]
             if hit.any():
-                ratios[name.split(":", 1)[1]] = math.exp(
+                ratios[name.split(":", 1)[-1]] = math.exp(
                     float(np.nanmax(metrics.effect[first : last + 1, indices, m][hit]))
                 )
         return ratios
 
     def flagged(self, group: EpisodeGroupLike) -> set[str]:
         """The metrics flagged on the group's ranks in its windows."""
+        return set(self.flagged_counts(group))
+
+    def flagged_counts(self, group: EpisodeGroupLike) -> dict[str, int]:
+        """The metrics flagged on the group's ranks, and in how many of its windows."""
         block = self.metrics.flags[group.first : group.last + 1][:, list(group.indices), :]
-        return {self.metrics.names[m] for m in np.flatnonzero(block.any(axis=(0, 1)))}
+        counts = block.any(axis=1).sum(axis=0)
+        return {self.metrics.names[m]: int(counts[m]) for m in np.flatnonzero(counts)}
 
     def score(self, indices: Sequence[int], first: int, last: int) -> float:
         """Strongest robust z of the ranks' flags over the windows, capped at 99."""
@@ -430,9 +453,11 @@ class Context(Basis):
         return group, tuple(chosen)
 
     def stage_group(self, indices: Sequence[int]) -> list[int] | None:
-        """Every rank of the pipeline stages the ranks fill at least half of, else ``None``.
+        """Every rank of the pipeline stages the ranks fill, else ``None``.
 
-        ``None`` also without two known stages, or when a rank's stage is unknown.
+        The ranks fill a stage when they hold all of its ranks but a tenth (a stage of a
+        few replicas: all of them). One slow worker is never a whole stage. ``None`` also
+        without two known stages, or when a rank's stage is unknown.
         """
         pp = self.frame.pp_ranks
         if len(set(pp.tolist()) - {-1}) < 2:
@@ -441,7 +466,7 @@ class Context(Basis):
         if -1 in stages:
             return None
         members = [i for i in range(pp.size) if int(pp[i]) in stages]
-        if len(members) < 2 * len(stages) or len(indices) * 2 < len(members):
+        if len(members) < 2 * len(stages) or len(indices) < STAGE_FILLED * len(members):
             return None
         return members
 

@@ -45,6 +45,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
@@ -53,26 +54,11 @@ import numpy as np
 
 from stepwatch.detectors.analysis._context import Context, held_wait_phase
 from stepwatch.detectors.analysis._crossrank import OUTSIDE, outside_gap_s
-from stepwatch.detectors.analysis._rule import Verdict
+from stepwatch.detectors.analysis._rule import Kind, Verdict
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.frame._sampled import MIN_TIMED_STEPS
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
 
-#: Kinds costed by the late-arrival what-if when their rule gives no cost.
-LATE_KINDS = frozenset(
-    {
-        "compute_straggler",
-        "masked_straggler",
-        "dataloader_stall",
-        "gpu_health",
-        "jit_stall",
-        "link_degradation",
-        "pipeline_bubble",
-    }
-)
-#: Kinds whose rank's own work may lie inside the phase that holds the wait as well
-#: (compute in forward and backward), see :func:`_held_growth`.
-OWN_WORK_KINDS = frozenset({"compute_straggler", "masked_straggler", "gpu_health"})
 #: Fewest clean windows for the temporal estimate.
 MIN_CLEAN_WINDOWS = 3
 
@@ -134,25 +120,79 @@ def _held_growth(
 
 
 def lead_s(context: Context) -> FloatArray:
-    """``(W, R)`` time a rank spends before its final collective per step.
+    """``(W, R)`` time a rank spends before its final wait per step (:mod:`._split`)."""
+    return context.split.lead_s
 
-    Without communication times, the time outside the phase that holds the collective
-    (:func:`~._context.held_wait_phase`): that phase also holds the rank's own work in it,
-    alike on every rank, so the leads are right up to a shift that cancels in a saving.
+
+@dataclasses.dataclass(frozen=True)
+class Pacing:
+    """What paces a pipelined job, per window, from the ranks' own work
+    (:meth:`~._context.Context.work_s`: compute kernels, else the phases that hold no wait).
+
+    Each replica (``stepwatch.dp_rank``) runs its stages as one pipeline, paced by its
+    slowest stage's work (a stage's wall time also holds its waits for the others); the
+    replicas then wait for the slowest replica. The what-if ideal of
+    Lin et al. (OSDI'25) gives every operation the mean duration of its kind: every rank
+    does the mean work, stages and replicas alike.
+
+    Attributes:
+        latest: ``(W,)`` the slowest replica's pace: the largest work of its ranks.
+        group_mean: ``(W, G)`` the mean work of each peer group (stage).
+        mean: ``(W,)`` the mean work over every rank.
     """
-    cache = context.__dict__.setdefault("_lead_cache", {})
-    if "lead" not in cache:
-        frame = context.frame
-        wait = wait_s(context)
-        held = held_wait_phase(frame)
-        if wait is None and held is not None:
-            wait = frame.phase(held)
-        index = _wait_phase(context)
-        # The sampled steps' when phases were sampled, unless the wait was timed on every step.
-        step = frame.phase_step if index is None else frame.phase_base(index)
-        lead = step if wait is None else step - np.where(np.isfinite(wait), wait, 0.0)
-        cache["lead"] = np.where(context.present, lead, np.nan)
-    return np.asarray(cache["lead"])
+
+    latest: FloatArray
+    group_mean: FloatArray
+    mean: FloatArray
+
+    def stage_s(self, group: int) -> FloatArray:
+        """``(W,)`` what ``group`` being heavier than the mean rank costs each step."""
+        return np.clip(self.group_mean[:, group] - self.mean, 0.0, None)
+
+    def rotation_s(self, group: int) -> FloatArray:
+        """``(W,)`` how far the slowest replica's pace lies above ``group``'s mean: the
+        imbalance between replicas beyond that group's structure."""
+        return np.clip(self.latest - self.group_mean[:, group], 0.0, None)
+
+    def rotation_dominates(self, span: slice) -> bool:
+        """Over ``span``, the replicas' pace varies from step to step more than the heaviest
+        stage stands out.
+
+        With variable sequence lengths, every replica's work changes from step to step and
+        the slowest replica keeps changing; the stage holding the most token-dependent work
+        is heavier on average too. When the slowest replica's lead over that stage's mean
+        exceeds the stage's own excess over the mean rank, moving layers is not what the
+        job lacks: the loss is a workload imbalance, that structure included.
+        """
+        heavy = heaviest_group(self)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            stage = float(np.nanmedian(self.stage_s(heavy)[span]))
+            rotation = float(np.nanmedian(self.rotation_s(heavy)[span]))
+        return rotation > stage
+
+
+def pacing(context: Context) -> Pacing | None:
+    """The job's :class:`Pacing`, ``None`` unless its ranks form two or more peer groups."""
+    groups = context.groups
+    if groups.n_groups < 2:
+        return None
+    lead = context.work_s()
+    replicas = groups.replicas
+    with warnings.catch_warnings():  # windows where a side is silent stay NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        paces = np.stack(
+            [np.nanmax(lead[:, replicas == r], axis=1) for r in np.unique(replicas)], axis=1
+        )
+        group_mean = np.stack(
+            [np.nanmean(lead[:, groups.members(g)], axis=1) for g in range(groups.n_groups)],
+            axis=1,
+        )
+        return Pacing(
+            latest=np.nanmax(paces, axis=1),
+            group_mean=group_mean,
+            mean=np.nanmean(lead, axis=1),
+        )
 
 
 def steps_per_window(context: Context) -> FloatArray:
@@ -314,6 +354,19 @@ def _paused_s(
     return np.where(np.isfinite(longest), np.clip(longest - usual, 0.0, None) / steps, 0.0)
 
 
+def _one_pipeline(context: Context, indices: Sequence[int]) -> bool:
+    """Whether ``indices`` are some stages of the job's only pipeline replica."""
+    groups = context.groups
+    replicas = set(groups.replicas.tolist())
+    return (
+        bool(indices)
+        and groups.source == "coordinates"
+        and groups.replicas_known
+        and len(replicas) == 1
+        and len(indices) < groups.replicas.shape[0]
+    )
+
+
 def step_excess(context: Context, indices: Sequence[int], span: slice) -> FloatArray:
     """``(windows,)`` the ranks' median step above their peers' median step."""
     step = np.where(context.present, context.frame.step_s, np.nan)[span]
@@ -346,18 +399,19 @@ def temporal_slowdown(context: Context, span: slice, busy: Sequence[slice]) -> f
 
 def estimate(
     context: Context,
-    kind: str,
+    declared: Kind,
     indices: Sequence[int],
     span: slice,
     *,
     busy: Sequence[slice] = (),
 ) -> float | None:
-    """The what-if slowdown of a finding of ``kind`` on ``indices`` over ``span``.
+    """The what-if slowdown of a finding of kind ``declared`` on ``indices`` over ``span``.
 
-    Returns ``None`` when the kind has no cost model (``rank_missing``, ``hang``).
+    Returns ``None`` when the kind has no cost model here (not ``late_arrival``).
     """
-    if kind not in LATE_KINDS:
+    if not declared.late_arrival:
         return None
+    kind = declared.name
     step = context.step_median
     if kind == "jit_stall":  # a stall outside phases is paid in the peers' next step
         span = slice(span.start, min(span.stop + 1, step.shape[0]))
@@ -383,7 +437,7 @@ def estimate(
         paused = _paused_s(context, indices, span, busy)
         if paused is not None:
             saving = np.fmax(saving, paused)
-    if saving is not None and kind in OWN_WORK_KINDS:
+    if saving is not None and declared.own_work:
         grown = _held_growth(context, indices, span, busy)
         if grown is not None:  # only where they are the last to arrive (they wait for none)
             saving = saving + np.where(saving > 0, grown, 0.0)
@@ -392,7 +446,10 @@ def estimate(
     if kind == "link_degradation" and indices:  # the job moves at its slowest rank's pace
         excess = step_excess(context, indices, span)
         costs.append(ratio_of(step[span] + np.clip(excess, 0.0, None), excess, weight))
-    if saving is None:
+    if saving is None or (_one_pipeline(context, indices) and kind != "jit_stall"):
+        # No other replica to pace against (a pipeline of one replica: its stages' fill and
+        # drain carry a slow stage's whole excess, which the lead over the next stage
+        # misses): the job's step over the finding against its step before it.
         temporal = temporal_slowdown(context, span, busy)
         if temporal is not None:
             costs.append(temporal)
@@ -404,21 +461,22 @@ def imbalance_lost_s(context: Context, earlier: Sequence[Verdict]) -> FloatArray
     """``(W,)`` seconds per step lost to ranks arriving at different times that none of the
     ``earlier`` rank findings explains (``None`` without collective times).
 
+    With peer groups (pipeline stages), from the ranks' leads instead
+    (:func:`_rotation_lost_s`): their waits hold the stages' structure too.
+
     With synchronous collectives a rank's time in the collective is the transfer plus its
     wait for the last arrival: the mean over ranks of that time minus the shortest
     collective of the window (the histograms' ``min``, else the shortest mean: the rank
     that arrived last waited for no one) is what every step loses to the spread of
     arrivals. A rank finding's lead (:func:`late_saving`) is its share of it.
     """
-    wait = wait_s(context)
-    if wait is None:
+    paced = pacing(context)
+    if paced is not None:
+        return _rotation_lost_s(context, paced, earlier)
+    waits = _waits(context)
+    if waits is None:
         return None
-    frame = context.frame
-    wait = np.where(context.present, wait, np.nan)
-    shortest = wait
-    if COMMUNICATION_CATEGORY in frame.phases and frame.phase_min_s is not None:
-        column = frame.phases.index(COMMUNICATION_CATEGORY)
-        shortest = np.where(context.present, frame.phase_min_s[:, :, column], np.nan)
+    wait, shortest = waits
     # The ranks a finding names are explained: their own collective time (a slow link's
     # transfer) is theirs, and what the others wait for them is their finding's lead.
     others = wait.copy()
@@ -436,3 +494,95 @@ def imbalance_lost_s(context: Context, earlier: Sequence[Verdict]) -> FloatArray
         if saving is not None:
             lost[span] -= np.clip(np.nan_to_num(saving), 0.0, None)
     return np.asarray(np.clip(lost, 0.0, None), dtype=np.float64)
+
+
+def heaviest_group(paced: Pacing) -> int:
+    """The peer group with the largest typical work (the stage that paces the replicas)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        typical = np.nanmedian(paced.group_mean, axis=0)
+    return int(np.argmax(np.where(np.isfinite(typical), typical, -np.inf)))
+
+
+def _rotation_lost_s(context: Context, paced: Pacing, earlier: Sequence[Verdict]) -> FloatArray:
+    """``(W,)`` the slowest replica's pace above the heaviest stage's mean, less what the
+    ``earlier`` rank findings explain.
+
+    From window means (:meth:`Pacing.rotation_s`), the largest replica's pace is below the
+    mean of each step's largest when the slowest replica changes within a window. Each
+    stage's waits in its collectives see every step's (their mean less the shortest
+    collective of the stage, as without groups; the waits for the other stages are alike
+    within a stage and cancel): their median over the stages is used instead where it is
+    larger, and where the spread of the work allows it (at most ``2 sqrt(steps per
+    window)`` times the means' loss), in windows where it does when it does in at least
+    :data:`PLAUSIBLE_SHARE` of them.
+    """
+    lost = paced.rotation_s(heaviest_group(paced)).copy()
+    waited = _stage_waits_lost_s(context)
+    if waited is not None:
+        steps = np.maximum(steps_per_window(context), 1.0)
+        known = np.isfinite(waited) & np.isfinite(lost)
+        plausible = known & (waited <= 2.0 * np.sqrt(steps) * lost)
+        # The waits are the stages' collectives only where most windows bear them out: a
+        # point-to-point wait on a starved CPU varies far more than any work does.
+        if known.any() and plausible.sum() >= PLAUSIBLE_SHARE * known.sum():
+            lost = np.where(plausible, np.fmax(lost, waited), lost)
+    for verdict in earlier:
+        if not verdict.description.indices or verdict.description.kind == "stage_imbalance":
+            continue
+        span = slice(verdict.first, verdict.last + 1)
+        saving = late_saving(context, verdict.description.indices, span)
+        if saving is not None:
+            lost[span] -= np.clip(np.nan_to_num(saving), 0.0, None)
+    return np.asarray(np.clip(np.nan_to_num(lost, nan=0.0), 0.0, None), dtype=np.float64)
+
+
+#: Share of the windows whose stage waits the work's spread must bear out for the waits to
+#: measure rotating imbalance at all.
+PLAUSIBLE_SHARE = 0.5
+
+
+def _stage_waits_lost_s(context: Context) -> FloatArray | None:
+    """``(W,)`` median over the peer groups of their ranks' mean wait less the group's
+    shortest collective (``None`` without collective times)."""
+    waits = _waits(context)
+    if waits is None:
+        return None
+    wait, shortest = waits
+    groups = context.groups
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        per_group = np.stack(
+            [
+                np.nanmean(wait[:, members], axis=1) - np.nanmin(shortest[:, members], axis=1)
+                for members in (groups.members(g) for g in range(groups.n_groups))
+            ],
+            axis=1,
+        )
+        return np.asarray(np.nanmedian(per_group, axis=1), dtype=np.float64)
+
+
+def _waits(context: Context) -> tuple[FloatArray, FloatArray] | None:
+    """``(W, R)`` each rank's time in its collectives per step and its shortest single
+    collective (the histograms' ``min``, else the same mean), NaN where silent; ``None``
+    without collective times."""
+    wait = wait_s(context)
+    if wait is None:
+        return None
+    frame = context.frame
+    wait = np.where(context.present, wait, np.nan)
+    shortest = wait
+    if COMMUNICATION_CATEGORY in frame.phases and frame.phase_min_s is not None:
+        column = frame.phases.index(COMMUNICATION_CATEGORY)
+        low = frame.phase_min_s[:, :, column]
+        # The histograms' min is one collective of a step only when the phase is timed once
+        # a step; timed per operation (each point-to-point wait) it is one operation.
+        if frame.phase_occurrences is not None:
+            once = frame.phase_occurrences[:, :, column] <= ONCE_A_STEP
+            low = np.where(once, low, wait)
+        shortest = np.where(context.present, low, np.nan)
+    return wait, shortest
+
+
+#: A phase timed at most this many times a step on average is timed once a step.
+ONCE_A_STEP = 1.5

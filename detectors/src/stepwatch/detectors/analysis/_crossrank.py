@@ -18,7 +18,8 @@ import numpy as np
 import numpy.typing as npt
 
 from stepwatch.detectors.analysis._arrival import collectives, is_short, late_flags
-from stepwatch.detectors.analysis._context import Basis, Metrics, held_wait_phase
+from stepwatch.detectors.analysis._context import Basis, Metrics
+from stepwatch.detectors.analysis._split import structure
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.stats._stats import (
     BoolArray,
@@ -55,17 +56,12 @@ def _series(basis: Basis) -> list[_Series]:
     series = [_Series("step", frame.step_s, "time")]
     for index, phase in enumerate(frame.phases):
         series.append(_Series(f"phase:{phase}", np.asarray(frame.phase_s[:, :, index]), "time"))
-    holding = (
-        COMMUNICATION_CATEGORY if COMMUNICATION_CATEGORY in frame.phases else held_wait_phase(frame)
-    )
-    if holding is not None:
-        # Time outside the collective (without a communication phase: outside the phase
-        # that holds it): the rank that reaches the collective last spends the most time
-        # outside it and waits least in it (arrival order, ARGUS). Unlike step or
-        # communication time, waiting for a late peer does not inflate it.
-        index = frame.phases.index(holding)
-        outside = np.asarray(frame.phase_base(index) - frame.phase_s[:, :, index])
-        series.append(_Series(ARRIVAL, outside, "time"))
+    if basis.split.waiting_phase is not None:
+        # The time before the final wait (:mod:`._split`): the rank that reaches the
+        # collective last spends the most time outside it and waits least in it (arrival
+        # order, ARGUS). Unlike step or communication time, waiting for a late peer does
+        # not inflate it.
+        series.append(_Series(ARRIVAL, basis.split.lead_s, "time"))
     # The waiters are the long ones in overlapping series: no blame from them.
     series = [s for s in series if s.name not in basis.overlap_waiting]
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -457,7 +453,7 @@ def outside_gap_s(basis: Basis) -> FloatArray | None:
     frame = basis.frame
     if not frame.phases:
         return None
-    overlap = bool(basis.overlap_waiting)
+    overlap = f"phase:{COMMUNICATION_CATEGORY}" in basis.overlap_waiting
     columns = [
         i for i, p in enumerate(frame.phases) if not (overlap and p == COMMUNICATION_CATEGORY)
     ]
@@ -501,6 +497,12 @@ def _outside_stalls(basis: Basis) -> tuple[BoolArray, FloatArray] | None:
     gap = outside_gap_s(basis)
     if gap is None or step <= 0:
         return None
+    # Structure is not a stall: what a rank's group spends outside its phases from the
+    # frame's first windows on (a pipeline stage idling for its neighbours with no op
+    # timed, every step) is its baseline; only the time beyond it can be a pause.
+    # (Phases that overlap, send/recv beside compute, leave a negative gap: none outside.)
+    gap = np.clip(gap, 0.0, None)
+    gap = gap - structure(gap, basis.groups, basis.baseline)[None, :]
     # The peers' gap as in _stalls: from the windows on either side when few ranks report
     # in the stalled step's own (its peers, held in the next collective, finish no step).
     peers = basis.peers(gap)

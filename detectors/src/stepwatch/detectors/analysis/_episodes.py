@@ -15,14 +15,11 @@ from stepwatch.detectors.analysis._rule import (
     EpisodeGroup,
     EpisodeRule,
     Flagged,
+    Kind,
     Registry,
     Verdict,
 )
 
-#: Without communication data: kinds that name a rank doing its own work slowly ...
-CULPRITS = frozenset({"compute_straggler", "gpu_health", "dataloader_stall", "jit_stall"})
-#: ... and kinds a rank that only waits inside its pipeline for one can look like.
-WAITERS = frozenset({"pipeline_bubble", "link_degradation", "masked_straggler"})
 #: A rank waited when its communication time is this much above the culprit's.
 WAITED_RATIO = 1.1
 
@@ -46,8 +43,14 @@ class Episode:
     flagged: Flagged
 
 
+#: Metrics that measure a rank's waiting for others: flagged alone, the rank waited longer
+#: than its peers (for a culprit elsewhere, or in a rotation of slowest ranks) and did not
+#: slow anything down itself.
+WAIT_METRICS = frozenset({"phase:communication"})
+
+
 def find_episodes(metrics: Metrics, config: DetectorConfig) -> list[Episode]:
-    """Every rank's episodes, by rank index then time."""
+    """Every rank's episodes, by rank index then time; those that only waited left out."""
     any_flag = np.asarray(metrics.flags.any(axis=2))
     episodes: list[Episode] = []
     for rank_index in np.flatnonzero(any_flag.any(axis=0)):
@@ -57,6 +60,8 @@ def find_episodes(metrics: Metrics, config: DetectorConfig) -> list[Episode]:
             first_flag, last = int(run[0]), int(run[-1])
             counts = metrics.flags[first_flag : last + 1, rank_index, :].sum(axis=0)
             flagged = {metrics.names[m]: int(counts[m]) for m in np.flatnonzero(counts)}
+            if flagged.keys() <= WAIT_METRICS or _misaligned(flagged):
+                continue
             episodes.append(
                 Episode(
                     rank_index=int(rank_index),
@@ -69,12 +74,36 @@ def find_episodes(metrics: Metrics, config: DetectorConfig) -> list[Episode]:
     return episodes
 
 
-def _onset(metrics: Metrics, config: DetectorConfig, rank_index: int, first_flag: int) -> int:
-    """Walk back from the first flag while the single-window effect stays large.
+#: Windows a rank's step alone may differ from its peers' in and be an artifact: each
+#: producer closes its windows at its own instants (OpenTelemetry SDKs: when the rank's
+#: process started), so a window that straddles a change of the job's pace holds more slow
+#: steps on one rank than on another (for up to three windows when exports lie almost an
+#: interval apart). Synchronous ranks' steps end together; a real
+#: difference lasts.
+MISALIGNED_WINDOWS = 3
 
-    The metric is the one with the largest z at the first flag; the walk stops at the first
-    window whose effect is below half its median over the first five flagged windows, or
-    after the longest scale plus the persistence a flag needs.
+
+def _misaligned(flagged: Flagged) -> bool:
+    """Only the step flagged, in at most :data:`MISALIGNED_WINDOWS` windows; or the step
+    with the rank's wait and nothing of its own: the longer wait of a window that holds more
+    of the slow steps than its peers' windows do (in step with them, a rank cannot take
+    longer per step without being late or slow itself)."""
+    if "step" not in flagged or not flagged.keys() <= {"step"} | WAIT_METRICS:
+        return False
+    return flagged.keys() != {"step"} or flagged["step"] <= MISALIGNED_WINDOWS
+
+
+def _onset(metrics: Metrics, config: DetectorConfig, rank_index: int, first_flag: int) -> int:
+    """The window the rank's condition began in, at or before its first flag.
+
+    The metric is the one with the largest z at the first flag. First, walk back while its
+    single-window effect stays at least half its median over the first five flagged
+    windows. A noisy effect (a small job's rank flags only once it has been slow in 6 of 7
+    windows) dips below that before the real start: then the best single step in the
+    effect over the lookback (the split that separates the windows before from those after
+    most, :func:`_step_start`) dates it, when the windows after it hold the level and those
+    before are clearly below. The lookback is the longest scale plus the persistence a flag
+    needs.
     """
     hit = np.flatnonzero(metrics.flags[first_flag, rank_index, :])
     metric = int(hit[np.argmax(metrics.z[first_flag, rank_index, hit])])
@@ -89,7 +118,36 @@ def _onset(metrics: Metrics, config: DetectorConfig, rank_index: int, first_flag
         if not np.isfinite(value) or value < 0.5 * level:
             break
         onset = index
-    return onset
+    if metrics.names[metric].startswith(_EVENTS):
+        return onset  # a one-off event has no level to step up to
+    start = max(0, first_flag - lookback)
+    stepped = _step_start(series[start : first_flag + 1], level)
+    return min(onset, start + stepped) if stepped is not None else onset
+
+
+#: Metrics of one-off events (stalls, bursts, a late arrival in one step).
+_EVENTS = ("stall:", "burst:", "late:")
+
+
+def _step_start(values: np.ndarray, level: float) -> int | None:
+    """The index where ``values`` steps up to about ``level``: the split maximising the
+    two-sample statistic of the windows before and after it, when the mean after is at
+    least half ``level`` and the mean before under a quarter of it; else ``None``."""
+    finite = np.isfinite(values)
+    if finite.sum() < 4:
+        return None
+    x = np.where(finite, values, 0.0)
+    n_before = np.cumsum(finite)[:-1]  # windows before the split at 1 .. n-1
+    s_before = np.cumsum(x)[:-1]
+    n_after = finite.sum() - n_before
+    s_after = x.sum() - s_before
+    with np.errstate(invalid="ignore", divide="ignore"):
+        before, after = s_before / n_before, s_after / n_after
+        statistic = (after - before) * np.sqrt(n_before * n_after / (n_before + n_after))
+    usable = (n_before >= 2) & (n_after >= 2) & (after >= 0.5 * level) & (before < 0.25 * level)
+    if not usable.any():
+        return None
+    return int(np.argmax(np.where(usable, statistic, -np.inf))) + 1
 
 
 def merge_episodes(
@@ -121,7 +179,7 @@ def merge_episodes(
     return result
 
 
-def drop_waiters(context: Context, verdicts: list[Verdict]) -> list[Verdict]:
+def drop_waiters(context: Context, verdicts: list[Verdict], registry: Registry) -> list[Verdict]:
     """The verdicts without those on ranks that only waited for a culprit in their replica.
 
     In a pipeline, the stages of one data-parallel replica wait for each other: when one
@@ -148,7 +206,7 @@ def drop_waiters(context: Context, verdicts: list[Verdict]) -> list[Verdict]:
             and verdict.first <= other.last + slack
             and not mine & set(other.description.indices)
             and _replicas(context, mine) <= _replicas(context, other.description.indices)
-            and _waited_for(context, wait, verdict, other)
+            and _waited_for(context, registry, wait, verdict, other)
             for other in ranked
         )
         if not waited:
@@ -169,11 +227,21 @@ def _replicas(context: Context, indices: Sequence[int] | set[int]) -> set[int]:
 
 
 def _waited_for(
-    context: Context, wait: np.ndarray | None, waiter: Verdict, culprit: Verdict
+    context: Context,
+    registry: Registry,
+    wait: np.ndarray | None,
+    waiter: Verdict,
+    culprit: Verdict,
 ) -> bool:
-    """``waiter``'s ranks spent clearly more time in communication than ``culprit``'s."""
+    """``waiter``'s ranks spent clearly more time in communication than ``culprit``'s;
+    without communication data, ``waiter`` is of a waiter's kind and ``culprit`` of a
+    culprit's (``Kind.role``)."""
     if wait is None:
-        return waiter.description.kind in WAITERS and culprit.description.kind in CULPRITS
+        roles = (
+            registry.kind(waiter.description.kind).role,
+            registry.kind(culprit.description.kind).role,
+        )
+        return roles == ("waiter", "culprit")
     span = slice(min(waiter.first, culprit.first), max(waiter.last, culprit.last) + 1)
     with np.errstate(invalid="ignore"):
         theirs = float(np.nanmean(wait[span][:, list(waiter.description.indices)]))
@@ -181,12 +249,7 @@ def _waited_for(
     return bool(theirs > WAITED_RATIO * ours)
 
 
-#: Kinds whose episodes may hold a culprit together with the ranks of its pipeline that
-#: waited for it (same signature: device idle, longer phases, longer steps).
-NARROWED = frozenset({"masked_straggler", "jit_stall", "link_degradation"})
-
-
-def narrow_to_late(context: Context, kind: str, group: EpisodeGroup) -> EpisodeGroup:
+def narrow_to_late(context: Context, declared: Kind, group: EpisodeGroup) -> EpisodeGroup:
     """Keep, in each pipeline replica, only the ranks that waited least in communication.
 
     The stages of a replica wait for its slow rank in their point-to-point kernels (which
@@ -195,9 +258,9 @@ def narrow_to_late(context: Context, kind: str, group: EpisodeGroup) -> EpisodeG
     Needs data-parallel coordinates and communication data; otherwise the group as is.
     """
     groups = context.groups
-    if kind in DATA_PARALLEL_NARROWED and not (groups.replicas_known and groups.n_groups > 1):
+    if declared.narrows_neighbours and not (groups.replicas_known and groups.n_groups > 1):
         return _narrow_data_parallel(context, group)
-    if kind not in NARROWED or not groups.replicas_known or groups.n_groups < 2:
+    if not declared.narrows_replicas or not groups.replicas_known or groups.n_groups < 2:
         return group
     wait = _wait(context)
     if wait is None:
@@ -214,10 +277,8 @@ def narrow_to_late(context: Context, kind: str, group: EpisodeGroup) -> EpisodeG
     return group.with_indices(sorted(kept)) if kept else group
 
 
-#: Kinds whose episodes in a data-parallel job may hold a rank slowed only a little beside
-#: the straggler (a neighbour sharing its CPU): it still waits for the straggler.
-DATA_PARALLEL_NARROWED = frozenset({"masked_straggler", "compute_straggler"})
-#: ... it is dropped when its wait is past this share of the way to the peers' wait.
+#: A rank flagged beside a straggler in a data-parallel job (``Kind.narrows_neighbours``) is
+#: dropped when its wait is past this share of the way to the peers' wait.
 WAITER_SHARE = 0.75
 
 

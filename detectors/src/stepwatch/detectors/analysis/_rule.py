@@ -20,12 +20,61 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from stepwatch.core._errors import ConfigError
+from stepwatch.detectors.analysis._config import DetectorConfig
 from stepwatch.detectors.analysis._context import Context
+from stepwatch.detectors.frame._progress import JobProgress
 
 #: An episode's flagged metric names → the number of windows each was flagged in.
 Flagged = Mapping[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """A diagnosis kind, declared once by its rule module: every list of kinds derives from
+    it (the schema's kinds, the cost model's sets, the waiter rules, the simulator's round of
+    faults, the docs' tables).
+
+    Attributes:
+        name: the kind (the rule module's name).
+        shows: what the data shows, one line (docs/schema.md's list of kinds).
+        localised: what its findings name (ranks, hosts, phase, kernel class, stage).
+        late_arrival: priced by the late-arrival what-if when its rule gives no cost
+            (:func:`~._cost.estimate`).
+        paced: its evidence is the rank's time in what paces the job, so it costs at most
+            that ratio (:func:`~._analyse._costed`).
+        own_work: its ranks' own work may lie inside the phase that holds the wait as well
+            (:func:`~._cost._held_growth`).
+        role: ``culprit`` (a rank doing its own work slowly), ``waiter`` (what a rank that only
+            waits inside its pipeline can look like) or ``None``: without communication data,
+            a waiter's finding yields to a culprit's in the same replicas.
+        narrows_replicas: a group of it may hold its pipeline replica's waiters: only the
+            ranks of each replica that waited least are kept.
+        narrows_neighbours: in a data-parallel job, a group of it may hold neighbours slowed a
+            little that still wait for the straggler: they are dropped.
+        raise_bar: the :class:`~._config.DetectorConfig` field holding the smallest cost at
+            which it is raised (with ``min_slowdown`` as a floor).
+        simulated: its place in the simulator's round of fault kinds; ``None``: the simulator
+            does not inject it.
+    """
+
+    name: str
+    shows: str
+    localised: str = ""
+    late_arrival: bool = False
+    paced: bool = False
+    own_work: bool = False
+    role: str | None = None
+    narrows_replicas: bool = False
+    narrows_neighbours: bool = False
+    raise_bar: str = "min_slowdown"
+    simulated: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in (None, "culprit", "waiter"):
+            raise ConfigError(f"kind {self.name}: role must be culprit, waiter or None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +85,12 @@ class Signature:
         precedence: rank among every rule's signatures; the lowest matching one wins, so a
             more specific signature (SM clock low) takes precedence over a broader one.
         matches: whether an episode's flagged metrics show the pattern.
+        shows: the pattern in words (docs/diagnosis.md's classification table).
     """
 
     precedence: int
     matches: Callable[[Flagged], bool]
+    shows: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,15 +176,19 @@ class EpisodeRule:
     """A kind decided per rank-episode from its flagged metrics.
 
     Attributes:
-        kind: the kind the rule names (its module's name).
+        declared: the kind the rule names (its module's name) and what it is.
         signatures: the patterns that make an episode this kind; empty when the kind is
             only reached from another rule's description (``pipeline_bubble``).
         describe: the :class:`Description` of one merged group.
     """
 
-    kind: str
+    declared: Kind
     signatures: tuple[Signature, ...]
     describe: Callable[[Context, EpisodeGroup], Description]
+
+    @property
+    def kind(self) -> str:
+        return self.declared.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,14 +196,50 @@ class JobRule:
     """A kind decided over the whole frame.
 
     Attributes:
-        kind: the kind the rule names (its module's name).
+        declared: the kind the rule names (its module's name) and what it is.
         order: job rules run by increasing order, each seeing the verdicts before it.
         find: the verdicts, given the context and the verdicts found so far.
+        probe: the same decision from where each rank is now alone (a
+            :class:`~stepwatch.detectors.frame.JobProgress` and the thresholds), for the
+            detector service's probe between full passes; ``None``: the rule needs windows.
     """
 
-    kind: str
+    declared: Kind
     order: int
     find: Callable[[Context, Sequence[Verdict]], list[Verdict]]
+    probe: Callable[[JobProgress, DetectorConfig], Sequence[Probed]] | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.declared.name
+
+
+class Probed(Protocol):
+    """What a rule's probe found (a ``hang``): where, since when, what it costs so far."""
+
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+
+    @property
+    def hosts(self) -> tuple[str, ...]: ...
+
+    @property
+    def phase(self) -> str | None: ...
+
+    @property
+    def onset_unix_nano(self) -> int: ...
+
+    @property
+    def threshold_s(self) -> float: ...
+
+    @property
+    def summary(self) -> str: ...
+
+    @property
+    def slowdown(self) -> float: ...
+
+    @property
+    def score(self) -> float: ...
 
 
 Rule = EpisodeRule | JobRule
@@ -195,6 +286,37 @@ class Registry:
         """Every kind a rule names."""
         return frozenset(self.episode_rules) | {rule.kind for rule in self.job_rules}
 
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        """Every rule: the episode rules, then the job rules in their order."""
+        return (*self.episode_rules.values(), *self.job_rules)
+
+    @property
+    def declared(self) -> tuple[Kind, ...]:
+        """Every kind's declaration: the simulated ones in the simulator's order, then the
+        others by name."""
+        kinds = [rule.declared for rule in self.rules]
+        return tuple(sorted(kinds, key=lambda k: (k.simulated is None, k.simulated or 0, k.name)))
+
+    def kind(self, name: str) -> Kind:
+        """The declaration of kind ``name``.
+
+        Raises:
+            ConfigError: no rule names it.
+        """
+        for declared in self.declared:
+            if declared.name == name:
+                return declared
+        raise ConfigError(f"rules: no rule names the kind {name!r}")
+
+    def probes(self) -> tuple[JobRule, ...]:
+        """The job rules that decide from where the ranks are now (the service's probe)."""
+        return tuple(rule for rule in self.job_rules if rule.probe is not None)
+
+    def having(self, trait: Callable[[Kind], bool]) -> frozenset[str]:
+        """The kinds whose declaration has ``trait``."""
+        return frozenset(k.name for k in self.declared if trait(k))
+
     def classify(self, flagged: Flagged) -> EpisodeRule:
         """The rule of the lowest-precedence signature that matches ``flagged``.
 
@@ -219,3 +341,8 @@ def severity_of(ratio: float) -> str:
     if ratio >= 1.05:
         return "warning"
     return "info"
+
+
+def raise_bar(config: DetectorConfig, declared: Kind) -> float:
+    """The smallest cost at which a finding of kind ``declared`` is raised."""
+    return max(config.min_slowdown, float(getattr(config, declared.raise_bar)))

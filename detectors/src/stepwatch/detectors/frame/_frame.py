@@ -25,6 +25,11 @@ COMPUTE_CATEGORY = "compute"
 COMMUNICATION_CATEGORY = "communication"
 #: Phases whose wall time is host/device compute (not waiting in a collective).
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
+#: Without a communication phase, the phase that holds the gradient all-reduce and the wait
+#: for the last rank in it: DDP, FSDP and Horovod start the all-reduce from backward hooks,
+#: so every producer that times ``loss.backward()`` (Lightning's and HF Trainer's timers, a
+#: hand-written ``with phase("backward")``, a device timer over backward) records it there.
+WAIT_HOLDING_PHASE = "backward"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -78,6 +83,10 @@ class JobFrame:
             recorded (docs/schema.md), so this is the count of the window's idle
             histogram, at most its steps: a duty-cycled profiler's 5 steps of a window's
             500 give their own kernel time per step, not a five-hundredth of it.
+        phase_occurrences: ``(W, R, P)`` how many times per step the phase was timed (its
+            histogram's count over the steps: a loop that times each micro-batch's forward,
+            or each point-to-point wait, times it several times a step), or ``None`` when
+            not read (once a step). ``phase_min_s`` is then one occurrence, not a step's.
     """
 
     job: str
@@ -105,6 +114,7 @@ class JobFrame:
     phase_steps: FloatArray | None = None
     phase_every_step: BoolArray | None = None
     kernel_steps: FloatArray | None = None
+    phase_occurrences: FloatArray | None = None
 
     @property
     def phase_step(self) -> FloatArray:
@@ -445,7 +455,7 @@ def frame_from_series(
     with np.errstate(invalid="ignore", divide="ignore"):
         per_step = np.where(steps > 0, 1.0 / np.where(steps > 0, steps, 1.0), np.nan)
     phase_names = tuple(phase.keys)
-    phase_total, _, phase_peak, phase_low = phase.arrays(n_ranks)
+    phase_total, phase_count, phase_peak, phase_low = phase.arrays(n_ranks)
     kernel_names = tuple(kernel.keys)
     kernel_total, kernel_count, _, _ = kernel.arrays(n_ranks)
     idle_total, idle_count, idle_peak, _ = idle.arrays(n_ranks)
@@ -540,6 +550,9 @@ def frame_from_series(
         phase_steps=phase_steps,
         phase_every_step=phase_every_step,
         kernel_steps=kernel_steps,
+        phase_occurrences=(phase_count * per_step[:, :, None])[:, :, phase_order]
+        if phase_names
+        else None,
     )
 
 

@@ -3,8 +3,9 @@
 A rank's exporter sends, every export interval, either a window of finished steps or, when no
 step finished, its progress gauges (docs/schema.md): the step in progress, the time since it
 last finished one, and the phase it is in. :func:`read_progress` reads the latest of each per
-rank in one request of six InfluxQL ``last()`` statements, a few rows per rank whatever the
-job's history, so it is cheap enough to run every few seconds.
+rank in one request of seven InfluxQL ``last()`` statements (the seventh: which phases the
+job times), a few rows per rank whatever the job's history, so it is cheap enough to run
+every few seconds.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Final
 
 from stepwatch.core import _schema
 from stepwatch.core._influx import InfluxClient, QuerySeries, quote_ident, quote_literal
-from stepwatch.detectors.frame._frame import JobFrame
+from stepwatch.detectors.frame._frame import WAIT_HOLDING_PHASE, JobFrame
 
 #: How far back the latest progress gauges are looked for: a job none of whose ranks reported
 #: for this long is over (killed, or it ended), not hung.
@@ -64,11 +65,6 @@ class RankProgress:
     export_window_s: float | None = None
     speaks_progress: bool = False
 
-    @property
-    def in_communication(self) -> bool:
-        """Waiting in a collective at its latest report."""
-        return self.phase == COMMUNICATION
-
 
 @dataclasses.dataclass(frozen=True)
 class JobProgress:
@@ -78,11 +74,28 @@ class JobProgress:
         job: the job id.
         now_unix_nano: the moment it was read for.
         ranks: by rank.
+        phases: the phases the job's ranks timed in their recent windows (``None``: not
+            read; taken as a job that times its collectives as ``communication``).
     """
 
     job: str
     now_unix_nano: int
     ranks: tuple[RankProgress, ...]
+    phases: frozenset[str] | None = None
+
+    @property
+    def wait_phase(self) -> str:
+        """The phase in which a rank of this job waits for its peers: ``communication``, or,
+        for a job that times no communication phase but ``backward``, ``backward`` (the
+        phase that holds DDP's all-reduce and the wait in it: the README's own loop)."""
+        phases = self.phases
+        if phases is not None and COMMUNICATION not in phases and WAIT_HOLDING_PHASE in phases:
+            return WAIT_HOLDING_PHASE
+        return COMMUNICATION
+
+    def waits(self, rank: RankProgress) -> bool:
+        """Whether ``rank`` was waiting for its peers at its latest report."""
+        return rank.phase == self.wait_phase
 
     @property
     def usual_step_s(self) -> float | None:
@@ -187,7 +200,7 @@ def read_progress(
     lookback_s: float = PROGRESS_LOOKBACK_S,
     history_s: float = STEP_HISTORY_S,
 ) -> JobProgress:
-    """Where each rank of ``job`` is as of ``now_unix_nano`` (one request, six statements).
+    """Where each rank of ``job`` is as of ``now_unix_nano`` (one request, seven statements).
 
     Args:
         client: InfluxDB client on the stepwatch database.
@@ -223,6 +236,9 @@ def read_progress(
         f"GROUP BY {rank}",
         f'SELECT last("gauge") FROM {quote_ident(_schema.MONITOR_CLOSED)} WHERE {history} '
         f"GROUP BY {rank}",
+        # which phases the job times (where its ranks wait: communication, else backward)
+        f'SELECT last("count") FROM {quote_ident(_schema.PHASE_DURATION)} WHERE {recent} '
+        f"GROUP BY {phase}",
     ]
     return progress_from_series(job, client.query("; ".join(statements)), now_unix_nano)
 
@@ -235,7 +251,12 @@ def progress_from_series(
     latest: dict[str, dict[int, tuple[int, float, dict[str, str]]]] = {}
     by_phase: dict[int, dict[str, tuple[int, float]]] = {}
     window_span: dict[int, int] = {}
+    phases: set[str] = set()
     for series in results:
+        if series.name == _schema.PHASE_DURATION:
+            if series.values and series.tags.get(_schema.PHASE):
+                phases.add(series.tags[_schema.PHASE])
+            continue
         rank_text = series.tags.get(_schema.RANK, "")
         if not rank_text.lstrip("-").isdigit() or not series.values:
             continue
@@ -278,6 +299,7 @@ def progress_from_series(
             _rank_progress(rank, latest, by_phase.get(rank, {}), window_span.get(rank))
             for rank in ranks
         ),
+        phases=frozenset(phases),
     )
 
 

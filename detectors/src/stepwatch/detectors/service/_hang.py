@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 
 from stepwatch.core import settings
 from stepwatch.core._diagnosis import Diagnosis
+from stepwatch.detectors.analysis import rules
 from stepwatch.detectors.analysis._analyse import Finding, with_cost
 from stepwatch.detectors.analysis._config import DetectorConfig
-from stepwatch.detectors.analysis.rules.hang import KIND, find_hangs
+from stepwatch.detectors.analysis._rule import Probed
 from stepwatch.detectors.frame._progress import JobProgress
 
 
@@ -37,31 +38,37 @@ def detector_config(config: DetectorConfig | None, environ: Mapping[str, str]) -
 
 
 def hang_findings(progress: JobProgress, config: DetectorConfig) -> list[Finding]:
-    """The job's hang, if it is in one now, as a finding (start: the job's last progress)."""
-    findings = []
-    for hang in find_hangs(progress, hang_steps=config.hang_steps, hang_min_s=config.hang_min_s):
-        diagnosis = Diagnosis(
-            job=progress.job,
-            kind=KIND,
-            ranks=hang.ranks,
-            hosts=hang.hosts,
-            phase=hang.phase,
-            start_unix_nano=hang.onset_unix_nano,
-            end_unix_nano=None,
-            severity="critical",
-            score=hang.score,
-            summary=with_cost(hang.summary, hang.slowdown),
-            slowdown=hang.slowdown,
-        )
-        detected = hang.onset_unix_nano + round(hang.threshold_s * 1e9)
-        findings.append(
-            Finding(
-                diagnosis=diagnosis,
-                detected_unix_nano=min(detected, progress.now_unix_nano),
-                last_seen_unix_nano=progress.now_unix_nano,
-            )
-        )
+    """What the rules that decide from progress alone find now (the ``hang`` rule, through
+    the registry), as findings (start: the job's last progress)."""
+    findings: list[Finding] = []
+    for rule in rules.registry().job_rules:
+        if rule.probe is not None:
+            found = rule.probe(progress, config)
+            findings.extend(_probed(progress, rule.kind, item) for item in found)
     return findings
+
+
+def _probed(progress: JobProgress, kind: str, hang: Probed) -> Finding:
+    """A probe's verdict as a finding: critical, costed by how long the job is stuck."""
+    diagnosis = Diagnosis(
+        job=progress.job,
+        kind=kind,
+        ranks=hang.ranks,
+        hosts=hang.hosts,
+        phase=hang.phase,
+        start_unix_nano=hang.onset_unix_nano,
+        end_unix_nano=None,
+        severity="critical",
+        score=hang.score,
+        summary=with_cost(hang.summary, hang.slowdown),
+        slowdown=hang.slowdown,
+    )
+    detected = hang.onset_unix_nano + round(hang.threshold_s * 1e9)
+    return Finding(
+        diagnosis=diagnosis,
+        detected_unix_nano=min(detected, progress.now_unix_nano),
+        last_seen_unix_nano=progress.now_unix_nano,
+    )
 
 
 def with_hangs(findings: Sequence[Finding], hangs: Sequence[Finding]) -> list[Finding]:
@@ -71,6 +78,7 @@ def with_hangs(findings: Sequence[Finding], hangs: Sequence[Finding]) -> list[Fi
     older than the range read has none); when it does, its finding (same rule, same cost) is
     the one kept.
     """
-    if any(f.diagnosis.kind == KIND for f in findings):
+    probed = {rule.kind for rule in rules.registry().probes()}
+    if any(f.diagnosis.kind in probed for f in findings):
         return list(findings)
     return [*findings, *hangs]

@@ -22,6 +22,22 @@ from stepwatch.detectors.stats._stats import FloatArray
 
 #: Kinds whose fault names a kernel class (default ``gemm``).
 KERNEL_KINDS = ("compute_straggler", "job_regression")
+#: The kinds :func:`apply_fault` has a model for: every kind a rule declares simulated must
+#: be one of them (tests/detectors/test_kinds.py).
+FAULT_MODELS = frozenset(
+    {
+        *KERNEL_KINDS,
+        "masked_straggler",
+        "dataloader_stall",
+        "jit_stall",
+        "pipeline_bubble",
+        "link_degradation",
+        "rank_missing",
+        "gpu_health",
+        "stage_imbalance",
+        "workload_imbalance",
+    }
+)
 #: Share of a ``jit_stall`` rank's steps that stall.
 STALL_SHARE = 0.1
 
@@ -139,8 +155,20 @@ def apply_fault(draws: Draws, fault: Fault, rng: np.random.Generator) -> Effect:
         apply = _kernel_delta(draws, columns, np.where(hit, severity, 1.0))
         draws.clock[...] = draws.clock / np.where(hit, severity, 1.0)
     elif fault.kind == "stage_imbalance":  # more layers on the stage: forward and backward
-        apply = _kernel_delta(draws, fwdbwd, np.where(hit, severity, 1.0))
+        factor = np.where(hit, severity, 1.0)
+        added = (draws.kernel[..., fwdbwd] * (factor[..., None] - 1.0)).sum(axis=2)
+        apply = _kernel_delta(draws, fwdbwd, factor)
         phase = "backward"
+        # The what-if of re-partitioning: the extra layers spread evenly over the stages of
+        # each replica (every stage does the mean work; Lin et al., OSDI'25).
+        topology = draws.topology
+        spread_out = added.reshape(steps, topology.pp, topology.dp * topology.tp).mean(axis=1)
+        shared = np.tile(spread_out, (1, topology.pp))
+
+        def repartitioned(parts: Parts) -> Parts:
+            return parts.replace(work=parts.work + shared)
+
+        counterfactual = repartitioned
     elif fault.kind == "workload_imbalance":
         # Each replica's work spread with log-sd log(severity), its mean kept: only the
         # balance changes, not the total.

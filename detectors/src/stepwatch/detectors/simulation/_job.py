@@ -87,6 +87,18 @@ class SimulatedJob:
     device_metrics: bool = True
 
     @property
+    def job_id(self) -> str:
+        return self.truth.job
+
+    @property
+    def world_size(self) -> int:
+        return self.truth.world_size
+
+    @property
+    def rank_ids(self) -> tuple[int, ...]:
+        return tuple(range(self.truth.world_size))
+
+    @property
     def n_steps(self) -> int:
         return int(self.step_s.shape[0])
 

@@ -10,10 +10,18 @@ from typing import Any
 
 from stepwatch.core._diagnosis import format_time, parse_time
 from stepwatch.core._errors import ConfigError
-from stepwatch.core._schema import DIAGNOSIS_KINDS
+from stepwatch.detectors.analysis import rules
 
-#: The kinds the simulator can inject (a hang stops the job: not a timing model).
-SIMULATED_KINDS = tuple(kind for kind in DIAGNOSIS_KINDS if kind != "hang")
+
+#: The kinds the simulator can inject, in its round's order (each rule module declares its
+#: place, ``Kind.simulated``; a hang stops the job, a slow rank is what step times alone say
+#: of a fault: neither is a timing model of its own).
+def simulated_kinds(registry: rules.Registry) -> tuple[str, ...]:
+    """The kinds a registry's rules declare the simulator injects, in its round's order."""
+    return tuple(k.name for k in registry.declared if k.simulated is not None)
+
+
+SIMULATED_KINDS = simulated_kinds(rules.registry())
 
 _FAULT_RE = re.compile(
     r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<ranks>[^:]*))?(?::(?P<sev>[^:]*))?"

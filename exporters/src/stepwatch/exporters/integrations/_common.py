@@ -71,6 +71,7 @@ class CallbackMonitor:
             logger.exception("stepwatch: could not start the monitor; training goes on without")
             return
         self.monitor = monitor
+        self.events.reset()
         if model is None or optimizer is None:
             return
         # The optimizer a framework hands out may wrap the torch one (accelerate does).
@@ -81,8 +82,12 @@ class CallbackMonitor:
             logger.exception("stepwatch: could not instrument the model; steps are not timed")
 
     def stop(self) -> None:
-        """Close the monitor: remove the hooks and flush the last windows."""
-        self.events.leave_all()
+        """Close the monitor: remove the hooks and flush the last windows.
+
+        The step still open (begun at the last step's end: the wait for a batch that never
+        came) is left out, as auto mode leaves it out.
+        """
+        self.events.abandon()
         monitor, self.monitor = self.monitor, None
         if monitor is None:
             return
@@ -95,32 +100,139 @@ class CallbackMonitor:
 class EventTimer:
     """Steps and phases opened and closed by framework events instead of ``with`` blocks.
 
-    For frameworks whose loop never calls the model's own ``forward`` (Lightning runs
-    ``training_step``), auto mode's module hooks see nothing: the callback marks where each
-    step and phase begins and ends instead, through the monitor's public context managers.
+    A step is what ``StepMonitor``'s auto mode calls one: from the end of the previous
+    optimizer step to the end of this one, so the wait for the step's batch (``data``) is
+    inside it. The first step begins at the first batch (there is no previous end); the step
+    still open when training ends (only the wait for a next batch) is never recorded.
+
+    Every method never raises (the framework's training loop calls it): a failure is logged
+    once and the run goes on, its timing possibly incomplete.
     """
 
     def __init__(self, owner: CallbackMonitor) -> None:
         self._owner = owner
-        self._open: dict[str, Any] = {}  # "step" or a phase name → its entered context
+        self._step: Any = None  # the entered step context, or None between runs
+        self._open: dict[str, Any] = {}  # phase name → its entered context
+        self._failed = False
+
+    def reset(self) -> None:
+        """Forget any step and phase of an earlier run (a new monitor)."""
+        self._step = None
+        self._open = {}
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a step is open."""
+        return self._step is not None
+
+    def begin_step(self) -> None:
+        """Open a step unless one is open."""
+        monitor = self._owner.monitor
+        if monitor is None or self._step is not None:
+            return
+        try:
+            context = monitor.step()
+            context.__enter__()
+            self._step = context
+        except Exception:
+            self._fail()
+
+    def end_step(self) -> None:
+        """Close every open phase, record the open step and open the next at once."""
+        self.leave_all()
+        context = self._step
+        if context is None:
+            return
+        self._step = None
+        try:
+            context.__exit__(None, None, None)
+        except Exception:
+            self._fail()
+        self.begin_step()
 
     def enter(self, name: str) -> None:
-        """Open the step (``name == "step"``) or a phase; a second open is ignored."""
+        """Open phase ``name``; opening an open phase does nothing."""
         monitor = self._owner.monitor
         if monitor is None or name in self._open:
             return
-        context = monitor.step() if name == "step" else monitor.phase(name)
-        context.__enter__()
-        self._open[name] = context
+        try:
+            context = monitor.phase(name)
+            context.__enter__()
+            self._open[name] = context
+        except Exception:
+            self._fail()
 
     def leave(self, name: str) -> None:
         """Close what :meth:`enter` opened (nothing when it was not open)."""
         context = self._open.pop(name, None)
-        if context is not None:
+        if context is None:
+            return
+        try:
             context.__exit__(None, None, None)
+        except Exception:
+            self._fail()
 
     def leave_all(self) -> None:
-        """Close every open phase, then the step (the end of training, an exception)."""
-        for name in [n for n in self._open if n != "step"]:
+        """Close every open phase."""
+        for name in list(self._open):
             self.leave(name)
-        self.leave("step")
+
+    def abandon(self) -> None:
+        """Close every open phase and drop the open step unrecorded (training ended)."""
+        self.leave_all()
+        self._step = None
+
+    def _fail(self) -> None:
+        if not self._failed:
+            self._failed = True
+            logger.warning("stepwatch: a framework event could not be timed", exc_info=True)
+
+
+class GradientWait:
+    """A DDP model's exposed all-reduce wait as the ``communication`` phase, from events.
+
+    As in auto mode: from the moment the model's last gradient is ready (a hook on its first
+    trainable parameter, whose gradient autograd produces last, which is when DDP issues its
+    last bucket) to the end of the backward (the framework's after-backward event), while
+    DDP waits there for its all-reduces. The phase is a ``phase()`` context, so a rank stuck
+    in the all-reduce reads ``communication`` in its progress (a waiter, for the hang rule).
+    """
+
+    def __init__(self, events: EventTimer) -> None:
+        self._events = events
+        self._handle: Any = None
+
+    def attach(self, model: Any) -> bool:
+        """Hook ``model`` when it is a ``DistributedDataParallel``; True when hooked."""
+        self.detach()
+        try:
+            from torch.nn.parallel import DistributedDataParallel
+
+            if not isinstance(model, DistributedDataParallel):
+                return False
+            first = next((p for p in model.parameters() if p.requires_grad), None)
+            if first is None:
+                return False
+            register: Any = first.register_post_accumulate_grad_hook
+            self._handle = register(self._last_gradient)
+            return True
+        except Exception:
+            logger.warning("stepwatch: the all-reduce wait is not timed", exc_info=True)
+            return False
+
+    def _last_gradient(self, parameter: Any) -> None:
+        # Called by autograd: never raise into the backward (enter() does not).
+        if self._events.in_step:
+            self._events.enter("communication")
+
+    def end(self) -> None:
+        """The backward returned: the wait is over."""
+        self._events.leave("communication")
+
+    def detach(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            try:
+                handle.remove()
+            except Exception:
+                logger.warning("stepwatch: removing the gradient hook failed", exc_info=True)

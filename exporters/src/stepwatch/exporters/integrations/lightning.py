@@ -2,53 +2,118 @@
 
 Example::
 
-    import pytorch_lightning as pl
+    import lightning.pytorch as pl  # or: import pytorch_lightning as pl
     from stepwatch.exporters.integrations.lightning import StepwatchCallback
 
     trainer = pl.Trainer(callbacks=[StepwatchCallback(job_id="run-42")])
     trainer.fit(model, data)
 
+Both import names of Lightning work: ``StepwatchCallback`` is a ``Callback`` of each Lightning
+package installed (``lightning``, whose trainer is ``lightning.pytorch.Trainer``, and
+``pytorch-lightning``, ``pytorch_lightning.Trainer``), so either trainer takes it.
+
 The monitor starts when training starts, with the trainer's global rank, world size and local
 rank, and closes when training ends. Lightning runs ``training_step`` (never the module's own
 ``forward``) inside ``optimizer.step(closure)``, so auto mode's hooks cannot see its phases:
-the callback times them from Lightning's own events instead. One step per training batch:
+the callback times them from Lightning's own events instead. A step is what ``StepMonitor``'s
+auto mode calls one, one optimizer step: from the end of the previous one
+(``on_train_batch_end`` of a batch whose optimizer stepped) to the end of this one, so the
+wait for its batch is inside it. Its phases:
 
-- data: ``on_train_batch_end`` → the next ``on_train_batch_start`` (the loader's wait);
+- data: ``on_train_batch_end`` → the next ``on_train_batch_start`` (the loader's wait, and
+  whatever Lightning does between batches), less an evaluation pass;
 - forward: ``on_train_batch_start`` → ``on_before_backward`` (``training_step``);
-- backward: ``on_before_backward`` → ``on_after_backward`` (DDP's all-reduce wait included:
-  Lightning gives no event between the last gradient and the end of backward);
-- optimizer: ``on_before_optimizer_step`` → ``on_train_batch_end``.
+- backward: ``on_before_backward`` → ``on_after_backward`` (DDP's all-reduce wait included);
+- communication (a ``DistributedDataParallel`` model): the exposed all-reduce wait, from the
+  model's last gradient to ``on_after_backward``, inside backward as in auto mode;
+- optimizer: ``on_before_optimizer_step`` → ``on_train_batch_end``;
+- eval: ``on_validation_start`` → ``on_validation_end`` during training (a validation pass
+  between batches is in the step it delays, as this phase; its batches are not steps).
 
-Needs the ``lightning`` extra (``pytorch-lightning``).
+With gradient accumulation a step holds each of its batches' phases (the data waits between
+them included); with manual optimization, a step ends with each batch in which an optimizer
+stepped through Lightning (``self.optimizers()``), or with every batch when none ever does.
+
+Needs the ``lightning`` extra (``lightning`` and ``pytorch-lightning``; either one is enough).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytorch_lightning as pl
+import importlib
+import logging
+from typing import TYPE_CHECKING, Any
 
 from stepwatch.exporters._export import Exporter
 from stepwatch.exporters._monitor import StepMonitor
 from stepwatch.exporters._window import KernelSource
-from stepwatch.exporters.integrations._common import CallbackMonitor, MonitorOptions
+from stepwatch.exporters.integrations._common import (
+    CallbackMonitor,
+    GradientWait,
+    MonitorOptions,
+)
 
 __all__ = ["StepwatchCallback"]
 
+logger = logging.getLogger("stepwatch.exporters")
 
-class StepwatchCallback(pl.Callback):
-    """Runs a :class:`~stepwatch.exporters.StepMonitor` in auto mode for ``Trainer.fit``.
+#: Lightning's two import names: the ``lightning`` package's and ``pytorch-lightning``'s.
+LIGHTNING_PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def callback_classes() -> tuple[type, ...]:
+    """The ``Callback`` class of each Lightning package that imports, in
+    :data:`LIGHTNING_PACKAGES` order.
+
+    Raises:
+        ImportError: Neither imports (the message names the extra).
+    """
+    found: list[type] = []
+    for name in LIGHTNING_PACKAGES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        found.append(module.Callback)
+    if not found:
+        raise ImportError(
+            "stepwatch.exporters.integrations.lightning needs Lightning: pip install lightning "
+            "(or pytorch-lightning), or the exporters' extra: pip install "
+            "'stepwatch-exporters[lightning]'"
+        )
+    return tuple(found)
+
+
+def _callback_base() -> type:
+    """One class whose subclasses are a ``Callback`` of every Lightning package installed.
+
+    A trainer of either package takes them (``Trainer(callbacks=cb)`` checks
+    ``isinstance(cb, Callback)``, and so does user code); the hooks are the same names in both.
+    """
+    classes = callback_classes()
+    if len(classes) == 1:
+        return classes[0]
+    return type("LightningCallbacks", classes, {"__module__": __name__})
+
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Callback as _CallbackBase
+else:
+    _CallbackBase = _callback_base()
+
+
+class StepwatchCallback(_CallbackBase):
+    """Runs a :class:`~stepwatch.exporters.StepMonitor` for ``Trainer.fit`` (either Lightning).
 
     Args:
-        job_id: The training run (default: ``lightning-<logger version>`` or
-            ``lightning-<pid of rank 0's launcher>``).
+        job_id: The training run (default: ``lightning-<logger version>``, or
+            ``lightning-run`` without a logger).
         endpoint: OTLP endpoint (else the ``OTEL_EXPORTER_OTLP_*`` variables).
         protocol: ``http/protobuf`` or ``grpc`` (else the variables).
         export_interval_s: Seconds between exports (else ``OTEL_METRIC_EXPORT_INTERVAL``).
         exporter: Any :class:`~stepwatch.exporters.Exporter` instead of OTLP (tests).
         kernel_source: Kernel events per window (e.g. ``TorchProfilerSource()``).
-        phase_sampling: Which steps auto mode times phase by phase (``StepMonitor``'s:
-            ``"auto"``, steps at least 50 ms apart, by default; 1: every step).
+        phase_sampling: ``StepMonitor``'s; the callback times its phases with ``phase()``
+            contexts, which are timed on every step whatever it says.
     """
 
     def __init__(
@@ -74,66 +139,93 @@ class StepwatchCallback(pl.Callback):
                 phase_sampling=phase_sampling,
             )
         )
+        self._wait = GradientWait(self._run.events)
+        self._stepped = False  # an optimizer stepped in this batch
+        self._ever_stepped = False  # ... in any batch of this run
+        self._manual = False  # the module optimizes manually
 
     @property
     def monitor(self) -> StepMonitor | None:
         """The running monitor (``None`` before training starts and after it ends)."""
         return self._run.monitor
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        logger = trainer.logger
-        version = getattr(logger, "version", None) if logger is not None else None
+    # Lightning calls hooks positionally: (trainer, pl_module, ...). They are typed Any, as
+    # the trainer and module may be either package's.
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        logger_ = trainer.logger
+        version = getattr(logger_, "version", None) if logger_ is not None else None
         self._run.start(
             default_job_id=f"lightning-{version if version is not None else 'run'}",
             rank=trainer.global_rank,
             world_size=trainer.world_size,
             local_rank=trainer.local_rank,
         )
+        self._stepped = self._ever_stepped = False
+        try:
+            self._manual = not bool(pl_module.automatic_optimization)
+            if self._run.monitor is not None:
+                self._wait.attach(trainer.strategy.model)
+        except Exception:
+            logger.warning("stepwatch: could not read the trainer's model", exc_info=True)
 
     def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         events = self._run.events
         events.leave("data")
-        events.enter("step")
+        events.begin_step()  # the first batch; later ones begin where the last step ended
         events.enter("forward")
 
-    def on_before_backward(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any
-    ) -> None:
-        self._run.events.leave("forward")
-        self._run.events.enter("backward")
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        events = self._run.events
+        events.leave("forward")
+        events.leave("optimizer")  # manual optimization: a second backward after a step
+        events.enter("backward")
 
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self._wait.end()
         self._run.events.leave("backward")
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
-        self._run.events.enter("optimizer")
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        events = self._run.events
+        events.leave("forward")  # manual optimization: a step without a backward
+        events.enter("optimizer")
+        self._stepped = self._ever_stepped = True
 
     def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         events = self._run.events
-        events.leave_all()
-        events.enter("data")  # a phase outside a step goes to the next step
+        if self._stepped or (self._manual and not self._ever_stepped):
+            events.end_step()  # and the next one begins now, waiting for its batch
+        else:  # gradients accumulate: the step goes on
+            events.leave_all()
+        self._stepped = False
+        events.enter("data")
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._run.events.leave("data")  # no next step: the last wait belongs to none
-        self._run.stop()
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        events = self._run.events
+        if events.in_step:  # a validation pass during training: not a step, not data
+            events.leave("data")
+            events.enter("eval")
 
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        self._run.stop()
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        events = self._run.events
+        if events.in_step:
+            events.leave("eval")
+            events.enter("data")
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._stop()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._stop()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        self._wait.detach()
         self._run.stop()
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """The diagnosis kinds, one module each: the module named after its kind defines ``RULE``.
 
-Adding a kind is one new module here (an :class:`EpisodeRule` or a :class:`JobRule`, see
-:mod:`stepwatch.detectors.analysis._rule`), its line in docs/schema.md and its tests; this
-package finds it, nothing else needs editing.
+Adding a kind is one new module here: its :class:`~stepwatch.detectors.analysis._rule.Kind`
+(what it is: cost model, waiter role, raise bar, its place among the simulator's faults) and
+its rule (an :class:`EpisodeRule` or a :class:`JobRule`), and its tests. This package finds
+it; the schema's list of kinds, the cost model's and the waiter rules' sets, the simulator's
+round and the docs' tables are made from the declarations (``tests/detectors/test_kinds.py``
+checks the docs and that a simulated kind has a fault model).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import pkgutil
 from stepwatch.core._errors import ConfigError
 from stepwatch.detectors.analysis._rule import EpisodeRule, JobRule, Registry, Rule
 
-__all__ = ["registry"]
+__all__ = ["Registry", "registry"]
 
 
 @functools.cache

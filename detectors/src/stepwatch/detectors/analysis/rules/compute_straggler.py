@@ -9,7 +9,13 @@ compute time grew (L3).
 from __future__ import annotations
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.analysis._rule import (
+    Description,
+    EpisodeGroup,
+    EpisodeRule,
+    Kind,
+    Signature,
+)
 from stepwatch.detectors.frame._frame import COMPUTE_CATEGORY, COMPUTE_PHASES
 
 
@@ -29,8 +35,21 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     return Description(RULE.kind, summary, ratio, phase, kernel_class, indices=indices)
 
 
+KIND = Kind(
+    name="compute_straggler",
+    shows="one rank's compute kernels slower than its peers'",
+    localised="ranks, phase, kernel class",
+    late_arrival=True,
+    paced=True,
+    own_work=True,
+    role="culprit",
+    narrows_neighbours=True,
+    simulated=0,
+)
+
+
 RULE = EpisodeRule(
-    kind="compute_straggler",
+    declared=KIND,
     signatures=(
         Signature(
             40,
@@ -38,8 +57,10 @@ RULE = EpisodeRule(
                 f"category:{COMPUTE_CATEGORY}" in flagged
                 or any(name.startswith("share:") for name in flagged)
             ),
+            "`category:compute` or a class's `share:*`",
         ),
-        Signature(90, lambda flagged: True),  # nothing more specific: the kernels are slow
+        # nothing more specific: the kernels are slow
+        Signature(90, lambda flagged: True, "anything else"),
     ),
     describe=_describe,
 )

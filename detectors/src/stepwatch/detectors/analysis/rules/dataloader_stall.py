@@ -8,6 +8,7 @@ from stepwatch.detectors.analysis._rule import (
     EpisodeGroup,
     EpisodeRule,
     Flagged,
+    Kind,
     Signature,
 )
 
@@ -32,8 +33,21 @@ def _data_leads(flagged: Flagged) -> bool:
     return data > 0 and data >= max(others, default=0)
 
 
+KIND = Kind(
+    name="dataloader_stall",
+    shows="one rank's data phase slower than its peers'",
+    localised="ranks, `data`",
+    late_arrival=True,
+    paced=True,
+    role="culprit",
+    simulated=5,
+)
+
+
 RULE = EpisodeRule(
-    kind="dataloader_stall",
-    signatures=(Signature(30, _data_leads),),
+    declared=KIND,
+    signatures=(
+        Signature(30, _data_leads, "`phase:data`, in at least as many windows as any other phase"),
+    ),
     describe=_describe,
 )

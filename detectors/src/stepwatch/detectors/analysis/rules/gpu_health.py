@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.analysis._rule import (
+    Description,
+    EpisodeGroup,
+    EpisodeRule,
+    Kind,
+    Signature,
+)
 from stepwatch.detectors.frame._frame import COMPUTE_CATEGORY
 
 
@@ -19,8 +25,20 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     return Description(RULE.kind, summary, ratio, indices=indices)
 
 
+KIND = Kind(
+    name="gpu_health",
+    shows="one rank's SM clock below its peers' (throttling)",
+    localised="ranks",
+    late_arrival=True,
+    paced=True,
+    own_work=True,
+    role="culprit",
+    simulated=7,
+)
+
+
 RULE = EpisodeRule(
-    kind="gpu_health",
-    signatures=(Signature(10, lambda flagged: "clock" in flagged),),
+    declared=KIND,
+    signatures=(Signature(10, lambda flagged: "clock" in flagged, "`clock`"),),
     describe=_describe,
 )

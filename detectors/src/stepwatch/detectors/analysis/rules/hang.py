@@ -19,16 +19,16 @@ from datetime import UTC, datetime
 
 import numpy as np
 
+from stepwatch.detectors.analysis._config import DetectorConfig
 from stepwatch.detectors.analysis._context import Context, _format_ranks
-from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict
+from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict
 from stepwatch.detectors.frame._progress import (
+    COMMUNICATION,
     PROGRESS_LOOKBACK_S,
     JobProgress,
     ProgressFrame,
     RankProgress,
 )
-
-KIND = "hang"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +67,10 @@ def find_hangs(progress: JobProgress, *, hang_steps: float, hang_min_s: float) -
     if stalled < threshold or (now - last_report) / 1e9 > PROGRESS_LOOKBACK_S:
         return []
     silent = progress.silent(min_s=threshold / 2.0)
-    waiting = [r for r in live if r not in silent and r.in_communication]
-    stuck = [r for r in live if r not in silent and not r.in_communication]
+    waiting = [r for r in live if r not in silent and progress.waits(r)]
+    stuck = [r for r in live if r not in silent and not progress.waits(r)]
+    wait = progress.wait_phase
+    where_wait = wait if wait == COMMUNICATION else f"{wait} (which holds the collective)"
     closed = [r for r in progress.ranks if r.closed]
     since = f"no step finished since {_clock(onset)} (usual step {usual * 1e3:.0f} ms)"
 
@@ -84,8 +86,8 @@ def find_hangs(progress: JobProgress, *, hang_steps: float, hang_min_s: float) -
         what = f"every rank stopped reporting at {_clock(last_report)} without closing"
         return hang((), None, what + " (frozen, cut off from the collector, or killed)")
     if not waiting or len(stuck) + len(silent) > len(waiting):
-        return []  # most ranks busy outside communication: a long step, not a hang
-    waits = f"{_names(waiting)} wait in communication"
+        return []  # most ranks busy outside their wait: a long step, not a hang
+    waits = f"{_names(waiting)} wait in {where_wait}"
     if stuck or silent:
         phases = {r.phase for r in stuck} or {r.phase for r in silent if r.phase}
         phase = next(iter(phases)) if len(phases) == 1 else None
@@ -100,11 +102,11 @@ def find_hangs(progress: JobProgress, *, hang_steps: float, hang_min_s: float) -
     if closed:
         return hang(closed, None, f"{_names(closed)} exited (closed its monitor) while {waits}")
     group, how = progress.lagging(waiting, min_gap_s=max(1.0, 2.0 * usual))
-    what = f"every rank waits in communication{_step(waiting)}"
+    what = f"every rank waits in {where_wait}{_step(waiting)}"
     if group:
         hosts = ", ".join(sorted({r.host for r in group}))
         what += f": {_names(group)} ({hosts}) {how}"
-    return hang(group, "communication", what)
+    return hang(group, wait, what)
 
 
 def _names(ranks: Sequence[RankProgress]) -> str:
@@ -133,7 +135,7 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
         first = min(int(np.searchsorted(ends, hang.onset_unix_nano)), last)
         confirmed = int(np.searchsorted(ends, hang.onset_unix_nano + hang.threshold_s * 1e9))
         description = Description(
-            kind=KIND,
+            kind=KIND.name,
             summary=hang.summary,
             ratio=hang.slowdown,
             slowdown=hang.slowdown,  # measured here: 1 + stalled time / usual step
@@ -146,4 +148,15 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     return verdicts
 
 
-RULE = JobRule(kind=KIND, order=95, find=_find)
+KIND = Kind(
+    name="hang",
+    shows="no progress: a rank stuck or silent while its peers wait, or the whole job",
+    localised="the stuck or silent ranks and their phase, or the job",
+)
+
+
+def _probe(progress: JobProgress, config: DetectorConfig) -> list[Hang]:
+    return find_hangs(progress, hang_steps=config.hang_steps, hang_min_s=config.hang_min_s)
+
+
+RULE = JobRule(declared=KIND, order=95, find=_find, probe=_probe)

@@ -10,17 +10,16 @@ waited in their collective; no phase (the time is in none), never the waiters.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._crossrank import OUTSIDE
+from stepwatch.detectors.analysis._crossrank import ARRIVAL, OUTSIDE
 from stepwatch.detectors.analysis._rule import (
     Description,
     EpisodeGroup,
     EpisodeRule,
     Flagged,
+    Kind,
     Signature,
 )
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
@@ -28,12 +27,8 @@ from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 
 def _describe(context: Context, group: EpisodeGroup) -> Description:
     indices, first, last = group.indices, group.first, group.last
-    ratio = math.exp(
-        max(
-            context.mean_effect("burst:step", indices, first, last),
-            context.mean_effect("burst:idle", indices, first, last),
-        )
-    )
+    # Stalls strike some steps: the evidence is the burstiest window where it was flagged.
+    ratio = max(context.stall_ratios(indices, first, last, prefix="burst:").values(), default=1.0)
     phase: str | None = context.top_phase(indices, group.span, COMPUTE_PHASES)
     stalls = context.stall_ratios(indices, first, last)
     who = f"{context.rank_text(indices)}{context.groups.where(indices)}"
@@ -49,6 +44,14 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     if stalls:  # a one-off stall localised to a host-side phase
         phase, stall_ratio = max(stalls.items(), key=lambda item: item[1])
         ratio = max(ratio, stall_ratio)
+    elif ratio == 1.0 and _late_once(context.flagged_counts(group)):
+        late = max(context.stall_ratios(indices, first, last, prefix=ARRIVAL).values())
+        summary = (
+            f"{who} reached the collective late in one window (its time before it "
+            f"{late:.2f}x {context.groups.noun}) with its timed phases normal: a pause on "
+            f"a step whose phases were not timed, since {context.since(first)}"
+        )
+        return Description(RULE.kind, summary, late, None, indices=indices)
     summary = (
         f"{who} host-side stalls with the device idle: longest step "
         f"{ratio:.2f}x {context.groups.noun} since {context.since(first)}"
@@ -75,8 +78,40 @@ def _stalls_lead(flagged: Flagged) -> bool:
     return stalls > 0 and 2 * stalls >= max(work, default=0)
 
 
+#: Windows a rank may be late in (its time before the collective alone flagged) and still be
+#: a one-off: a pause on a step whose phases were not timed (sampled phases), not a link.
+LATE_ONCE_WINDOWS = 2
+
+
+def _late_once(flagged: Flagged) -> bool:
+    """Only the time before the collective flagged, in at most :data:`LATE_ONCE_WINDOWS`."""
+    return flagged.keys() == {ARRIVAL} and flagged[ARRIVAL] <= LATE_ONCE_WINDOWS
+
+
+KIND = Kind(
+    name="jit_stall",
+    shows=(
+        "host-side stalls on some steps of a rank (JIT, GC, a checkpoint), inside a phase "
+        "or between phases"
+    ),
+    localised="ranks, phase (none between phases)",
+    late_arrival=True,
+    role="culprit",
+    narrows_replicas=True,
+    simulated=4,
+)
+
+
 RULE = EpisodeRule(
-    kind="jit_stall",
-    signatures=(Signature(20, _stalls_lead),),
+    declared=KIND,
+    signatures=(
+        Signature(
+            20,
+            _stalls_lead,
+            "`burst:*` or `stall:*`, in at least half as many windows as any phase, kernel or "
+            "clock metric",
+        ),
+        Signature(55, _late_once, "only `arrival`, in 1 or 2 windows"),
+    ),
     describe=_describe,
 )

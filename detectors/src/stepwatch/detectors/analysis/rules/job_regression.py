@@ -19,8 +19,9 @@ import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._few_ranks import localise
-from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
+from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_of
 from stepwatch.detectors.analysis._shifts import Shift, group_shifts, thin_shift
+from stepwatch.detectors.analysis._split import STEPS
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 from stepwatch.detectors.stats._stats import FloatArray, change_points, nanmedian
 
@@ -132,6 +133,7 @@ def _verdict(context: Context, group: list[Shift], waiting: set[str]) -> Verdict
     summary = f"{head} since {context.since(index)} on every rank" + (
         f" ({', '.join(detail)})" if detail else ""
     )
+    summary += _lacks(context, phase)
     description = localise(context, index) or Description(
         RULE.kind, summary, ratio, phase, kernel_class, slowdown=_cost(context, tested, waiting)
     )
@@ -146,4 +148,24 @@ def _verdict(context: Context, group: list[Shift], waiting: set[str]) -> Verdict
     )
 
 
-RULE = JobRule(kind="job_regression", order=90, find=_find)
+def _lacks(context: Context, phase: str | None) -> str:
+    """What the data cannot tell about the shift, said in the summary (empty: nothing)."""
+    if context.split.evidence == STEPS:
+        return "; the data holds step times alone: which rank or phase cannot be told"
+    if phase is not None and phase == context.split.waiting_phase != COMMUNICATION_CATEGORY:
+        return (
+            f"; {phase} holds the collective and its wait: without a communication phase, "
+            "a slower collective or a late rank cannot be told from slower compute"
+        )
+    return ""
+
+
+KIND = Kind(
+    name="job_regression",
+    shows="the whole job slower from a point in time, no rank to blame",
+    localised="phase and kernel class that moved",
+    simulated=6,
+)
+
+
+RULE = JobRule(declared=KIND, order=90, find=_find)

@@ -2,15 +2,24 @@
 
 Signature (precedence 60): step, communication phase or kernels, or ``arrival`` (time
 outside the collective: the rank that reaches it late waits least in it) flagged, and no
-compute or host-side phase. Localisation: the hosts with at least half their ranks flagged,
-and all their ranks; the communication kernel class when the job has only one.
+compute or host-side phase. With step times alone, the episode is a ``slow_rank``.
+Localisation: the hosts with at least half their ranks flagged, and all their ranks; the
+communication kernel class when the job has only one.
 """
 
 from __future__ import annotations
 
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._crossrank import ARRIVAL
-from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.analysis._rule import (
+    Description,
+    EpisodeGroup,
+    EpisodeRule,
+    Kind,
+    Signature,
+)
+from stepwatch.detectors.analysis._split import STEPS
+from stepwatch.detectors.analysis.rules import slow_rank
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY
 
 _LINK = frozenset(
@@ -19,6 +28,8 @@ _LINK = frozenset(
 
 
 def _describe(context: Context, group: EpisodeGroup) -> Description:
+    if context.split.evidence == STEPS:  # step times alone: "slower", never "link"
+        return slow_rank.RULE.describe(context, group)
     indices, hosts = context.host_group(group.indices)
     # Arrival tells when the ranks are late to the collective (the step holds the wait for
     # peers, or the time outside the collective grew more than the step).
@@ -47,8 +58,28 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     )
 
 
+KIND = Kind(
+    name="link_degradation",
+    shows=(
+        "ranks late into, or slow through, their collectives with normal compute; named by host"
+    ),
+    localised="hosts at least half flagged, their ranks",
+    late_arrival=True,
+    paced=True,
+    role="waiter",
+    narrows_replicas=True,
+    simulated=2,
+)
+
+
 RULE = EpisodeRule(
-    kind="link_degradation",
-    signatures=(Signature(60, lambda flagged: not _LINK.isdisjoint(flagged)),),
+    declared=KIND,
+    signatures=(
+        Signature(
+            60,
+            lambda flagged: not _LINK.isdisjoint(flagged),
+            "`step`, `arrival`, `phase:communication` or `category:communication`",
+        ),
+    ),
     describe=_describe,
 )

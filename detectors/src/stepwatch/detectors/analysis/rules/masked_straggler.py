@@ -19,7 +19,14 @@ import numpy as np
 
 from stepwatch.detectors.analysis._arrival import collectives
 from stepwatch.detectors.analysis._context import Context, held_wait_phase
-from stepwatch.detectors.analysis._rule import Description, EpisodeGroup, EpisodeRule, Signature
+from stepwatch.detectors.analysis._rule import (
+    Description,
+    EpisodeGroup,
+    EpisodeRule,
+    Kind,
+    Signature,
+)
+from stepwatch.detectors.analysis._split import COMMUNICATION as COMMUNICATION_EVIDENCE
 from stepwatch.detectors.analysis.rules import pipeline_bubble
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_PHASES
 
@@ -49,7 +56,26 @@ def _straggler(context: Context, group: EpisodeGroup) -> Description:
         f"{context.who(indices)} {phase} {ratio:.2f}x {context.peer_noun} {kernels}; "
         f"{wait_text} since {context.since(first)}"
     )
+    replica = _one_replica(context, indices)
+    if replica is not None and context.split.evidence != COMMUNICATION_EVIDENCE:
+        summary = (
+            f"{context.rank_text(indices)} (dp {replica}, stages "
+            f"{','.join(str(int(context.frame.pp_ranks[i])) for i in indices)}) {phase} "
+            f"{ratio:.2f}x their stages {kernels} since {context.since(first)}: one of them "
+            "is slow and the others wait for it inside their phases; without a "
+            "communication phase the data cannot tell which"
+        )
     return Description(RULE.kind, summary, ratio, phase, indices=indices)
+
+
+def _one_replica(context: Context, indices: tuple[int, ...]) -> int | None:
+    """The data-parallel replica of ``indices`` when they are stages of one replica."""
+    groups = context.groups
+    if len(indices) < 2 or not groups.replicas_known:
+        return None
+    replicas = {int(groups.dp_ranks[i]) for i in indices}
+    stages = {int(groups.stages[i]) for i in indices}
+    return replicas.pop() if len(replicas) == 1 and len(stages) == len(indices) else None
 
 
 def _held_ratio(context: Context, held: str, group: EpisodeGroup) -> float:
@@ -113,8 +139,24 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     return _straggler(context, group)
 
 
+KIND = Kind(
+    name="masked_straggler",
+    shows=(
+        "one rank's host-side compute slower while its kernels are normal; its peers wait for it"
+    ),
+    localised="the culprit, phase (never the waiters)",
+    late_arrival=True,
+    paced=True,
+    own_work=True,
+    role="waiter",
+    narrows_replicas=True,
+    narrows_neighbours=True,
+    simulated=1,
+)
+
+
 RULE = EpisodeRule(
-    kind="masked_straggler",
+    declared=KIND,
     signatures=(
         Signature(
             50,
@@ -122,8 +164,11 @@ RULE = EpisodeRule(
                 not _HOST_SIDE.isdisjoint(flagged)
                 or any(name.startswith("late:") for name in flagged)
             ),
+            "`idle`, a compute phase or `late:*`",
         ),
-        Signature(70, lambda flagged: any(name.startswith("phase:") for name in flagged)),
+        Signature(
+            70, lambda flagged: any(name.startswith("phase:") for name in flagged), "any phase"
+        ),
     ),
     describe=_describe,
 )

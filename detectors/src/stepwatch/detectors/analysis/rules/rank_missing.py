@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict
+from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict
 
 
 def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
@@ -55,4 +55,12 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     return verdicts
 
 
-RULE = JobRule(kind="rank_missing", order=10, find=_find)
+KIND = Kind(
+    name="rank_missing",
+    shows="a rank that stopped reporting while the others still do",
+    localised="ranks",
+    simulated=8,
+)
+
+
+RULE = JobRule(declared=KIND, order=10, find=_find)

@@ -6,10 +6,13 @@ the others slows the whole job on healthy hardware: a partitioning problem, not 
 The work of a rank is its compute and memory kernel time per step (else its phases that
 hold no waiting). The heaviest group (stage, or structural group inferred without
 coordinates) must be the heaviest in most windows and, with ``stepwatch.dp_rank``, on every
-replica. Cost: the pipeline's step if the stage did the work of the next heaviest one
-(``saving = its work - the next heaviest stage's``; the 1F1B fill and drain, about one
-micro-batch of it, are ignored: without the micro-batch count the estimate is high by at
-most ``1/m``). Raised from ``config.structure_min_slowdown``.
+replica. Cost: the pipeline's step if the layers were re-partitioned so that every stage
+did the mean work of the stages (``saving = its work - the stages' mean``, the what-if
+ideal of Lin et al., OSDI'25; the 1F1B fill and drain, about one micro-batch of it, are
+ignored: without the micro-batch count the estimate is high by at most ``1/m``). Not
+raised when the replicas' pace varies more than the stage stands out (variable sequence
+lengths): ``workload_imbalance`` then reports the loss. Raised from
+``config.structure_min_slowdown``.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._cost import ratio_of, steps_per_window
-from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
+from stepwatch.detectors.analysis._cost import pacing, ratio_of, steps_per_window
+from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_of
+from stepwatch.detectors.analysis._split import COMMUNICATION
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
 
@@ -32,7 +36,7 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     del earlier
     groups = context.groups
     frame = context.frame
-    if groups.n_groups < 2:
+    if groups.n_groups < 2 or not _work_measured(context):
         return []
     work = context.work_s()
     per_group = np.stack(
@@ -53,7 +57,11 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     windows = np.flatnonzero(reported)
     first, last = int(windows[0]), int(windows[-1])
     span = slice(first, last + 1)
-    saving = per_group[span, heavy] - per_group[span, second]
+    paced = pacing(context)
+    if paced is not None and paced.rotation_dominates(span):
+        return []  # workload_imbalance reports the loss, this structure included
+    # Re-partitioned, every stage would do the mean work of the stages.
+    saving = per_group[span, heavy] - np.mean(per_group[span], axis=1)
     slowdown = ratio_of(context.step_median[span], saving, steps_per_window(context)[span])
     if slowdown < context.config.min_slowdown_for(RULE.kind):
         return []
@@ -69,6 +77,14 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
             score=float(typical[heavy] / typical[second]),
         )
     ]
+
+
+def _work_measured(context: Context) -> bool:
+    """Whether the data measures the ranks' work apart from their waits: compute kernels,
+    or phases beside a timed communication phase. Step times alone, or phases that hold
+    the waits for the other stages (no communication phase), cannot show partitioning."""
+    kernels = any(c in ("compute", "memory") for c in context.frame.kernel_categories)
+    return kernels or context.split.evidence == COMMUNICATION
 
 
 def _on_every_replica(context: Context, work: FloatArray, heavy: int, second: int) -> bool:
@@ -100,12 +116,19 @@ def _describe(
     phase = _top_phase(context, indices, others)
     kernel_class, kernel_ratio = context.top_class_between(indices, others)
     detail = f" ({kernel_class} {kernel_ratio:.2f}x)" if kernel_class else ""
-    what = "pipeline stage" if groups.source == "coordinates" else "structural group"
     name = groups.names[heavy].removeprefix("stage ").removeprefix("group ")
+    if groups.source == "coordinates":
+        what, why = "pipeline stage", "uneven partitioning, not slow hardware"
+    else:  # a group inferred from the data: the ranks are not known to be a stage
+        what = "structural group"
+        why = (
+            "a structure of the job from its start (a pipeline stage's partitioning if these "
+            "ranks are one: report stepwatch.pp_rank to tell)"
+        )
     summary = (
         f"{what} {name} ({context.rank_text(indices)}) does {ratio:.2f}x the work of the "
-        f"next heaviest, {groups.names[second]}, on every replica{detail}: uneven "
-        f"partitioning, not slow hardware, since {context.since(0)}"
+        f"next heaviest, {groups.names[second]}, on every replica{detail}: {why}, since "
+        f"{context.since(0)}"
     )
     return Description(
         RULE.kind, summary, ratio, phase, kernel_class, indices=indices, slowdown=slowdown
@@ -126,4 +149,15 @@ def _top_phase(context: Context, mine: Sequence[int], others: np.ndarray) -> str
     return best
 
 
-RULE = JobRule(kind="stage_imbalance", order=50, find=_find)
+KIND = Kind(
+    name="stage_imbalance",
+    shows=(
+        "one pipeline stage slower than the others on every replica: partitioning, not hardware"
+    ),
+    localised="the stage, its ranks, phase, kernel class",
+    raise_bar="structure_min_slowdown",
+    simulated=9,
+)
+
+
+RULE = JobRule(declared=KIND, order=50, find=_find)

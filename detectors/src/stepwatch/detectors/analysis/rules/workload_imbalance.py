@@ -19,8 +19,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
-from stepwatch.detectors.analysis._cost import imbalance_lost_s, lead_s
-from stepwatch.detectors.analysis._rule import Description, JobRule, Verdict, severity_of
+from stepwatch.detectors.analysis._cost import heaviest_group, imbalance_lost_s, lead_s, pacing
+from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_of
+from stepwatch.detectors.analysis._split import COMMUNICATION
 from stepwatch.detectors.frame._frame import COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray
 
@@ -40,6 +41,11 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     config = context.config
     if lost is None or context.frame.n_windows < TRAILING_WINDOWS:
         return []
+    paced = pacing(context)
+    if paced is not None and not any(v.description.kind == "stage_imbalance" for v in earlier):
+        # The stage rule left the pipeline's structure to this loss (the replicas' pace
+        # varies more than the heaviest stage stands out): the ideal balances both.
+        lost = lost + np.nan_to_num(paced.stage_s(heaviest_group(paced)))
     step = context.step_median
     with np.errstate(invalid="ignore", divide="ignore"):
         # A median, not a mean: one window's spike (a stall everyone waits for) is not a
@@ -137,7 +143,24 @@ def _describe(context: Context, span: slice, lost: float, slowdown: float) -> De
         f"({100 * lost / step:.0f}% of its step) for the last arrival{where}, since "
         f"{context.since(span.start)}"
     )
+    if context.groups.n_groups > 1 and context.split.evidence != COMMUNICATION:
+        summary += (
+            "; without a communication phase the stages' waits lie inside their phases: "
+            "the work that varies is seen in part, and the loss is a lower bound"
+        )
     return Description(RULE.kind, summary, slowdown, phase, slowdown=slowdown)
 
 
-RULE = JobRule(kind="workload_imbalance", order=60, find=_find)
+KIND = Kind(
+    name="workload_imbalance",
+    shows=(
+        "time lost to ranks finishing at different times while the slowest keeps "
+        "changing; no rank is blamed"
+    ),
+    localised="no rank; the phase that varies most",
+    raise_bar="imbalance_min_slowdown",
+    simulated=10,
+)
+
+
+RULE = JobRule(declared=KIND, order=60, find=_find)
