@@ -51,8 +51,8 @@ NOTES = {
     "healthy": "a healthy run; the last stage holds the loss head (heavier by design)",
     "slow-worker": "rank {rank} (stage {stage}, dp {replica}) computes {factor:g}x slower from "
     "step {step}: its forward and backward repeat their matrix multiplies",
-    "heavy-stage": "stage {heavy} holds twice the blocks of the others on every replica, from "
-    "step 0 (partitioning); truth: the same job with stage {heavy}'s extra blocks skipped",
+    "heavy-stage": "stage {heavy} holds {pp} blocks more than the others on every replica, "
+    "from step 0 (partitioning); truth: the same blocks partitioned evenly",
     "rotating-microbatches": "from step {step} the replicas' sequence lengths differ: replica "
     "step % dp has the longest (1.4x the mean, each microbatch ±15%), the other 0.6x",
     "stall": f"rank {{rank}} (stage {{stage}}, dp {{replica}}) stops {STALL_S:.0f} s once at "
@@ -174,6 +174,7 @@ def record(
         factor=config.fault_factor,
         step=config.onset_step,
         heavy=config.heavy_stage,
+        pp=config.pp,
     )
     result = PipelineRecord(
         name=name,

@@ -22,6 +22,8 @@ from stepwatch.app._demo import StoredSummary, last_steps, summarize, wait_for_j
 from stepwatch.app._pipeline_config import (
     FAULTS,
     PipelineJobConfig,
+    blocks_held,
+    blocks_run,
     fault_active,
     sequence_lengths,
     stall_step,
@@ -150,6 +152,23 @@ def test_a_structural_fault_is_there_from_step_zero_and_toggles_in_the_truth_blo
     assert config.onset_step is None
     assert all(fault_active(config, step) for step in range(10))
     assert [fault_active(config, step) for step in range(10, 14)] == [False, False, True, True]
+
+
+@pytest.mark.parametrize(("pp", "dp"), [(2, 2), (4, 1)])
+def test_a_heavy_stage_and_its_balanced_truth_partition_the_same_blocks(pp: int, dp: int) -> None:
+    config = PipelineJobConfig(
+        job_id="j", pp=pp, dp=dp, fault="heavy-stage", steps=4, truth_pairs=1, truth_block_steps=2
+    )
+    heavy, base = config.heavy_stage, config.blocks_per_stage
+    uneven = [blocks_run(config, stage, 0) for stage in range(pp)]
+    even = [blocks_run(config, stage, 4) for stage in range(pp)]  # the first truth block: off
+    assert uneven[heavy] == base + pp and all(
+        n == base for stage, n in enumerate(uneven) if stage != heavy
+    )
+    assert even == [base + 1] * pp and sum(even) == sum(uneven)
+    assert all(max(uneven[s], even[s]) <= blocks_held(config, s) for s in range(pp))
+    healthy = PipelineJobConfig(job_id="j", pp=pp, dp=dp)
+    assert [blocks_held(healthy, s) for s in range(pp)] == [base] * pp
 
 
 def test_a_stall_happens_once_in_the_recording_and_once_per_faulty_truth_block() -> None:

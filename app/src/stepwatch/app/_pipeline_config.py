@@ -142,6 +142,30 @@ def block_faulty(config: PipelineJobConfig, index: int) -> bool:
     return faulty and config.fault != "healthy"
 
 
+def blocks_held(config: PipelineJobConfig, stage: int) -> int:
+    """How many blocks ``stage`` holds: ``blocks_per_stage``, and with ``heavy-stage`` what
+    both partitions of the same model need (:func:`blocks_run`)."""
+    if config.fault != "heavy-stage":
+        return config.blocks_per_stage
+    return config.blocks_per_stage + (config.pp if stage == config.heavy_stage else 1)
+
+
+def blocks_run(config: PipelineJobConfig, stage: int, step: int) -> int:
+    """How many of its blocks ``stage`` runs at ``step``.
+
+    ``heavy-stage`` partitions one model of ``pp * (blocks_per_stage + 1)`` blocks two ways:
+    unevenly while the fault is active (the heavy stage ``pp`` blocks more than the others)
+    and evenly in the truth blocks without it (every stage ``blocks_per_stage + 1``), so the
+    truth is the same job with balanced stages.
+    """
+    base = config.blocks_per_stage
+    if config.fault != "heavy-stage":
+        return base
+    if not fault_active(config, step):
+        return base + 1
+    return base + config.pp if stage == config.heavy_stage else base
+
+
 def stall_step(config: PipelineJobConfig, step: int) -> bool:
     """Whether the ``stall`` fault stops its rank at the end of ``step``: at ``fault_step``,
     and in the middle of each truth block with the fault."""

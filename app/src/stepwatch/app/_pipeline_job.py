@@ -23,7 +23,7 @@ Faults (``_pipeline_config.FAULTS``), real effects inside the job:
 - ``healthy``: none (the last stage is still heavier: the loss head);
 - ``slow-worker``: one rank's compute is ``fault_factor`` times slower from ``fault_step``
   (its forward and backward repeat their matrix multiplies, without gradients);
-- ``heavy-stage``: one stage holds ``blocks_per_stage`` more blocks on every replica, from
+- ``heavy-stage``: one stage holds ``pp`` blocks more than the others on every replica, from
   step 0 (partitioning);
 - ``rotating-microbatches``: from ``fault_step`` the microbatches' sequence lengths differ
   between replicas, and the replica with the longest ones changes every step;
@@ -36,7 +36,7 @@ and one without in each pair (their order alternating, ABBA), exporting to the j
 ``<job_id>-truth`` so that the recorded job holds a clean onset and a sustained fault only.
 Each rank times every step with its own clock; ``_pipeline_truth.paired_truth`` turns the
 blocks into the fault's cost (mean step with the fault / without). ``heavy-stage``'s block
-without the fault skips the heavy stage's extra blocks (balanced stages); ``healthy``'s pairs
+without the fault runs the same model partitioned evenly (balanced stages); ``healthy``'s pairs
 are the same job twice (the measurement's noise floor); ``stall``'s block with the fault holds
 one stall.
 """
@@ -58,6 +58,8 @@ from stepwatch.app._pipeline_config import (
     FAULTS,
     STALL_S,
     PipelineJobConfig,
+    blocks_held,
+    blocks_run,
     fault_active,
     sequence_lengths,
     stall_step,
@@ -139,8 +141,7 @@ class _Worker:
             group = dist.new_group(members) if config.dp > 1 else None
             if stage == self.stage:
                 self.dp_group = group
-        heavy = config.fault == "heavy-stage" and self.stage == config.heavy_stage
-        self.model = _stage_model(config, self.stage, extra_blocks=heavy)
+        self.model = _stage_model(config, self.stage, blocks=blocks_held(config, self.stage))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.schedule = one_f_one_b(self.stage, config.pp, config.microbatches)
         self.step_s: list[float] = []
@@ -165,7 +166,7 @@ class _Worker:
         config = self.config
         active = fault_active(config, step)
         slow = config.fault == "slow-worker" and self.rank == config.faulty_rank and active
-        self.model.use_extra = config.fault == "heavy-stage" and active
+        self.model.blocks_run = blocks_run(config, self.stage, step)
         lengths = sequence_lengths(config, step, self.replica)
         started = time.perf_counter()
         compute_ns = 0
@@ -300,10 +301,10 @@ class _Microbatches:
         self.grads: dict[int, Any] = {}  # received gradients of the outputs
 
 
-def _stage_model(config: PipelineJobConfig, stage: int, *, extra_blocks: bool) -> Any:
-    """Stage ``stage`` of the model: the embedding on the first stage, ``blocks_per_stage``
-    residual MLP blocks (as many again with ``extra_blocks``: run while ``use_extra``), the
-    loss head's vocabulary projection on the last stage."""
+def _stage_model(config: PipelineJobConfig, stage: int, *, blocks: int) -> Any:
+    """Stage ``stage`` of the model: the embedding on the first stage, ``blocks`` residual MLP
+    blocks (the first ``blocks_run`` of them run), the loss head's vocabulary projection on
+    the last stage."""
     import torch
 
     hidden = config.hidden
@@ -323,9 +324,7 @@ def _stage_model(config: PipelineJobConfig, stage: int, *, extra_blocks: bool) -
             super().__init__()
             first, last = stage == 0, stage == config.pp - 1
             self.embed = torch.nn.Embedding(config.vocab, hidden) if first else None
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(config.blocks_per_stage))
-            extra = config.blocks_per_stage if extra_blocks else 0
-            self.extra = torch.nn.ModuleList(Block() for _ in range(extra))
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(blocks))
             self.head = (
                 torch.nn.Sequential(
                     torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, config.vocab)
@@ -333,15 +332,12 @@ def _stage_model(config: PipelineJobConfig, stage: int, *, extra_blocks: bool) -
                 if last
                 else None
             )
-            self.use_extra = True
+            self.blocks_run = blocks
 
         def forward(self, inputs: Any) -> Any:
             hidden_states = self.embed(inputs) if self.embed is not None else inputs
-            for block in self.blocks:
+            for block in self.blocks[: self.blocks_run]:
                 hidden_states = block(hidden_states)
-            if self.use_extra:
-                for block in self.extra:
-                    hidden_states = block(hidden_states)
             return self.head(hidden_states) if self.head is not None else hidden_states
 
     return Stage()
