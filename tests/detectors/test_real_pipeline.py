@@ -115,11 +115,11 @@ def _today(reason: str) -> pytest.MarkDecorator:
     [
         pytest.param(
             "pp2x2-healthy",
-            marks=_today("stage_imbalance warning on stage 1 (the loss head), ~1.1x"),
+            marks=_today("stage_imbalance warning on stage 1 (the loss head), 1.05x"),
         ),
         pytest.param(
             "pp4x1-healthy",
-            marks=_today("stage_imbalance warning on stage 3 (the loss head), ~1.16x"),
+            marks=_today("stage_imbalance warning on stage 3 (the loss head), 1.12x"),
         ),
     ],
 )
@@ -132,22 +132,7 @@ def test_a_healthy_pipeline_with_a_heavier_last_stage_is_quiet(
     assert _raised(found) == [], _brief(found)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            "pp2x2-slow-worker",
-            marks=_today(
-                "pipeline_bubble on both ranks of stage 0, 'device idle 1.00x peers', "
-                "costs ~1.2x: the healthy replica's rank only waited"
-            ),
-        ),
-        pytest.param(
-            "pp4x1-slow-worker",
-            marks=_today("the masked_straggler on rank 1 comes with a job_regression warning"),
-        ),
-    ],
-)
+@pytest.mark.parametrize("name", ["pp2x2-slow-worker", "pp4x1-slow-worker"])
 def test_a_slow_worker_is_named_alone(diagnosed: Callable[[str], Diagnosed], name: str) -> None:
     # One rank computes 2x slower; the other stages of its replica wait for it in their
     # point-to-point receives, the other replica in the all-reduce. Only it is named.
@@ -159,13 +144,7 @@ def test_a_slow_worker_is_named_alone(diagnosed: Callable[[str], Diagnosed], nam
     assert {d.ranks for d in raised} == {(run.fault_rank,)}, _brief(found)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param("pp2x2-slow-worker", marks=_today("no straggler finding on rank 1 to cost")),
-        "pp4x1-slow-worker",
-    ],
-)
+@pytest.mark.parametrize("name", ["pp2x2-slow-worker", "pp4x1-slow-worker"])
 def test_a_slow_worker_costs_what_the_job_measured(
     diagnosed: Callable[[str], Diagnosed], name: str
 ) -> None:
@@ -189,11 +168,30 @@ def test_a_heavy_stage_is_a_stage_imbalance_without_a_straggler(
     assert not [d for d in _raised(found) if d.kind in RANK_BLAME_KINDS], _brief(found)
 
 
-@pytest.mark.parametrize("name", ["pp2x2-heavy-stage", "pp4x1-heavy-stage"])
+_EVEN_PARTITION_SAVES_NOTHING = (
+    "costed {cost} against a measured {truth} for the same blocks partitioned evenly: four "
+    "ranks share two cores, so moving work between stages saves nothing here"
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            "pp2x2-heavy-stage",
+            marks=_today(_EVEN_PARTITION_SAVES_NOTHING.format(cost="1.11x", truth="0.95x")),
+        ),
+        pytest.param(
+            "pp4x1-heavy-stage",
+            marks=_today(_EVEN_PARTITION_SAVES_NOTHING.format(cost="1.32x", truth="1.02x")),
+        ),
+    ],
+)
 def test_a_heavy_stage_costs_what_balanced_stages_save(
     diagnosed: Callable[[str], Diagnosed], name: str
 ) -> None:
-    # The truth: the same job with the heavy stage's extra blocks skipped, alternated with it.
+    # The truth: the same blocks partitioned evenly (every stage one block more than the
+    # others hold beside the heavy stage), alternated with the uneven partition.
     run, found = diagnosed(name)
     imbalance = [d for d in found if d.kind == "stage_imbalance"]
     assert imbalance, _brief(found)
@@ -207,10 +205,6 @@ def test_a_heavy_stage_costs_what_balanced_stages_save(
 # ---- the cases issue 44 reports right --------------------------------------------------------
 
 
-@_today(
-    "link_degradation warnings on both hosts, 'collective completion 1.00x its stage', "
-    "~1.1x each, and the loss head's stage_imbalance"
-)
 def test_rotating_microbatches_blame_no_rank(diagnosed: Callable[[str], Diagnosed]) -> None:
     # The replica with the longest sequences changes every step: every rank waits in turn.
     # No rank and no stage is to blame.
