@@ -32,9 +32,9 @@ def names() -> list[str]:
 _PHASE_TAG = ",stepwatch.phase="
 
 
-def lines(name: str) -> list[str]:
-    """Every stored point of ``<name>.lp.gz`` (line protocol)."""
-    with gzip.open(RUNS / f"{name}.lp.gz", "rt") as handle:
+def lines(name: str, *, directory: Path = RUNS) -> list[str]:
+    """Every stored point of ``<name>.lp.gz`` in ``directory`` (line protocol)."""
+    with gzip.open(directory / f"{name}.lp.gz", "rt") as handle:
         return [line for line in handle.read().splitlines() if line]
 
 
@@ -55,6 +55,12 @@ def without_communication(points: list[str]) -> list[str]:
     the nesting on every window first).
     """
     return [line for line in points if phase_of(line) != "communication"]
+
+
+def write(client: InfluxClient, points: list[str]) -> None:
+    """Write line-protocol ``points`` into ``client``'s database, in batches."""
+    for start in range(0, len(points), 5000):
+        client.write_lines(points[start : start + 5000])
 
 
 #: What a producer that times steps and nothing else stores.
@@ -85,8 +91,7 @@ def load(
         points = without_communication(points)
     elif layout == "steps":
         points = steps_only(points)
-    for start in range(0, len(points), 5000):
-        client.write_lines(points[start : start + 5000])
+    write(client, points)
     return RealRun(
         name=name,
         job=meta["job"],

@@ -195,7 +195,7 @@ def matches_fault(config: DemoJobConfig, diagnosis: Diagnosis) -> bool:
         return False
     if config.fault not in RANK_FAULTS:
         return True
-    host_suffix = f"-node{config.fault_rank // 2}"  # _demo_job._demo_host
+    host_suffix = f"-node{config.fault_rank // 2}"  # _demo_job.demo_host
     return config.fault_rank in diagnosis.ranks or any(
         host.endswith(host_suffix) for host in diagnosis.hosts
     )

@@ -37,8 +37,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from stepwatch.app._ranks import join_gloo, run_ranks
 from stepwatch.core._errors import ConfigError
-from stepwatch.core._net import free_port
 
 FAULT_KINDS = (
     "none",
@@ -157,35 +157,13 @@ def launch(config: DemoJobConfig, *, timeout_s: float = 600.0) -> None:
     Raises:
         StepwatchError: a rank failed or the job did not finish within ``timeout_s``.
     """
-    from torch.multiprocessing.spawn import (
-        ProcessExitedException,
-        ProcessRaisedException,
-        start_processes,
-    )
-
-    from stepwatch.core._errors import StepwatchError
-
-    master_port = free_port()
-    context = start_processes(  # type: ignore[no-untyped-call]
+    run_ranks(
         _rank_main,
-        args=(config, master_port),
-        nprocs=config.world_size,
-        join=False,
-        start_method="spawn",
+        (config,),
+        world_size=config.world_size,
+        timeout_s=timeout_s,
+        what="demo job",
     )
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise StepwatchError(f"demo job did not finish within {timeout_s:.0f} s")
-    except ProcessRaisedException as exc:
-        raise StepwatchError(f"a demo rank failed: {exc}") from exc
-    except ProcessExitedException as exc:
-        raise StepwatchError(f"a demo rank exited abnormally: {exc}") from exc
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
 
 
 class DemoJobProcess:
@@ -247,21 +225,13 @@ def _mark_onset(config: DemoJobConfig) -> None:
 
 def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
     logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    join_gloo(rank, config.world_size, master_port, seed=1234)
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from stepwatch.exporters import StepMonitor
 
-    torch.set_num_threads(1)
-    torch.manual_seed(1234 + rank)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{master_port}",
-        rank=rank,
-        world_size=config.world_size,
-    )
     try:
         model = _demo_model(config.hidden)
         ddp = DistributedDataParallel(model)
@@ -272,7 +242,7 @@ def _rank_main(rank: int, config: DemoJobConfig, master_port: int) -> None:
             job_id=config.job_id,
             rank=rank,
             world_size=config.world_size,
-            host_name=_demo_host(rank),
+            host_name=demo_host(rank),
             local_rank=rank % 2,
             endpoint=config.endpoint,
             protocol=config.protocol,
@@ -383,7 +353,7 @@ def _evaluate(monitor: Any, model: Any, config: DemoJobConfig) -> None:
             time.sleep(0.01)
 
 
-def _demo_host(rank: int) -> str:
+def demo_host(rank: int) -> str:
     """Two ranks per simulated node so host-level localisation has something to group."""
     return f"{socket.gethostname()}-node{rank // 2}"
 
