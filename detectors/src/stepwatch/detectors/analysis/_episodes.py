@@ -109,8 +109,11 @@ def _onset(metrics: Metrics, config: DetectorConfig, rank_index: int, first_flag
     metric = int(hit[np.argmax(metrics.z[first_flag, rank_index, hit])])
     series = metrics.effect[:, rank_index, metric]
     lookback = max(config.scales) + config.persistence_windows
-    level = np.nanmedian(series[first_flag : min(first_flag + 5, series.size)])
-    if not np.isfinite(level) or level <= 0:
+    head = series[first_flag : min(first_flag + 5, series.size)]
+    if not np.isfinite(head).any():
+        return first_flag
+    level = float(np.nanmedian(head))
+    if level <= 0:
         return first_flag
     onset = first_flag
     for index in range(first_flag - 1, max(-1, first_flag - lookback), -1):
