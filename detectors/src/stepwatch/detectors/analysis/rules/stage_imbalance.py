@@ -17,6 +17,7 @@ lengths): ``workload_imbalance`` then reports the loss. Raised from
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,7 +26,7 @@ from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._cost import pacing, ratio_of, steps_per_window
 from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_of
 from stepwatch.detectors.analysis._split import COMMUNICATION
-from stepwatch.detectors.frame._frame import COMPUTE_PHASES
+from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
 
 #: Share of windows in which the stage must be the heaviest.
@@ -60,6 +61,8 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
     paced = pacing(context)
     if paced is not None and paced.rotation_dominates(span):
         return []  # workload_imbalance reports the loss, this structure included
+    if not _paces(context, work, heavy, span):
+        return []
     # Re-partitioned, every stage would do the mean work of the stages.
     saving = per_group[span, heavy] - np.mean(per_group[span], axis=1)
     slowdown = ratio_of(context.step_median[span], saving, steps_per_window(context)[span])
@@ -77,6 +80,33 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
             score=float(typical[heavy] / typical[second]),
         )
     ]
+
+
+#: The other stages' waits must exceed the heavy stage's by at least this share of its extra
+#: work: the stage paces its pipeline only if the others wait for it.
+PACED_SHARE = 0.5
+
+
+def _paces(context: Context, work: FloatArray, heavy: int, span: slice) -> bool:
+    """Whether the heavy stage paces its pipeline: the other stages wait longer than it by
+    at least :data:`PACED_SHARE` of its extra work (their point-to-point waits for it; in
+    communication kernels where the job reports them, else in its communication phase).
+    Stages that all wait alike are paced by something else (a shared host's CPU, the
+    network), and moving layers would not help. ``True`` when the job times no wait."""
+    frame = context.frame
+    wait: FloatArray | None = frame.category_s(COMMUNICATION_CATEGORY)
+    if wait is None or not np.isfinite(wait).any():
+        wait = frame.phase(COMMUNICATION_CATEGORY)
+    if wait is None or not np.isfinite(wait[span]).any():
+        return True
+    groups = context.groups
+    mine = groups.members(heavy)
+    others = np.flatnonzero(groups.labels != heavy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        extra = np.nanmedian(work[span][:, mine]) - np.nanmedian(work[span][:, others])
+        waited = np.nanmedian(wait[span][:, others]) - np.nanmedian(wait[span][:, mine])
+    return bool(extra > 0 and waited >= PACED_SHARE * extra)
 
 
 def _work_measured(context: Context) -> bool:
