@@ -118,6 +118,20 @@ static PyTypeObject RecorderCoreType;
 
 /* ------------------------------------------------------------------ helpers */
 
+/* The instance __dict__ of ``object`` (borrowed: the object keeps it), or NULL with no
+ * exception set where it has none. PyObject_GenericGetDict is the public way in every
+ * supported version; like the private _PyObject_GetDictPtr it replaces, it materialises a
+ * managed dict once, and the object holds the new one. */
+static PyObject *instance_dict(PyObject *object) {
+    PyObject *dict = PyObject_GenericGetDict(object, NULL);
+    if (dict == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    Py_DECREF(dict);
+    return dict;
+}
+
 /* The clock's reading, or -1 with no exception set when it cannot be used here (the caller
  * then takes the Python path, which reads the clock again and reports what went wrong). */
 /* time.perf_counter_ns() on Linux: CLOCK_MONOTONIC in ns, as CPython 3.11 reads it
@@ -211,10 +225,9 @@ static int sampled_now(RecorderCore *self) {
             return -1;
         }
         /* The property's value is the plain attribute ``_stride``: its __dict__, no frame. */
-        PyObject **dict = _PyObject_GetDictPtr(sampler);
-        PyObject *stride_object = dict == NULL || *dict == NULL
-                                      ? NULL
-                                      : PyDict_GetItemWithError(*dict, str_stride_value);
+        PyObject *dict = instance_dict(sampler);
+        PyObject *stride_object =
+            dict == NULL ? NULL : PyDict_GetItemWithError(dict, str_stride_value);
         if (stride_object != NULL) {
             Py_INCREF(stride_object);
         } else if (!PyErr_Occurred()) {
@@ -1718,8 +1731,8 @@ static PyObject *str_mark_key, *str_mark_msg, *str_recorder, *str_nested_call;
 
 /* The state's __dict__ (borrowed), or NULL (no exception) when it has none. */
 static PyObject *state_dict(PyObject *state) {
-    PyObject **dict = state == NULL ? NULL : _PyObject_GetDictPtr(state);
-    return dict == NULL || *dict == NULL || !PyDict_CheckExact(*dict) ? NULL : *dict;
+    PyObject *dict = state == NULL ? NULL : instance_dict(state);
+    return dict == NULL || !PyDict_CheckExact(dict) ? NULL : dict;
 }
 
 /* dict[name] as a truth value: 1/0, or -1 (no exception) when missing or not a bool. */
@@ -2686,9 +2699,9 @@ typedef struct {
 /* attribute ``name`` of ``object`` as a truth value; -1 with an exception set. Read from the
  * instance's __dict__ when it is there (the state's plain attributes: no type lookup). */
 static int attribute_true(PyObject *object, PyObject *name) {
-    PyObject **dict = _PyObject_GetDictPtr(object);
-    if (dict != NULL && *dict != NULL) {
-        PyObject *found = PyDict_GetItemWithError(*dict, name); /* borrowed */
+    PyObject *dict = instance_dict(object);
+    if (dict != NULL) {
+        PyObject *found = PyDict_GetItemWithError(dict, name); /* borrowed */
         if (found != NULL) {
             return PyObject_IsTrue(found);
         }
@@ -3238,7 +3251,9 @@ typedef struct {
 } ExportWaiter;
 
 static PyObject *ExportWaiter_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    if (!_PyArg_NoPositional("ExportWaiter", args) || !_PyArg_NoKeywords("ExportWaiter", kwargs)) {
+    if ((args != NULL && PyTuple_GET_SIZE(args) != 0) ||
+        (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "ExportWaiter() takes no arguments");
         return NULL;
     }
     ExportWaiter *self = (ExportWaiter *)type->tp_alloc(type, 0);

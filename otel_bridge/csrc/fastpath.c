@@ -1342,22 +1342,25 @@ static int is_ascii(const char *p, size_t n) {
     return !(any & 0x8080808080808080ULL);
 }
 
-/* hash() of the str of a line's series key (UTF-8, already validated) */
-static Py_hash_t series_hash(const char *p, size_t n, int ascii) {
-    if (ascii) return _Py_HashBytes(p, (Py_ssize_t)n); /* hash() of an ASCII str */
-    PyObject *text = PyUnicode_DecodeUTF8(p, (Py_ssize_t)n, NULL);
-    if (!text) return -1;
-    Py_hash_t h = PyObject_Hash(text);
-    Py_DECREF(text);
-    return h;
-}
-
 /* A str of a line: copied as is when ASCII (the common case), else decoded. */
 static PyObject *line_text(const char *p, size_t n, int ascii) {
     if (!ascii) return PyUnicode_DecodeUTF8(p, (Py_ssize_t)n, NULL);
     PyObject *text = PyUnicode_New((Py_ssize_t)n, 127);
     if (text) memcpy(PyUnicode_1BYTE_DATA(text), p, n);
     return text;
+}
+
+/* hash() of the str of a line's series key (UTF-8, already validated): the key the Python
+ * path's guard takes (CardinalityGuard.filter: hash(key)), so the two paths share one table
+ * of series. The str is made and hashed through the public API: the interpreter's own hash of
+ * a str, whatever it is on this version (3.13's headers no longer declare _Py_HashBytes, which
+ * an implicit declaration truncated to 32 bits). */
+static Py_hash_t series_hash(const char *p, size_t n, int ascii) {
+    PyObject *text = line_text(p, n, ascii);
+    if (!text) return -1;
+    Py_hash_t h = PyObject_Hash(text);
+    Py_DECREF(text);
+    return h;
 }
 
 static int load_allowlist(PyObject *allowlist, Allow *allow) {

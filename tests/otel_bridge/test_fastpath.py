@@ -30,7 +30,9 @@ from stepwatch.otel_bridge import _fast
 from stepwatch.otel_bridge._convert import MAX_DURATION_S, TAG_ALLOWLIST, convert_to_points
 from stepwatch.otel_bridge._decode import RequestError, parse_protobuf
 from stepwatch.otel_bridge._identity import IDENTITY_KEYS
+from tests.c_extensions import needs
 
+pytestmark = needs(_fast.AVAILABLE, "the bridge's C fast path")
 NOW_NS = time.time_ns()
 
 
@@ -97,7 +99,8 @@ def compare(
 
 
 def test_extension_is_built() -> None:
-    """CI builds the extension (gcc is there): the fast path must really run in the tests."""
+    """Where the extension is built (CI: ``STEPWATCH_REQUIRE_C=1``), the fast path really runs in
+    the tests."""
     assert _fast.AVAILABLE, _fast.IMPORT_ERROR
     from stepwatch.otel_bridge import _fastpath
 

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from stepwatch.core._influx import wait_until
-from stepwatch.otel_bridge import Bridge, DiskSpool
+from stepwatch.otel_bridge import Bridge, DiskSpool, _fast
 from stepwatch.otel_bridge._http_server import MAX_HEADERS, _Refused, parse_headers
+from tests.c_extensions import needs
 from tests.otel_bridge.otlp_requests import RecordingWriter, post, window_request
 
 
@@ -80,6 +81,7 @@ def test_a_bad_head_gets_its_status_and_the_bridge_keeps_serving() -> None:
         assert healthy.startswith(b"HTTP/1.1 200 ")
 
 
+@needs(_fast.AVAILABLE, "the bridge's C fast path")  # its ingest_body is what runs where
 @pytest.mark.parametrize("durable", [False, True])
 def test_exports_run_on_the_loop_unless_the_spool_waits_for_a_disk(
     durable: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
