@@ -1,7 +1,7 @@
 """The exporters' optional C extensions; the rest of the build is in pyproject.toml.
 
-- ``stepwatch.exporters._fastrecord`` (``csrc/fastrecord.c`` with ``csrc/stepbuffer.h``,
-  ``csrc/eventmarker.h``, ``csrc/enginegate.h``): the training thread's step boundary and
+- ``stepwatch.exporters._fastrecord`` (``csrc/fastrecord.c`` and the headers it includes, one
+  per object: ``csrc/*.h``): the training thread's step boundary and
   ``step()``/``phase()`` contexts, auto mode's gates and stamps, the autograd engine's gate,
   the finished steps' buffer, and the export thread's pass over the steps;
 - ``stepwatch.exporters._fasthist`` (``csrc/fasthist.c``): the histogram recording loops.
@@ -14,6 +14,7 @@ warning (docs/packaging.md; ``STEPWATCH_REQUIRE_C=1`` makes it refuse to start).
 
 from __future__ import annotations
 
+import glob
 import sys
 
 from setuptools import Extension, setup
@@ -62,7 +63,7 @@ class WheelOfWhatWasBuilt(bdist_wheel):
 COMMANDS = {"build_ext": OptionalBuildExt, "bdist_wheel": WheelOfWhatWasBuilt}
 # ---- end of the optional C build ----
 
-HEADERS = ["csrc/stepbuffer.h", "csrc/eventmarker.h", "csrc/enginegate.h"]
+HEADERS = sorted(glob.glob("csrc/*.h"))  # fastrecord.c includes every one of them
 
 setup(
     ext_modules=[
