@@ -1073,13 +1073,11 @@ static int convert_metric(Conv *c, ResState *res, const Metric *m, int owner) {
             int resource_first = j >= npieces ||
                                  (i < c->nrpieces &&
                                   slice_cmp(c->rpieces[i].key, c->ppieces[j].key) < 0);
-            if (resource_first) {
-                CHECK(buf_put(out, c->rtext.b + c->rpieces[i].off, c->rpieces[i].len));
-                i++;
-            } else {
-                CHECK(buf_put(out, c->ptext.b + c->ppieces[j].off, c->ppieces[j].len));
-                j++;
-            }
+            /* an empty value is a piece with no text (it still overrides, above); where every
+             * piece is one, the text buffer was never allocated: no offset from NULL */
+            const Piece *piece = resource_first ? &c->rpieces[i++] : &c->ppieces[j++];
+            const Buf *text = resource_first ? &c->rtext : &c->ptext;
+            if (piece->len) CHECK(buf_put(out, text->b + piece->off, piece->len));
         }
         line.series_len = out->n - line.off;
         CHECK(buf_put(out, " ", 1));

@@ -463,6 +463,26 @@ def _check_malformed(body: bytes) -> bool:
     return True
 
 
+def test_tags_whose_values_are_all_empty() -> None:
+    """Allowlisted attributes with empty values (not stored) as a resource's or a point's only
+    tags: the tags write no text at all. Under UBSan (scripts/ci_sanitizers.sh) the fast path
+    once added their offset to a buffer never allocated (NULL + 0, found by the fuzzer)."""
+    from tests.otel_bridge import otlp_requests as otlp
+
+    cases = [
+        otlp.request([otlp.gauge("hw.power", 1.5, attrs={"hw.id": "GPU-0"})], {"host.name": ""}),
+        otlp.request(
+            [otlp.gauge("stepwatch.step.last", 7.0, attrs={"stepwatch.phase": ""})],
+            {**otlp.rank_resource(), "host.name": "", "service.name": ""},
+        ),
+        otlp.request([otlp.gauge("hw.power", 2.0, attrs={"hw.id": ""})], {"host.name": ""}),
+    ]
+    for request in cases:
+        body = request.SerializeToString()
+        for allowlist in (TAG_ALLOWLIST, frozenset({"host.name", _schema.RANK})):
+            assert compare(body, tag_allowlist=allowlist)
+
+
 def test_truncated_and_corrupted_bodies() -> None:
     rng = random.Random(11)
     body = window_body(rng, rank=0, ranks=2, kernels=3)

@@ -60,6 +60,9 @@ def bodies() -> Iterator[bytes]:
     ]
     for metric in kinds:
         yield otlp.request([metric], resource=resource).SerializeToString()
+    # tags whose values are all empty (not stored), on the resource and on a point
+    empty = otlp.gauge("hw.power", 2.0, attrs={"hw.id": ""})
+    yield otlp.request([empty], resource={"host.name": ""}).SerializeToString()
     yield otlp.request(kinds, resource=resource).SerializeToString()
 
 
