@@ -11,9 +11,9 @@
 # Python path must agree with it (tests/otel_bridge/fuzz/oracle.py). Then replays the corpus
 # through a build with source-based coverage and prints fastpath.c's line and branch
 # coverage. CI runs it for 30 s (scripts/ci_sanitizers.sh). Needs clang and its runtimes
-# (Debian: clang-14 libclang-rt-14-dev, installed here when missing); .venv from
-# scripts/setup.sh. A finding leaves its input as WORK_DIR/crash-* (rerun: the fuzzer binary
-# with that file as its argument, the environment as below).
+# (scripts/ensure_clang.sh installs Debian's clang-14 libclang-rt-14-dev where missing); .venv
+# from scripts/setup.sh. A finding leaves its input as WORK_DIR/crash-* and prints it in base64
+# (rerun: the fuzzer binary with that file as its argument, the environment as below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-600}
@@ -21,17 +21,7 @@ work=${2:-$(mktemp -d /tmp/stepwatch-fuzz.XXXXXX)}
 mkdir -p "$work/corpus"
 PY=${PYTHON:-.venv/bin/python}
 
-CLANG=$(command -v clang-14 || command -v clang || true)
-if [ -z "$CLANG" ] || ! ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a \
-  >/dev/null 2>&1; then
-  echo "fuzz: installing clang-14 and its runtimes (libFuzzer, sanitizers)"
-  SUDO=""
-  if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO="sudo"; fi
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-    clang-14 libclang-rt-14-dev >/dev/null
-  CLANG=$(command -v clang-14)
-fi
+CLANG=$(bash scripts/ensure_clang.sh)
 LLVM_BIN=$(dirname "$(readlink -f "$CLANG")")
 
 read -r inc libdir version site < <("$PY" -c "import sys, sysconfig as s
@@ -60,8 +50,11 @@ grep -E "DONE|^stat::(number_of_executed_units|average_exec_per_sec|new_units_ad
   "$work/fuzz.log" || true
 if [ "$status" != 0 ]; then
   tail -60 "$work/fuzz.log"
-  echo "fuzz: FAILED (exit $status); inputs: $(ls "$work"/crash-* "$work"/timeout-* \
-    "$work"/oom-* 2>/dev/null | tr '\n' ' ')"
+  echo "fuzz: FAILED (exit $status); the inputs, base64 (reproduce: base64 -d > input, then"
+  echo "  the fuzzer with the input as its argument, in this environment):"
+  for input in "$work"/crash-* "$work"/timeout-* "$work"/oom-*; do
+    [ -e "$input" ] && { echo "$(basename "$input"):"; base64 -w 100 "$input"; }
+  done
   exit 1
 fi
 

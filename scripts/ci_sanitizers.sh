@@ -4,11 +4,12 @@
 #
 #   bash scripts/ci_sanitizers.sh [FUZZ_SECONDS=30]
 #
-# The three extensions are built with gcc's -fsanitize=address,undefined (UB aborts) into copies
-# of the two packages, first on PYTHONPATH, and the tests that drive the C (SANITIZED_TESTS)
-# run on them with the sanitizers' runtimes preloaded and Python's allocator off
-# (PYTHONMALLOC=malloc: the extensions' PyMem buffers are ASan's heap). Then
-# bench/fastpath_fuzz.sh fuzzes the protobuf reader for FUZZ_SECONDS (libFuzzer, clang).
+# The three extensions are built with clang's -fsanitize=address,undefined (UB aborts; clang's
+# UBSan also checks pointer arithmetic on NULL, which gcc's does not) into copies of the two
+# packages, first on PYTHONPATH, and the tests that drive the C (SANITIZED_TESTS) run on them
+# with the ASan runtime preloaded and Python's allocator off (PYTHONMALLOC=malloc: the
+# extensions' PyMem buffers are ASan's heap). Then bench/fastpath_fuzz.sh fuzzes the protobuf
+# reader for FUZZ_SECONDS (libFuzzer). Clang: scripts/ensure_clang.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -28,22 +29,24 @@ tests/otel_bridge/test_fastpath.py tests/otel_bridge/test_fastpath_float.py \
 tests/otel_bridge/test_fastpath_intake.py}
 
 start=$SECONDS
+CLANG=$(bash scripts/ensure_clang.sh)
 read -r inc suffix < <("$PY" -c "import sysconfig as s
 print(s.get_paths()['include'], s.get_config_var('EXT_SUFFIX'))")
 mkdir -p "$work/stepwatch"
 cp -r exporters/src/stepwatch/exporters otel_bridge/src/stepwatch/otel_bridge "$work/stepwatch/"
 find "$work/stepwatch" \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
-flags=(-shared -fPIC -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined
+flags=(-shared -fPIC -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined -shared-libsan
   -fno-sanitize-recover=undefined -std=c11 -ffp-contract=off -Werror
   -Werror=implicit-function-declaration -Wall -Wextra -Wshadow -Wstrict-prototypes -Wconversion
   -I"$inc")
-gcc "${flags[@]}" -Iexporters/csrc exporters/csrc/fastrecord.c \
+"$CLANG" "${flags[@]}" -Iexporters/csrc exporters/csrc/fastrecord.c \
   -o "$work/stepwatch/exporters/_fastrecord$suffix"
-gcc "${flags[@]}" exporters/csrc/fasthist.c -o "$work/stepwatch/exporters/_fasthist$suffix"
-gcc "${flags[@]}" -Iotel_bridge/csrc otel_bridge/csrc/fastpath.c \
+"$CLANG" "${flags[@]}" exporters/csrc/fasthist.c -o "$work/stepwatch/exporters/_fasthist$suffix"
+"$CLANG" "${flags[@]}" -Iotel_bridge/csrc otel_bridge/csrc/fastpath.c \
   -o "$work/stepwatch/otel_bridge/_fastpath$suffix"
 
-export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
+LD_PRELOAD=$("$CLANG" -print-file-name=libclang_rt.asan-x86_64.so)  # UBSan's handlers too
+export LD_PRELOAD
 # Reports go to files: pytest captures the test's own stderr, which dies with the process.
 export ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:abort_on_error=1:log_path=$work/report
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1:log_path=$work/report
