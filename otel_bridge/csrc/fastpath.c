@@ -359,6 +359,14 @@ static int rd_double(Rd *rd, double *out) {
     return OK;
 }
 
+/* A tag or a length: upb reads them as 32-bit varints, of at most 5 bytes; a longer encoding,
+ * even of a small value (0x80 0x80 0x80 0x80 0x80 0x00), is malformed there: declined here. */
+static inline __attribute__((always_inline)) int rd_varint32(Rd *rd, uint64_t *out) {
+    const uint8_t *start = rd->p;
+    CHECK(rd_varint(rd, out));
+    return rd->p - start > 5 ? DECLINE : OK;
+}
+
 /* The next field's number and wire type; *done at the end of the message. */
 static int rd_tag(Rd *rd, uint32_t *field, uint32_t *wire, int *done) {
     if (rd->p >= rd->end) {
@@ -366,7 +374,7 @@ static int rd_tag(Rd *rd, uint32_t *field, uint32_t *wire, int *done) {
         return OK;
     }
     uint64_t tag;
-    CHECK(rd_varint(rd, &tag));
+    CHECK(rd_varint32(rd, &tag));
     if (tag >> 3 == 0 || tag >> 3 > 536870911u) return DECLINE;
     *field = (uint32_t)(tag >> 3);
     *wire = (uint32_t)(tag & 7);
@@ -376,7 +384,7 @@ static int rd_tag(Rd *rd, uint32_t *field, uint32_t *wire, int *done) {
 
 static int rd_len(Rd *rd, Rd *sub) {
     uint64_t n;
-    CHECK(rd_varint(rd, &n));
+    CHECK(rd_varint32(rd, &n));
     if (n > (uint64_t)(rd->end - rd->p)) return DECLINE;
     sub->p = rd->p;
     sub->end = rd->p + n;

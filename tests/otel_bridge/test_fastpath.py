@@ -463,6 +463,22 @@ def _check_malformed(body: bytes) -> bool:
     return True
 
 
+def test_tags_and_lengths_in_more_than_five_bytes_are_left_to_python() -> None:
+    """protobuf (upb) refuses a tag or a length encoded in more than 5 bytes, whatever its
+    value; the fast path once took them (found by the fuzzer's oracle)."""
+    for size in range(1, 11):
+        overlong = bytes([0x80] * (size - 1) + [0x00])
+        length = b"\x0a" + overlong  # resource_metrics, empty, its length in `size` bytes
+        tag = (b"\x8a" + overlong[1:] if size > 1 else b"\x0a") + b"\x00"
+        for body in (
+            length,
+            tag,
+            length * 3 + window_body(random.Random(size), rank=0, ranks=1, kernels=0),
+        ):
+            handled = _check_malformed(body)
+            assert handled is (size <= 5), (size, body.hex())
+
+
 def test_tags_whose_values_are_all_empty() -> None:
     """Allowlisted attributes with empty values (not stored) as a resource's or a point's only
     tags: the tags write no text at all. Under UBSan (scripts/ci_sanitizers.sh) the fast path
