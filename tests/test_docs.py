@@ -25,8 +25,6 @@ DOCS = REPO / "docs"
 HISTORY = DOCS / "history"
 #: Folders of docs/ that are records, not reference: the diary rule does not apply there.
 ARCHIVES = (HISTORY, DOCS / "adr")
-#: Targets another branch adds (README links them already); each entry goes once it lands.
-PENDING = frozenset({"docs/packaging.md"})
 
 #: Ordinals a round of work is counted with: from the third on (a bench's first and second round
 #: of arms are its own), and every compound (twenty-first, 21st).
@@ -170,8 +168,6 @@ def test_relative_links_resolve(page: Path) -> None:
     for target, anchor in links(page):
         resolved = resolve(page, target)
         if not resolved.exists():
-            if resolved.is_relative_to(REPO) and relative(resolved) in PENDING:
-                continue
             broken.append(f"{target}: no such file")
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
             broken.append(f"{target}#{anchor}: no such heading in {relative(resolved)}")
@@ -183,7 +179,7 @@ def test_named_doc_paths_exist(page: Path) -> None:
     """A page that names ``docs/x.md`` in its text (not a link) names a page that exists."""
     text = _LINK.sub("", page.read_text())  # links are the test above's (and may leave the repo)
     named = set(_DOC_PATH.findall(text))
-    missing = sorted(name for name in named if not (REPO / name).exists() and name not in PENDING)
+    missing = sorted(name for name in named if not (REPO / name).exists())
     assert not missing, f"{relative(page)} names missing pages: {missing}"
 
 
