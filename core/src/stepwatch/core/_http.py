@@ -430,7 +430,7 @@ class HttpClient:
         """
         deadline = time.monotonic() + timeout_s
         origin, target = self._route(url)
-        sent = {**origin.headers, **headers} if origin.headers else dict(headers)
+        sent = {**origin.headers, **headers} if origin.headers else headers
         try:
             return self._exchange(origin, method, target, sent, body, deadline)
         except OSError:
@@ -443,7 +443,7 @@ class HttpClient:
         origin: _Origin,
         method: str,
         target: str,
-        headers: dict[str, str],
+        headers: Mapping[str, str],
         body: bytes | None,
         deadline: float,
     ) -> HttpResponse:
@@ -574,7 +574,7 @@ class HttpClient:
         with self._lock:
             self.requests += 1
             self.body_bytes += len(body) if body else 0
-        connection.request(method, target, body=body, headers=dict(headers))
+        connection.request(method, target, body=body, headers=headers)
         response = connection.getresponse()
         answer = HttpResponse(
             status=response.status,
