@@ -1,4 +1,4 @@
-"""A lean OTLP/HTTP metric exporter: one kept-alive ``http.client`` connection, no ``requests``.
+"""A lean OTLP/HTTP metric exporter: one kept-alive connection of core's ``HttpClient``.
 
 The SDK's HTTP exporter spends most of a window's export CPU outside the protocol: gzip at level
 9, and a ``requests`` session that re-reads the proxy environment and rebuilds the request on
