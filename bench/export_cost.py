@@ -1,14 +1,21 @@
 """CPU and wall time of one window's export, SDK OTLP/HTTP exporter vs OtlpHttpExporter.
 
-The export thread of every rank builds one window per second and sends it; its CPU holds the
-GIL and, on busy cores, comes out of the training step. This bench measures, per window and
-per stage, the CPU time of the exporting thread (``time.thread_time``: the receiver runs in
-this process, so ``process_time`` would charge its work to the exporter) and the wall time,
-against the real stepwatch bridge (``stepwatch.otel_bridge.Bridge`` with a counting writer, as
-``bench/overhead.py`` runs it), for two realistic windows:
+The export thread of every rank builds one window per export interval and sends it; its CPU
+holds the GIL and, on busy cores, comes out of the training step. This bench measures, per
+window and per stage, the CPU time of the exporting thread (``time.thread_time``: the receiver
+runs in this process, so ``process_time`` would charge its work to the exporter) and the wall
+time, against the real stepwatch bridge (``stepwatch.otel_bridge.Bridge`` with a counting
+writer, as ``bench/overhead.py`` runs it), for two realistic windows at the monitor's defaults:
 
-- ``phases``: 46 steps x 5 phases (what a CPU rank without op histograms sends each second);
-- ``kernels``: the same plus 20 kernel classes x 30 executions.
+- ``phases``: ``--steps-per-window`` steps x 5 phases (what a CPU rank without op histograms
+  sends each interval). By default the steps one ``--interval-s`` (10 s, the default export
+  interval) holds at ``--step-ms`` (26 ms, the bench's step, drawn +-10 %): 385;
+- ``kernels``: the same plus 20 kernel classes x ``--kernel-executions`` each (by default 30
+  per second of the interval: 300).
+
+At the end, per window type: the CPU of build + export per window, per second of training at
+the interval (per window / interval), and that as a share of a busy rank (one core: every
+millisecond of export-thread CPU per second is 0.1 % of the rank's time), SDK against lean.
 
 Stages: ``build`` (WindowBuilder fill + build of the SDK ``MetricsData``, the steps added in
 one ``add_steps`` as the monitor does; the same code in both columns), ``build-1by1`` (the
@@ -25,12 +32,14 @@ weighted, as auto mode's sampled phases), 20 kernel classes x 200 durations (1 u
 and the pass over a window's finished steps (``window_values``), C (``_fastrecord``) vs Python.
 
 Usage: ``.venv/bin/python bench/export_cost.py [--windows 300] [--compression gzip]
+[--interval-s 10] [--step-ms 26] [--steps-per-window N] [--kernel-executions N]
 [--recording-only]``
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import io
 import random
@@ -46,17 +55,32 @@ from overhead import CountingWriter
 PHASES = ("data", "forward", "backward", "optimizer", "communication")
 
 
-def _window_values(rng: random.Random, kernel_classes: int) -> tuple[list[Any], Any]:
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What one window holds: the export interval, its steps, its kernel executions."""
+
+    interval_s: float = 10.0
+    step_s: float = 0.026
+    steps: int = 385
+    kernel_executions: int = 300
+
+
+def _window_values(rng: random.Random, kernel_classes: int, shape: Shape) -> tuple[list[Any], Any]:
     """One window's measurements, drawn once (the bench times aggregation, not the RNG)."""
     from stepwatch.exporters import KernelWindow
 
     steps = [
-        (0.026 * rng.uniform(0.9, 1.1), {phase: rng.uniform(0.0005, 0.01) for phase in PHASES})
-        for _ in range(46)
+        (
+            shape.step_s * rng.uniform(0.9, 1.1),
+            {phase: rng.uniform(0.0005, 0.01) for phase in PHASES},
+        )
+        for _ in range(shape.steps)
     ]
     kernels = KernelWindow(
         {
-            (f"aten::op{k}", "compute"): [rng.uniform(1e-6, 1e-4) for _ in range(30)]
+            (f"aten::op{k}", "compute"): [
+                rng.uniform(1e-6, 1e-4) for _ in range(shape.kernel_executions)
+            ]
             for k in range(kernel_classes)
         }
     )
@@ -121,7 +145,7 @@ def _recording_values(rng: random.Random) -> tuple[list[list[float]], Any, list[
     return [steps, *phases], weighted, kernels
 
 
-def _recording_paths(rng: random.Random, repeat: int) -> None:
+def _recording_paths(rng: random.Random, repeat: int, shape: Shape) -> None:
     """C vs Python recording loops on the same window, alternating blocks; prints both."""
     from stepwatch.exporters import _histogram
     from stepwatch.exporters._histogram import ExponentialHistogram
@@ -170,18 +194,21 @@ def _recording_paths(rng: random.Random, repeat: int) -> None:
         )
     print("(per call: divide by calls; identical results: tests/exporters/test_histogram_fast.py)")
     _step_pass(rng, repeat)
-    _point_encoding(rng, repeat, python_path)
+    _point_encoding(rng, repeat, python_path, shape)
 
 
 def _point_encoding(
-    rng: random.Random, repeat: int, python_path: Callable[[Callable[[], None]], Callable[[], None]]
+    rng: random.Random,
+    repeat: int,
+    python_path: Callable[[Callable[[], None]], Callable[[], None]],
+    shape: Shape,
 ) -> None:
     """The lean encoder on the kernels window: its exponential points written in C
     (``_fasthist.exponential_point``) vs in Python, side by side (the same bytes)."""
     from stepwatch.exporters._otlp_protobuf import RequestEncoder
     from stepwatch.exporters._window import WindowBuilder, build_resource
 
-    steps, kernels = _window_values(rng, 20)
+    steps, kernels = _window_values(rng, 20, shape)
     builder = WindowBuilder(build_resource(job_id="bench", rank=0, world_size=2))
     _fill(builder, steps, kernels)
     window = builder.build(start_unix_nano=1_000, end_unix_nano=2_000)
@@ -254,11 +281,33 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=300, help="repetitions per figure")
     parser.add_argument("--compression", default="gzip", choices=("none", "gzip", "deflate"))
     parser.add_argument(
+        "--interval-s",
+        type=float,
+        default=10.0,
+        help="export interval the window stands for (default 10: the monitor's default)",
+    )
+    parser.add_argument(
+        "--step-ms", type=float, default=26.0, help="mean step time (default 26, drawn +-10 %%)"
+    )
+    parser.add_argument(
+        "--steps-per-window",
+        type=int,
+        default=None,
+        help="steps in a window (default: what --interval-s holds at --step-ms: 385)",
+    )
+    parser.add_argument(
+        "--kernel-executions",
+        type=int,
+        default=None,
+        help="executions per kernel class per window (default: 30 per second of the interval)",
+    )
+    parser.add_argument(
         "--recording-only", action="store_true", help="only the C vs Python recording figures"
     )
     args = parser.parse_args()
+    shape = _shape(parser, args)
     if args.recording_only:
-        _recording_paths(random.Random(20261122), args.windows)
+        _recording_paths(random.Random(20261122), args.windows, shape)
         return
 
     from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
@@ -280,16 +329,17 @@ def main() -> None:
     resource = build_resource(job_id="bench", rank=0, world_size=2, host_name="bench")
     rows: list[tuple[str, str, float, float, float, float]] = []
     sizes: list[tuple[str, dict[str, int]]] = []
+    span_ns = int(shape.interval_s * 1e9)  # a window's time span
     try:
         for label, kernel_classes in (("phases", 0), ("kernels", 20)):
             builder = WindowBuilder(resource)
 
-            steps, kernels = _window_values(rng, kernel_classes)
+            steps, kernels = _window_values(rng, kernel_classes, shape)
 
             def build(builder: Any = builder, steps: Any = steps, kernels: Any = kernels) -> Any:
                 _fill(builder, steps, kernels)
                 now = time.time_ns()
-                return builder.build(start_unix_nano=now - 1_000_000_000, end_unix_nano=now)
+                return builder.build(start_unix_nano=now - span_ns, end_unix_nano=now)
 
             for _ in range(20):
                 build()
@@ -318,7 +368,7 @@ def main() -> None:
             ) -> Any:
                 _fill(builder, steps, kernels, batched=False)
                 now = time.time_ns()
-                return builder.build(start_unix_nano=now - 1_000_000_000, end_unix_nano=now)
+                return builder.build(start_unix_nano=now - span_ns, end_unix_nano=now)
 
             # Before/after of the batched fill, interleaved (both columns: the same builder).
             stage("build-1by1", build_per_step, build)
@@ -359,6 +409,11 @@ def main() -> None:
         f"bridge ({writer.lines} line-protocol points converted)"
     )
     print(
+        f"window: {shape.steps} steps of {shape.step_s * 1e3:.0f} ms (+-10 %) x "
+        f"{len(PHASES)} phases, one per {shape.interval_s:g} s; kernels: 20 classes x "
+        f"{shape.kernel_executions} executions"
+    )
+    print(
         "CPU = time.thread_time of the exporting thread per call, wall = median per call (medians\n"
         "of 5 alternating blocks per arm); microseconds"
     )
@@ -371,19 +426,60 @@ def main() -> None:
         print(
             f"{label:8} {name:10} {sdk_cpu:9.0f} {sdk_wall:9.0f} {lean_cpu:9.0f} {lean_wall:9.0f}"
         )
-    for label, _, _, _, _, _ in rows[:: len(rows) // 2][:2]:
-        total = {r[1]: r for r in rows if r[0] == label}
-        sdk_total = total["build"][2] + total["export"][2]
-        lean_total = total["build"][4] + total["export"][4]
-        print(
-            f"{label}: build+export CPU per window: SDK {sdk_total:.0f} us, lean "
-            f"{lean_total:.0f} us ({sdk_total / lean_total:.1f}x)"
-        )
+    _per_second(rows, shape)
     print()
     print("bytes on the wire per window (gzip-N-us: zlib CPU time for that level)")
     for label, by_level in sizes:
         print(f"{label:8} " + ", ".join(f"{key}={value}" for key, value in by_level.items()))
-    _recording_paths(random.Random(20261122), repeat)
+    _recording_paths(random.Random(20261122), repeat, shape)
+
+
+def _per_second(rows: list[tuple[str, str, float, float, float, float]], shape: Shape) -> None:
+    """Build + export CPU per window, per second of training, and as a share of a busy rank."""
+    print()
+    print(
+        f"build+export CPU at one window per {shape.interval_s:g} s (per second = per window / "
+        "interval; share = of one busy rank's core)"
+    )
+    for label in dict.fromkeys(r[0] for r in rows):
+        total = {r[1]: r for r in rows if r[0] == label}
+        sdk_total = total["build"][2] + total["export"][2]
+        lean_total = total["build"][4] + total["export"][4]
+        sdk_s, lean_s = sdk_total / shape.interval_s, lean_total / shape.interval_s
+        print(
+            f"{label:8} per window: SDK {sdk_total:6.0f} us, lean {lean_total:6.0f} us "
+            f"({sdk_total / lean_total:.1f}x); per second: SDK {sdk_s:5.0f} us "
+            f"({sdk_s / 1e4:.3f} %), lean {lean_s:5.0f} us ({lean_s / 1e4:.3f} %); "
+            f"saved {sdk_s - lean_s:4.0f} us/s ({(sdk_s - lean_s) / 1e4:.3f} % of the rank)"
+        )
+        sdk_send = total["export"][2] - total["encode"][2] - total["compress"][2]
+        lean_send = total["export"][4] - total["encode"][4] - total["compress"][4]
+        print(
+            f"{'':8} of which sending (export - encode - compress): SDK {sdk_send:5.0f} us, "
+            f"lean {lean_send:5.0f} us per window"
+        )
+
+
+def _shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Shape:
+    """The window the options describe; a bad value is a usage error naming the option."""
+    if not args.interval_s > 0:
+        parser.error(f"--interval-s must be positive, got {args.interval_s}")
+    if not args.step_ms > 0:
+        parser.error(f"--step-ms must be positive, got {args.step_ms}")
+    step_s = args.step_ms / 1e3
+    steps = args.steps_per_window
+    if steps is None:
+        steps = max(round(args.interval_s / step_s), 1)
+    elif steps < 1:
+        parser.error(f"--steps-per-window must be at least 1, got {steps}")
+    executions = args.kernel_executions
+    if executions is None:
+        executions = max(round(30 * args.interval_s), 1)
+    elif executions < 1:
+        parser.error(f"--kernel-executions must be at least 1, got {executions}")
+    if args.windows < 1:
+        parser.error(f"--windows must be at least 1, got {args.windows}")
+    return Shape(args.interval_s, step_s, steps, executions)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepwatch.core import ConfigError, __version__
+from stepwatch.core._http import resolve_proxy, retry_after_s
 from stepwatch.exporters import (
     KernelWindow,
     OtlpHttpExporter,
@@ -35,7 +36,6 @@ from stepwatch.exporters import (
     create_exporter,
     resolve_exporter_config,
 )
-from stepwatch.exporters._http_connection import resolve_proxy, retry_after_s
 from stepwatch.exporters._otlp_protobuf import RequestEncoder
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.common")

@@ -10,18 +10,17 @@ API: https://github.com/prometheus/alertmanager/blob/main/api/v2/openapi.yaml
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
 import subprocess
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from stepwatch.core._errors import ConfigError, ServerStartError
+from stepwatch.core._http import HttpClient, send_json
 from stepwatch.core._net import free_port, wait_http_ready
 
 # Short timings so grouping and resolution are seen within seconds. group_wait must still
@@ -145,6 +144,10 @@ class ManagedAlertmanager:
             [("filter", f'{key}="{value}"') for key, value in (labels or {}).items()]
             + [("active", "true"), ("silenced", "true"), ("inhibited", "true")]
         )
-        with urllib.request.urlopen(f"{self.url}/api/v2/alerts?{query}", timeout=5) as reply:
-            result: list[dict[str, Any]] = json.loads(reply.read())
+        client = HttpClient()
+        try:
+            reply = send_json(client, "GET", f"{self.url}/api/v2/alerts?{query}", None, timeout_s=5)
+        finally:
+            client.close()
+        result: list[dict[str, Any]] = reply.json()
         return result

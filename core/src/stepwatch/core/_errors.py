@@ -24,7 +24,11 @@ class InfluxError(StepwatchError):
 
 
 class InfluxUnavailableError(InfluxError):
-    """InfluxDB could not be reached at all (connection refused, timeout)."""
+    """InfluxDB could not take the request now: worth retrying later.
+
+    Unreachable (connection refused, timeout), a reply broken off, or an answer that says
+    "later" (408, 429, 5xx: ``stepwatch.core._http.retryable``).
+    """
 
 
 class TraceFormatError(StepwatchError):

@@ -14,9 +14,7 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from stepwatch.core._errors import (
     InfluxUnavailableError,
     ServerStartError,
 )
+from stepwatch.core._http import BrokenAnswerError, HttpClient, redact, retryable
 from stepwatch.core._net import free_port, wait_http_ready
 from stepwatch.core._schema import DEFAULT_DATABASE
 
@@ -56,7 +55,10 @@ def quote_literal(value: str) -> str:
 
 
 class InfluxClient:
-    """A small, dependency-free InfluxDB v1-API client.
+    """A small, dependency-free InfluxDB v1-API client on stepwatch's HTTP client.
+
+    Kept-alive connections (a few, shared by the threads using the client), the proxy
+    variables and the system CAs: :class:`stepwatch.core._http.HttpClient`.
 
     Args:
         url: base URL, e.g. ``http://127.0.0.1:8086``.
@@ -64,6 +66,10 @@ class InfluxClient:
         token: sent as ``Authorization: Token <token>`` (2.x/3.x compatibility API).
         username: v1 basic-auth user, with ``password``.
         timeout_s: per-request timeout.
+
+    Raises:
+        ConfigError: a bad URL, an empty database, a non-positive timeout, or an unusable proxy
+            setting for the URL (the message names it).
     """
 
     def __init__(
@@ -92,30 +98,51 @@ class InfluxClient:
         self._auth_params: dict[str, str] = {}
         if username:
             self._auth_params = {"u": username, "p": password or ""}
+        self._http = HttpClient()
+        try:
+            self._http.check(self.url)
+        except ConfigError as exc:
+            raise ConfigError(f"url: {exc}") from exc
 
     def __repr__(self) -> str:  # never show credentials
-        return f"InfluxClient(url={self.url!r}, database={self.database!r})"
+        return f"InfluxClient(url={redact(self.url)!r}, database={self.database!r})"
+
+    def close(self) -> None:
+        """Close the kept-alive connections (a later request opens a new one)."""
+        self._http.close()
 
     def _request(
         self, method: str, path: str, params: dict[str, str], body: bytes | None = None
     ) -> tuple[int, bytes]:
         query = urllib.parse.urlencode({**params, **self._auth_params})
-        request = urllib.request.Request(
-            f"{self.url}{path}?{query}", data=body, method=method, headers=dict(self._headers)
-        )
+        headers = dict(self._headers)
         if body is not None:
-            request.add_header("Content-Type", "text/plain; charset=utf-8")
+            headers["Content-Type"] = "text/plain; charset=utf-8"
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return int(response.status), response.read()
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode("utf-8", "replace").strip()
-            message = f"InfluxDB {method} {path} answered {exc.code}: {detail[:500]}"
-            if exc.code >= 500:
-                raise InfluxUnavailableError(message, status=exc.code) from exc
-            raise InfluxError(message, status=exc.code) from exc
-        except (OSError, ValueError) as exc:  # URLError, timeouts, resets
-            raise InfluxUnavailableError(f"InfluxDB at {self.url} unreachable: {exc}") from exc
+            response = self._http.request(
+                method,
+                f"{self.url}{path}?{query}",
+                headers=headers,
+                body=body,
+                timeout_s=self.timeout_s,
+            )
+        except BrokenAnswerError as exc:
+            # Whether a write was stored is unknown: retried (rewriting is idempotent).
+            raise InfluxUnavailableError(
+                f"InfluxDB at {redact(self.url)} broke off its reply: {exc}"
+            ) from exc
+        except (OSError, ValueError) as exc:  # refused, timeouts, resets
+            raise InfluxUnavailableError(
+                f"InfluxDB at {redact(self.url)} unreachable: {exc}"
+            ) from exc
+        status = response.status
+        if not 200 <= status < 300:
+            detail = response.body.decode("utf-8", "replace").strip()
+            message = f"InfluxDB {method} {path} answered {status}: {detail[:500]}"
+            if retryable(status):
+                raise InfluxUnavailableError(message, status=status)
+            raise InfluxError(message, status=status)
+        return status, response.body
 
     def ping(self) -> bool:
         """True when the server answers ``/ping``."""
@@ -130,7 +157,8 @@ class InfluxClient:
 
         Raises:
             InfluxError: the server rejected the batch (4xx, e.g. a malformed point).
-            InfluxUnavailableError: unreachable or 5xx; the caller should retry or spool.
+            InfluxUnavailableError: unreachable, a broken-off reply, or an answer worth
+                retrying (408, 429, 5xx); the caller should retry or spool.
         """
         body = "\n".join(lines).encode("utf-8")
         if not body:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 import time
-import urllib.error
-import urllib.request
+
+from stepwatch.core._http import HttpClient
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -19,15 +19,12 @@ def wait_http_ready(url: str, *, timeout_s: float, expect_status: int = 200) -> 
     """Poll ``url`` until it answers ``expect_status`` or the deadline passes."""
     deadline = time.monotonic() + timeout_s
     delay_s = 0.02
+    client = HttpClient(max_idle=0)
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:
-                if response.status == expect_status:
-                    return True
-        except urllib.error.HTTPError as exc:
-            if exc.code == expect_status:
+            if client.request("GET", url, headers={}, timeout_s=1.0).status == expect_status:
                 return True
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # not up yet; ValueError: a bad URL (ConfigError)
             pass
         time.sleep(delay_s)
         delay_s = min(delay_s * 1.5, 0.25)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from stepwatch.core._errors import ConfigError, InfluxError, InfluxUnavailableError
+from stepwatch.core._http import retryable
 from stepwatch.otel_bridge._metrics import BridgeMetrics
 from stepwatch.otel_bridge._spool import Spool, SpoolAppend
 from stepwatch.otel_bridge._writers import LineWriter
@@ -64,7 +65,9 @@ class Health(NamedTuple):
 
 
 def _retryable(exc: InfluxError) -> bool:
-    return isinstance(exc, InfluxUnavailableError) or exc.status in (408, 429)
+    if isinstance(exc, InfluxUnavailableError):
+        return True
+    return exc.status is not None and retryable(exc.status)
 
 
 def _all_refused(exc: InfluxError, lines: int) -> bool:

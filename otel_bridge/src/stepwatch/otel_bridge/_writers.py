@@ -8,7 +8,6 @@ field-type conflicts); the bridge's forwarder decides what to do.
 
 from __future__ import annotations
 
-import http.client
 import os
 import urllib.parse
 from collections.abc import Sequence
@@ -63,17 +62,14 @@ class InfluxV1Writer:
             except InfluxError:
                 pass  # 2.x/3.x have no CREATE DATABASE; the write decides
             self._create_database = False
-        try:
-            self.client.write_lines(lines)
-        except http.client.HTTPException as exc:
-            # InfluxDB (or a proxy) closed the connection mid-reply or sent garbage: whether
-            # the batch was stored is unknown, so it is retried (rewriting is idempotent).
-            raise InfluxUnavailableError(
-                f"InfluxDB at {self.client.url} broke off its reply: {exc!r}"
-            ) from exc
+        # A reply broken off mid-way (InfluxDB or a proxy closed the connection, or sent
+        # garbage) is the client's InfluxUnavailableError: whether the batch was stored is
+        # unknown, so it is retried (rewriting is idempotent).
+        self.client.write_lines(lines)
 
     def close(self) -> None:
-        """Nothing to release (one connection per request)."""
+        """Close the client's kept-alive connections."""
+        self.client.close()
 
 
 class InfluxV2Writer:

@@ -29,9 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -39,7 +37,7 @@ from typing import Any
 from stepwatch.core import settings
 from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._errors import ConfigError
-from stepwatch.core._http import HttpTransport, UrllibTransport, check_base_url, send_json
+from stepwatch.core._http import HttpClient, HttpTransport, check_base_url, send_json
 
 logger = logging.getLogger(__name__)
 
@@ -130,13 +128,14 @@ class AlertmanagerSink:
         dashboard_url: a Grafana dashboard URL; each alert links to it with the job and the
             finding's time range filled in (``annotations.dashboard_url``).
         timeout_s: per-request timeout.
-        transport: the HTTP transport (default: urllib).
+        transport: the HTTP transport (default: stepwatch's ``HttpClient``).
         resend_interval_s: how often an open finding is re-sent.
         clock: wall clock in Unix nanoseconds (default ``time.time_ns``).
         monotonic: monotonic clock in seconds for the resend schedule.
 
     Raises:
-        ConfigError: a bad URL or a non-positive interval (names the argument).
+        ConfigError: a bad URL or a non-positive interval (names the argument), or an
+            unusable proxy setting for the URL.
     """
 
     def __init__(
@@ -160,7 +159,10 @@ class AlertmanagerSink:
             raise ConfigError(f"resend_interval_s: must be positive, got {resend_interval_s}")
         self.timeout_s = timeout_s
         self.resend_interval_s = resend_interval_s
-        self._transport = transport or UrllibTransport()
+        if transport is None:
+            transport = HttpClient()
+            transport.check(self.url)
+        self._transport = transport
         self._clock = clock or time.time_ns
         self._monotonic = monotonic or time.monotonic
         self._sent: dict[str, _Sent] = {}

@@ -27,7 +27,7 @@ from typing import Any
 from stepwatch.core import settings
 from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._errors import ConfigError, DeliveryError, InfluxError
-from stepwatch.core._http import HttpTransport, UrllibTransport, check_base_url, send_json
+from stepwatch.core._http import HttpClient, HttpTransport, check_base_url, send_json
 from stepwatch.core._influx import InfluxClient, quote_ident, quote_literal
 from stepwatch.core._lineproto import encode_point
 from stepwatch.detectors.sinks._alertmanager import describe
@@ -72,7 +72,7 @@ class GrafanaAnnotationSink:
             restarted detector does not post again. Without it the sink asks Grafana by tag.
         dashboard_uid: attach annotations to this dashboard (organisation-wide when None).
         timeout_s: per-request timeout.
-        transport: the HTTP transport (default: urllib).
+        transport: the HTTP transport (default: stepwatch's ``HttpClient``).
         update_interval_s: how often an open finding's region end is moved forward.
         clock: wall clock in Unix nanoseconds. monotonic: seconds, for the update schedule.
 
@@ -105,7 +105,10 @@ class GrafanaAnnotationSink:
         self.update_interval_s = update_interval_s
         self._headers = {"Authorization": f"Bearer {token}"}
         self._state = state_client
-        self._transport = transport or UrllibTransport()
+        if transport is None:
+            transport = HttpClient()
+            transport.check(self.url)
+        self._transport = transport
         self._clock = clock or time.time_ns
         self._monotonic = monotonic or time.monotonic
         self._known: dict[str, _Known] = {}
