@@ -24,9 +24,10 @@ it there; built and tested on recorded CUPTI records, not yet run on a GPU
 """
 
 from stepwatch.core._facade import publish
-from stepwatch.exporters.kernels._cupti import ActivityRecord, CuptiBackend, CuptiSource
+from stepwatch.exporters.kernels._cupti import CuptiBackend, CuptiSource
 from stepwatch.exporters.kernels._cupti_backend import CuptiPythonBackend
 from stepwatch.exporters.kernels._cupti_cycle import CuptiDutyCycle
+from stepwatch.exporters.kernels._cupti_records import ActivityRecord
 from stepwatch.exporters.kernels._duty import ProfilerDutyCycle
 from stepwatch.exporters.kernels._ingest import (
     IngestedTrace,
