@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters import InMemoryExporter, StepMonitor
-from stepwatch.exporters._auto_device import DeviceAutoState, DeviceStamp
 from stepwatch.exporters._recorder import _device_seconds
+from stepwatch.exporters.auto._auto_device import DeviceAutoState, DeviceStamp
 from tests.exporters.test_auto import ManualClock, _summary
 
 HOST_NS = 1_000  # what the host spends in each piece of work: launching it

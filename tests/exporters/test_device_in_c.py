@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from stepwatch.exporters import InMemoryExporter, StepMonitor, _auto, _forward, _recorder
-from stepwatch.exporters._auto_device import DeviceAutoState
+from stepwatch.exporters import InMemoryExporter, StepMonitor, _recorder
+from stepwatch.exporters.auto import _auto, _forward
+from stepwatch.exporters.auto._auto_device import DeviceAutoState
 from tests.exporters import test_auto_device as auto_device
 from tests.exporters.test_auto import _summary
 

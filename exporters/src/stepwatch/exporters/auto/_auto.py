@@ -73,10 +73,11 @@ import threading
 from typing import Any
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters._engine import acquire as acquire_engine
-from stepwatch.exporters._engine import close_waits
-from stepwatch.exporters._engine import release as release_engine
-from stepwatch.exporters._forward import (
+from stepwatch.exporters._recorder import StepRecorder, new_clock_stamp
+from stepwatch.exporters.auto._engine import acquire as acquire_engine
+from stepwatch.exporters.auto._engine import close_waits
+from stepwatch.exporters.auto._engine import release as release_engine
+from stepwatch.exporters.auto._forward import (
     HOOK_KEYS,
     HookDict,
     direct_tensor_hooks_work,
@@ -84,9 +85,8 @@ from stepwatch.exporters._forward import (
     hooks_in_c,
     time_forward,
 )
-from stepwatch.exporters._opthooks import gates, nested, outer_post, outer_pre, union_ns
-from stepwatch.exporters._recorder import StepRecorder, new_clock_stamp
-from stepwatch.exporters._stack import phase_codes, stack_phase
+from stepwatch.exporters.auto._opthooks import gates, nested, outer_post, outer_pre, union_ns
+from stepwatch.exporters.auto._stack import phase_codes, stack_phase
 
 logger = logging.getLogger("stepwatch.exporters")
 

@@ -22,9 +22,6 @@ from typing import TYPE_CHECKING, Any, Final, cast
 from stepwatch.core import _schema, settings
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
-from stepwatch.exporters._account import ExportAccount, MonitorStats
-from stepwatch.exporters._auto_device import Instrumentation, install_hooks
-from stepwatch.exporters._cadence import StopEvent, run_exports
 from stepwatch.exporters._config import (
     DEFAULT_TIMEOUT_S,
     ExporterConfig,
@@ -58,8 +55,11 @@ from stepwatch.exporters._sdk_env import (
     rank_resource,
     sdk_disabled,
 )
-from stepwatch.exporters._stack import where
 from stepwatch.exporters._window import KernelSource, Progress, WindowBuilder
+from stepwatch.exporters.auto._auto_device import Instrumentation, install_hooks
+from stepwatch.exporters.auto._stack import where
+from stepwatch.exporters.monitor._account import ExportAccount, MonitorStats
+from stepwatch.exporters.monitor._cadence import StopEvent, run_exports
 
 if TYPE_CHECKING:
     from stepwatch.exporters._recorder import _NullContext, _PhaseContext, _StepContext
@@ -310,7 +310,7 @@ class StepMonitor:
     ) -> Instrumentation:
         """Time forward, backward, optimizer and DDP communication with hooks (no code changes).
 
-        The phases and where each starts and ends are in the ``stepwatch.exporters._auto``
+        The phases and where each starts and ends are in the ``stepwatch.exporters.auto._auto``
         module docstring. :meth:`close` removes the hooks. Also callable as a function,
         ``stepwatch.exporters.instrument(monitor, model, optimizer, ...)``.
 

@@ -7,7 +7,7 @@ full launch queue, the gloo allreduce). Seen on an H100 (docs/exporters.md, "Aut
 GPU"): a rank whose forward did 7 ms of extra matrix products kept a 0.85 ms forward and
 doubled every rank's backward, so the job read as a backward regression on every rank.
 
-:class:`DeviceAutoState` is :class:`~stepwatch.exporters._auto._AutoState` plus a device mark
+:class:`DeviceAutoState` is :class:`~stepwatch.exporters.auto._auto._AutoState` plus a device mark
 (``DeviceTimer.mark``, a CUDA event in the current stream) at each point where a hook reads the
 host clock, so each phase is the device time between the marks of its start and end:
 
@@ -42,9 +42,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepwatch.exporters import _auto
-from stepwatch.exporters._auto import Instrumentation, _AutoState
 from stepwatch.exporters._recorder import StepRecorder, new_mark_stamp
+from stepwatch.exporters.auto import _auto
+from stepwatch.exporters.auto._auto import Instrumentation, _AutoState
 
 __all__ = ["DeviceAutoState", "DeviceStamp", "Instrumentation", "install_hooks"]
 

@@ -44,7 +44,7 @@ WINDOW_DROP_REASONS: Final = ("export_failed", "closed")
 
 @dataclasses.dataclass(frozen=True)
 class MonitorStats:
-    """Counters of one monitor since it was built (see :mod:`stepwatch.exporters._account`).
+    """Counters of one monitor since it was built (see :mod:`stepwatch.exporters.monitor._account`).
 
     Attributes:
         steps_recorded: Steps finished on the training thread.
