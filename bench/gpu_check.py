@@ -243,7 +243,7 @@ def part_cupti() -> dict[str, Any]:
 def part_timer() -> dict[str, Any]:
     import torch
 
-    from stepwatch.exporters._device import CudaEventTimer
+    from stepwatch.exporters.device._cuda import CudaEventTimer
 
     timer = CudaEventTimer()
     rate_khz = (
@@ -282,7 +282,7 @@ def part_marks(count: int = 20_000, rounds: int = 3) -> dict[str, Any]:
     import torch
 
     from stepwatch.exporters import _fastrecord
-    from stepwatch.exporters._device import CudaEventTimer
+    from stepwatch.exporters.device._cuda import CudaEventTimer
 
     def cuda_event() -> Any:
         event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -650,7 +650,7 @@ def part_abhooks(
             **options,
         )
 
-    from stepwatch.exporters._device import CudaEventTimer
+    from stepwatch.exporters.device._cuda import CudaEventTimer
 
     # No monitor: N CUDA events a step, made and recorded in C (EventMarker) and spread over
     # the step as a device timer's marks are: "new" keeps the last 512 (each mark then
@@ -798,7 +798,7 @@ def inner_mark(position):  # bare timing events between the step's kernels, as p
         held.append(event)
 if arm != "off" and not marks and not inner:
     from stepwatch.exporters import StepMonitor
-    from stepwatch.exporters._device import CudaEventTimer
+    from stepwatch.exporters.device._cuda import CudaEventTimer
     from stepwatch.exporters.kernels import CuptiSource
     monitor = StepMonitor(
         job_id="ovh", rank=0, world_size=1, endpoint=sys.argv[5],

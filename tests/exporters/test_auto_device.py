@@ -268,17 +268,17 @@ class _TorchEvent:
 
 
 def test_cuda_marks_are_torch_events_made_in_c_where_torch_has_them() -> None:
-    from stepwatch.exporters import _device
+    from stepwatch.exporters.device import _cuda
 
-    found = _device._event_marker(_TorchEvent)
+    found = _cuda._event_marker(_TorchEvent)
     assert found is not None
     marker, kind = found
-    assert kind == ("torch.Event (C marker)" if _device._fastrecord is not None else "torch.Event")
+    assert kind == ("torch.Event (C marker)" if _cuda._fastrecord is not None else "torch.Event")
     first, second = marker(), marker()
     assert second.at_ms - first.at_ms == 2.5
-    assert _device._event_marker(None) is None  # an older torch: torch.cuda.Event stays
+    assert _cuda._event_marker(None) is None  # an older torch: torch.cuda.Event stays
 
     class Refusing(_TorchEvent):
         refuse = True
 
-    assert _device._event_marker(Refusing) is None
+    assert _cuda._event_marker(Refusing) is None

@@ -136,6 +136,20 @@ class Instrumentation:
             release_engine(engine)
 
 
+class NoHooks:
+    """What ``instrument()`` returns when the SDK is disabled: no hooks to remove."""
+
+    communication_timed = False
+
+    def open_phase(self) -> None:
+        """Never in a phase."""
+        return None
+
+    def remove(self) -> None:
+        """Nothing to remove."""
+        return None
+
+
 class _AutoState:
     """Hook callbacks; they run on the training thread except the comm completion callbacks.
 

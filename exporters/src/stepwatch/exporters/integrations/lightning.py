@@ -44,7 +44,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from stepwatch.exporters._export import Exporter
-from stepwatch.exporters._window import KernelSource
+from stepwatch.exporters._protocols import KernelSource
 from stepwatch.exporters.integrations._common import (
     CallbackMonitor,
     GradientWait,

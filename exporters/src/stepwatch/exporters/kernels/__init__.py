@@ -24,6 +24,7 @@ it there; built and tested on recorded CUPTI records, not yet run on a GPU
 """
 
 from stepwatch.core._facade import publish
+from stepwatch.exporters.device._nvml import GpuReading, HealthSampler, NvmlBackend, XidEvent
 from stepwatch.exporters.kernels._cupti import CuptiBackend, CuptiSource
 from stepwatch.exporters.kernels._cupti_backend import CuptiPythonBackend
 from stepwatch.exporters.kernels._cupti_cycle import CuptiDutyCycle
@@ -39,7 +40,6 @@ from stepwatch.exporters.kernels._ingest import (
     trace_windows,
 )
 from stepwatch.exporters.kernels._names import KernelClass, classify_kernel
-from stepwatch.exporters.kernels._nvml import GpuReading, HealthSampler, NvmlBackend, XidEvent
 from stepwatch.exporters.kernels._summary import KernelEvent, KernelSummariser
 from stepwatch.exporters.kernels._torch_backend import (
     OpRecord,

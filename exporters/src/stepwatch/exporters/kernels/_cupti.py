@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters._window import KernelWindow
+from stepwatch.exporters._protocols import KernelWindow
 from stepwatch.exporters.kernels._cupti_backend import CuptiPythonBackend
 from stepwatch.exporters.kernels._cupti_columns import summarise_bulk
 from stepwatch.exporters.kernels._cupti_cycle import (
@@ -104,7 +104,7 @@ _START = operator.itemgetter(0)
 
 
 class CuptiSource:
-    """A :class:`~stepwatch.exporters._window.KernelSource` of CUPTI activity records.
+    """A :class:`~stepwatch.exporters.KernelSource` of CUPTI activity records.
 
     Args:
         backend: The CUPTI calls (default :class:`CuptiPythonBackend`).

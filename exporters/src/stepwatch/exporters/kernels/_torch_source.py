@@ -82,7 +82,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters._window import KernelWindow
+from stepwatch.exporters._protocols import KernelWindow
 from stepwatch.exporters.kernels._duty import (
     _BASELINE_MIN_STEPS,
     _BASELINE_STEPS,
@@ -117,7 +117,7 @@ _log = logging.getLogger(__name__)
 
 
 class TorchProfilerSource:
-    """A :class:`~stepwatch.exporters._window.KernelSource` of ATen CPU ops.
+    """A :class:`~stepwatch.exporters.KernelSource` of ATen CPU ops.
 
     Args:
         active_steps: Consecutive steps profiled per cycle.

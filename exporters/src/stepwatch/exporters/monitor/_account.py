@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Final
 from stepwatch.exporters import _cext
 
 if TYPE_CHECKING:
-    from stepwatch.exporters._window import KernelSource, KernelWindow
+    from stepwatch.exporters._protocols import KernelSource, KernelWindow
 
 _log = logging.getLogger(__name__)
 

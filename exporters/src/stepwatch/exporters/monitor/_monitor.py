@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from stepwatch.core import _schema, settings
@@ -28,17 +28,11 @@ from stepwatch.exporters._config import (
     resolve_exporter_config,
     window_options,
 )
-from stepwatch.exporters._device import (
-    DeviceTimer,
-    HealthSource,
-    resolve_device_timer,
-    resolve_health,
-    with_health,
-)
 from stepwatch.exporters._export import Exporter, create_exporter
+from stepwatch.exporters._protocols import Clock, DeviceTimer, HealthSource, KernelSource
 from stepwatch.exporters._recorder import (
     _NULL_CONTEXT,
-    Clock,
+    NullPhases,
     StepRecord,
     StepRecorder,
     SystemClock,
@@ -47,21 +41,18 @@ from stepwatch.exporters._recorder import (
     window_values,
 )
 from stepwatch.exporters._sampling import PhaseSampler
-from stepwatch.exporters._sdk_env import (
-    NoHooks,
-    NullPhases,
-    buffer_size,
-    export_interval,
-    rank_resource,
-    sdk_disabled,
-)
-from stepwatch.exporters._window import KernelSource, Progress, WindowBuilder
+from stepwatch.exporters._sdk_env import buffer_size, export_interval, sdk_disabled
+from stepwatch.exporters._window import Progress, WindowBuilder
+from stepwatch.exporters.auto._auto import NoHooks
 from stepwatch.exporters.auto._auto_device import Instrumentation, install_hooks
-from stepwatch.exporters.auto._stack import where
+from stepwatch.exporters.device._backends import resolve_device_timer, resolve_health
 from stepwatch.exporters.monitor._account import ExportAccount, MonitorStats
 from stepwatch.exporters.monitor._cadence import StopEvent, run_exports
+from stepwatch.exporters.monitor._identity import rank_resource
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import MetricsData
+
     from stepwatch.exporters._recorder import _NullContext, _PhaseContext, _StepContext
 
 logger = logging.getLogger("stepwatch.exporters")
@@ -598,3 +589,58 @@ class StepMonitor:
 
 #: ``instrument(monitor, model, optimizer, ...)``: :meth:`StepMonitor.instrument` as a function.
 instrument = StepMonitor.instrument
+
+
+def where(
+    recorder: StepRecorder, instrumentations: Iterable[Any], now_ns: int, last_progress_ns: int
+) -> Progress:
+    """Where the rank is now, from what the training thread recorded (export thread).
+
+    The innermost ``phase()`` open or the auto-mode phase with the latest start (each
+    instrumentation's ``open_phase()``: the stack, in a step whose phases are not timed);
+    ``last_progress_ns`` is the end of the last step that left the buffer.
+    """
+    phase = recorder.open_phase()
+    for instrumentation in instrumentations:
+        auto = instrumentation.open_phase()
+        if auto is not None and (phase is None or auto[1] >= phase[1]):
+            phase = auto
+    return Progress(
+        step_index=recorder.step_index,
+        step_elapsed_s=max(now_ns - last_progress_ns, 0) * 1e-9,
+        phase=None if phase is None else phase[0],
+        phase_elapsed_s=None if phase is None else max(now_ns - phase[1], 0) * 1e-9,
+    )
+
+
+def with_health(
+    health: HealthSource | None,
+    metrics: MetricsData,
+    start_unix_nano: int,
+    end_unix_nano: int,
+    log: RateLimitedLog,
+) -> MetricsData:
+    """``metrics`` plus this window's device-health scope (one request per window)."""
+    from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics
+
+    try:
+        if health is None:
+            return metrics
+        health.sample()
+        extra = health.build(start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano)
+    except Exception:
+        log.warning("health", "device-health sampling raised", exc_info=True)
+        return metrics
+    if extra is None or not extra.resource_metrics:
+        return metrics
+    window = metrics.resource_metrics[0]
+    scopes = [*window.scope_metrics]
+    for resource_metrics in extra.resource_metrics:
+        scopes.extend(resource_metrics.scope_metrics)
+    return MetricsData(
+        resource_metrics=[
+            ResourceMetrics(
+                resource=window.resource, scope_metrics=scopes, schema_url=window.schema_url
+            )
+        ]
+    )

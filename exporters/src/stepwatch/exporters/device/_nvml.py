@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from stepwatch.core import _schema
+from stepwatch.exporters._sdk_env import temporality_preference
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import Metric, MetricsData, NumberDataPoint
@@ -239,8 +240,6 @@ class HealthSampler:
         devices: Sequence[int] | None = None,
         temporality: str | None = None,
     ) -> None:
-        from stepwatch.exporters._sdk_env import temporality_preference
-
         if temporality is None:  # the monitor has warned about a bad value already
             temporality = temporality_preference(os.environ, warn=False)
         self._cumulative = temporality == "cumulative"
