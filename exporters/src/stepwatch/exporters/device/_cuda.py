@@ -11,6 +11,7 @@ steps the device has finished. Without a GPU the monitor uses the host clock
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -100,3 +101,15 @@ def _event_marker(event_type: Any, pool: int = 0) -> tuple[Callable[[], Any], st
         return marker, kind
     except Exception:
         return None
+
+
+def probe() -> CudaEventTimer | None:
+    """A timer when torch is already imported and CUDA is available, else None (``"auto"``)."""
+    torch = sys.modules.get("torch")  # never import torch just to find out
+    if torch is None:
+        return None
+    try:
+        available = bool(torch.cuda.is_available())
+    except Exception:
+        return None
+    return CudaEventTimer() if available else None

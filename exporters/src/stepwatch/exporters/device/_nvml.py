@@ -39,6 +39,7 @@ produces nothing. NVML reference: https://docs.nvidia.com/deploy/nvml-api/
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -423,6 +424,14 @@ class HealthSampler:
             self._backend.close()
         except Exception:
             _log.debug("NVML close failed", exc_info=True)
+
+
+def probe(resource: Resource) -> HealthSampler | None:
+    """A sampler when ``pynvml`` is installed, else None (``health=None``); on a machine
+    without a GPU it logs that once and goes quiet."""
+    if importlib.util.find_spec("pynvml") is None:
+        return None
+    return HealthSampler(resource)
 
 
 def _counter(points: list[NumberDataPoint], sum_type: Any, temporality: Any) -> Any:
