@@ -288,7 +288,7 @@ def test_remove_disarms_and_two_models_start_at_one_backward() -> None:
         instrumentations[1].remove()
         for (monitor, _optimizer), expected in zip(monitors, (3, 3), strict=True):
             monitor.close()
-            assert _summary(monitor._exporter)["phases"]["backward"]["count"] == expected  # type: ignore[arg-type]
+            assert _summary(monitor._transport.exporter)["phases"]["backward"]["count"] == expected  # type: ignore[arg-type]
             assert monitor.stats.misuse == 0
     finally:
         _engine.release(gate)

@@ -583,10 +583,7 @@ def new_mark_stamp(clock_ns: Callable[[], int], device: DeviceTimer) -> Any:
 
 
 def new_recorder(**kwargs: Any) -> StepRecorder:
-    """A :class:`StepRecorder` (:data:`FAST_RECORDER` where there is one) made with ``kwargs``,
-    after its kernel source's ``on_monitor_start`` (CUPTI from here: the first step counts)."""
+    """A :class:`StepRecorder` (:data:`FAST_RECORDER` where there is one) made with ``kwargs``."""
     _cext.start(os.environ)  # STEPWATCH_REQUIRE_C; a log line a process: which paths run
     cls = FAST_RECORDER if FAST_RECORDER is not None else StepRecorder
-    if (start := getattr(kwargs.get("kernel_source"), "on_monitor_start", None)) is not None:
-        start()
     return cls(**kwargs)

@@ -28,13 +28,12 @@ through this module.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import urllib.parse
 import uuid
 from collections.abc import Mapping
-from typing import Final, cast
+from typing import Any, Final, cast
 
 from stepwatch.core import _schema, settings
 from stepwatch.core._errors import ConfigError
@@ -63,6 +62,17 @@ def flag(setting: settings.Setting[str], environ: Mapping[str, str]) -> bool:
     if lowered not in ("true", "false"):
         logger.warning("%s=%r is not true or false; taken as false", variable, value)
     return lowered == "true"
+
+
+def lookup(setting: settings.Setting[Any], environ: Mapping[str, str]) -> tuple[Any, str]:
+    """The first variable set (value, its name), or (None, the option's name); a variable that
+    does not parse is logged and treated as unset."""
+    try:
+        value, variable = setting.lookup(environ)
+    except ConfigError as exc:
+        logger.warning("%s; ignored (treated as unset)", exc)
+        return None, setting.name
+    return value, variable or setting.name
 
 
 def sdk_disabled(environ: Mapping[str, str]) -> bool:
@@ -169,22 +179,5 @@ def export_interval(argument: float | None, environ: Mapping[str, str]) -> float
         return float(argument)
     # The variable is milliseconds; the setting reads it as seconds. A bad value is logged
     # and treated as unset (specification, "Environment Variable Specification").
-    try:
-        interval_s, _ = settings.METRIC_EXPORT_INTERVAL_S.lookup(environ)
-    except ConfigError as exc:
-        logger.warning("%s; ignored (treated as unset)", exc)
-        interval_s = None
+    interval_s, _ = lookup(settings.METRIC_EXPORT_INTERVAL_S, environ)
     return _DEFAULT_INTERVAL_S if interval_s is None else interval_s
-
-
-def buffer_size(argument: int | None, interval_s: float, per_second: int) -> int:
-    """The argument, else ``per_second`` steps per second of export interval (at least one s).
-
-    Raises:
-        ConfigError: the argument is not a positive integer.
-    """
-    if argument is None:
-        return per_second * max(1, math.ceil(interval_s))
-    if isinstance(argument, bool) or not isinstance(argument, int) or argument < 1:
-        raise ConfigError(f"buffer_steps must be a positive integer, got {argument!r}")
-    return argument
