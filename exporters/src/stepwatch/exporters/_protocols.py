@@ -66,7 +66,8 @@ class KernelWindow:
 
 class KernelSource(Protocol):
     """A producer of kernel events (CUPTI, torch.profiler, a trace file) for a StepMonitor.
-    It may also have ``on_monitor_start()`` (never raises), called when the monitor is made,
+    It may also have ``on_monitor_start()``, called when the monitor is made (one that raises
+    is logged and the monitor runs without the source),
     and ``charge(cpu_ns)``: the monitor's export work after each export, paid from its budget.
     """
 

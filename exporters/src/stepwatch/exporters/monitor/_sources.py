@@ -9,6 +9,7 @@ resolved; :meth:`Sources.add_health` adds the health readings to a window.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING
 
 from stepwatch.exporters._protocols import DeviceTimer, HealthSource, KernelSource
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
 
     from stepwatch.core._ratelog import RateLimitedLog
+
+logger = logging.getLogger("stepwatch.exporters")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +89,27 @@ def resolve_sources(
 
 def start_sources(sources: Sources) -> Sources:
     """Tell the kernel source the monitor starts (``on_monitor_start``: CUPTI from here, so
-    the first step counts); the sources the monitor then runs with."""
-    start = getattr(sources.kernels, "on_monitor_start", None)
-    if start is not None:
+    the first step counts); the sources the monitor then runs with.
+
+    A source whose ``on_monitor_start`` raises is logged once, with the exception, closed
+    (that raising too is logged) and left out: the monitor runs without kernel events rather
+    than raise into the code that builds it (docs/exporters.md, "Failure behaviour").
+    """
+    source = sources.kernels
+    start = getattr(source, "on_monitor_start", None)
+    if source is None or start is None:
+        return sources
+    try:
         start()
+    except Exception:
+        logger.warning(
+            "the kernel source %s raised in on_monitor_start; the monitor runs without it",
+            type(source).__name__,
+            exc_info=True,
+        )
+        try:
+            source.close()
+        except Exception:
+            logger.warning("closing the kernel source that failed to start raised", exc_info=True)
+        return dataclasses.replace(sources, kernels=None)
     return sources
