@@ -3,7 +3,7 @@
 The device here is virtual (a counter the model and its hooks advance, as kernels would make a
 GPU busy while the host only launches them), so each phase's device time differs from its host
 time by design: a phase read from the host clock fails the assertions. The same code ran on an
-H100 (bench/gpu_check.py; docs/exporters.md, "Auto mode on a GPU").
+H100 (bench/gpu_check.py; docs/history/exporters.md, "Auto mode on a GPU: phases on the device").
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ One line, no change to the training loop: ``monitor.instrument(model, optimizer)
 - data: time from the previous step's end to the next forward (auto steps only);
 - step boundary: the end of ``optimizer.step()``, unless the loop uses ``monitor.step()``.
 
-Sampling (``StepMonitor(phase_sampling=...)``, ``_sampling``; default: every step): the
+Sampling (``StepMonitor(phase_sampling=...)``, ``_sampling``; default ``"auto"``): the
 recorder says at each step's start whether its phases are timed (``recorder.sampled``) and
 gives the model its own class on a step that is not (``_forward._ClassSwap``), which then runs
 the optimizer hooks' check and, in auto steps, the step boundary; its output gets no backward

@@ -20,7 +20,7 @@ Without a GPU, ``cupti`` or ``pynvml`` the GPU classes log once and do nothing.
 ``CuptiSource(period_steps=256, detach="finalize")`` records 5 steps in 256 (the same steps on
 every rank) and takes CUPTI out of the process in between, so a kernel launch pays nothing for
 it there; built and tested on recorded CUPTI records, not yet run on a GPU
-(docs/exporters.md, "CUPTI on a duty cycle").
+(docs/exporters.md, "Kernel and op histograms").
 """
 
 from stepwatch.core._facade import publish

@@ -120,7 +120,7 @@ class CuptiSource:
             (CUPTI stays loaded, and on an H200 a launch kept most of CUPTI's cost), or
             ``finalize``: take CUPTI out of the process (the backend's ``detach``; where it
             fails, the kinds are disabled instead). Neither has run on a GPU yet
-            (docs/exporters.md, "CUPTI on a duty cycle").
+            (docs/exporters.md, "Kernel and op histograms").
         overhead_budget: On a duty cycle, the share of training time a cycle's switches
             (on, off, finalize: measured) may take; where they cost more at ``period_steps``,
             cycles take every second, fourth, ... grid step (``duty_cycle.stride``).

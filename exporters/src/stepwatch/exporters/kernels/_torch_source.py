@@ -52,7 +52,8 @@ work too (building, encoding and sending each window, and the export thread's lo
 windows), measured on that thread's CPU clock; the cycles get what is left. So everything
 stepwatch does off the training step, op histograms and export together, stays within
 ``overhead_budget`` of training time; with 10 s windows the export takes ~0.01–0.03 % of it
-(docs/exporters.md, "One budget off the training step").
+(docs/exporters.md, "Kernel and op histograms", its shared budget; how it came:
+docs/history/exporters.md, "One budget off the training step").
 
 Pauses of the training loop (evaluation, checkpoints, stalls: a step longer than 8 baseline
 steps) are not training time. One that falls between cycles earns no more budget than 8

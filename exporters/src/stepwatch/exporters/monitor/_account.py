@@ -171,10 +171,10 @@ class CpuLedger:
     Measured on the CPU clock of the thread doing it (``time.thread_time_ns``, a system call
     of ~0.4 µs, three an export). A kernel source with a ``charge(cpu_ns)`` method (the
     ``torch.profiler`` one) pays it from its overhead budget, so its cycles get what the
-    export leaves (docs/exporters.md, "One budget off the training step"). What is charged:
-    each export's CPU less the source's own ``drain()`` (which charges itself), and on the
-    export thread also its CPU between exports (its looks at the step count, a garbage
-    collection it ran). The export thread's first export is counted, not charged: like the
+    export leaves (docs/exporters.md, "Kernel and op histograms", its shared budget). What
+    is charged: each export's CPU less the source's own ``drain()`` (which charges itself),
+    and on the export thread also its CPU between exports (its looks at the step count, a
+    garbage collection it ran). The export thread's first export is counted, not charged: like the
     profiler's warm-up, it pays one-time set-up (the first connection).
 
     Only the thread holding the monitor's export lock calls it.
