@@ -36,7 +36,7 @@ from typing import Any
 
 from stepwatch.exporters import KernelWindow
 from stepwatch.exporters.kernels import ActivityRecord, CuptiSource, KernelEvent, KernelSummariser
-from stepwatch.exporters.kernels._cupti import activities_to_columns, activity_to_record
+from stepwatch.exporters.kernels._cupti_records import activities_to_columns, activity_to_record
 
 NAMES = (
     "ampere_sgemm_128x64_nn",

@@ -28,7 +28,8 @@ import time
 
 
 def _arm(arm: str, loop: str, seconds: float) -> None:
-    from stepwatch.exporters import InMemoryExporter, StepMonitor, _cadence
+    from stepwatch.exporters import InMemoryExporter, StepMonitor
+    from stepwatch.exporters.monitor import _cadence
 
     if arm == "python":
         _cadence.WAITER = None

@@ -243,7 +243,7 @@ def part_cupti() -> dict[str, Any]:
 def part_timer() -> dict[str, Any]:
     import torch
 
-    from stepwatch.exporters._device import CudaEventTimer
+    from stepwatch.exporters.device._cuda import CudaEventTimer
 
     timer = CudaEventTimer()
     rate_khz = (
@@ -282,7 +282,7 @@ def part_marks(count: int = 20_000, rounds: int = 3) -> dict[str, Any]:
     import torch
 
     from stepwatch.exporters import _fastrecord
-    from stepwatch.exporters._device import CudaEventTimer
+    from stepwatch.exporters.device._cuda import CudaEventTimer
 
     def cuda_event() -> Any:
         event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -442,7 +442,7 @@ def _rank_main(
     faulty = step_s[JOB_FAULT_STEP + 100 :]
     summary = {
         "rank": rank,
-        "device_timer": type(monitor._device_timer).__name__
+        "device_timer": type(monitor._sources.device_timer).__name__
         if hasattr(monitor, "_device_timer")
         else "?",
         "cupti_active": source.active,
@@ -585,7 +585,7 @@ def part_frames(out_dir: str, steps: int = 40) -> dict[str, Any]:
         return {
             "state": type(state).__name__,
             "c_gates": bool(state.gates),
-            "timer": getattr(monitor._device_timer, "kind", None),
+            "timer": getattr(monitor._sources.device_timer, "kind", None),
             "last_step_sampled": sampled,
             "python_frames_entered": entered[:20],
             "python_frames_count": len(entered),
@@ -650,7 +650,7 @@ def part_abhooks(
             **options,
         )
 
-    from stepwatch.exporters._device import CudaEventTimer
+    from stepwatch.exporters.device._cuda import CudaEventTimer
 
     # No monitor: N CUDA events a step, made and recorded in C (EventMarker) and spread over
     # the step as a device timer's marks are: "new" keeps the last 512 (each mark then
@@ -745,7 +745,9 @@ def part_abhooks(
         if arm != "off"
     }
     return {
-        "timers": {name: getattr(m._device_timer, "kind", None) for name, m in monitors.items()},
+        "timers": {
+            name: getattr(m._sources.device_timer, "kind", None) for name, m in monitors.items()
+        },
         "median_step_us": {arm: round(statistics.median(v) * 1e6, 2) for arm, v in times.items()},
         "added_us_median_paired": {arm: round(statistics.median(v), 2) for arm, v in added.items()},
         "added_us_trimmed_mean_paired": {  # the 10 % trimmed mean: less noisy than the median
@@ -762,9 +764,9 @@ def part_abhooks(
             for name, marker in [
                 *((f"bare-{way}", maker) for way, maker in makers.items()),
                 *(
-                    (name, getattr(m._device_timer, "mark", None))
+                    (name, getattr(m._sources.device_timer, "mark", None))
                     for name, m in monitors.items()
-                    if hasattr(getattr(m._device_timer, "mark", None), "made")
+                    if hasattr(getattr(m._sources.device_timer, "mark", None), "made")
                 ),
             ]
         },
@@ -798,7 +800,7 @@ def inner_mark(position):  # bare timing events between the step's kernels, as p
         held.append(event)
 if arm != "off" and not marks and not inner:
     from stepwatch.exporters import StepMonitor
-    from stepwatch.exporters._device import CudaEventTimer
+    from stepwatch.exporters.device._cuda import CudaEventTimer
     from stepwatch.exporters.kernels import CuptiSource
     monitor = StepMonitor(
         job_id="ovh", rank=0, world_size=1, endpoint=sys.argv[5],
@@ -810,7 +812,7 @@ if arm != "off" and not marks and not inner:
         phase_sampling=1 if arm == "every-step" else "auto",
         export_interval_s=3600.0 if arm == "on-no-export" else None)
     handle = monitor.instrument(model, optimizer)
-    kind = getattr(monitor._device_timer, "kind", None)
+    kind = getattr(monitor._sources.device_timer, "kind", None)
     c_gates = bool(getattr(handle._state, "gates", ()))
 def one():
     inner_mark(0)
@@ -853,8 +855,8 @@ print(json.dumps({"median_ms": statistics.median(times) * 1e3,
                   "mark": None if monitor is None else kind,
                   "c_gates": None if monitor is None else c_gates,
                   "misuse": None if monitor is None else monitor.stats.misuse,
-                  "cupti_duty": None if monitor is None or monitor._kernel_source is None
-                  else str(getattr(monitor._kernel_source, "duty_cycle", None))}))
+                  "cupti_duty": None if monitor is None or monitor._sources.kernels is None
+                  else str(getattr(monitor._sources.kernels, "duty_cycle", None))}))
 """
 
 

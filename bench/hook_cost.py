@@ -108,7 +108,7 @@ def _node_prehook_post(module: Any, args: Any, output: Any) -> None:
 
 
 def _hook_dict_post(module: Any, args: Any, output: Any) -> None:
-    from stepwatch.exporters._forward import HookDict
+    from stepwatch.exporters.auto._forward import HookDict
 
     hooks = HookDict()
     hooks[-1] = _noop_grad
@@ -116,7 +116,7 @@ def _hook_dict_post(module: Any, args: Any, output: Any) -> None:
     output.grad_fn._register_hook_dict(output)
 
 
-_AUTO_PATH = "exporters/src/stepwatch/exporters/_auto.py"
+_AUTO_PATH = "exporters/src/stepwatch/exporters/auto/_auto.py"
 
 
 def _load_auto_at(rev: str) -> ModuleType:
@@ -244,11 +244,11 @@ class Bench:
         self.explicit = arm.endswith("+step")
         arm = arm.removesuffix("+step")
 
-        from stepwatch.exporters import _auto
         from stepwatch.exporters._sampling import PhaseSampler
+        from stepwatch.exporters.auto import _auto
 
         if _device_mode():  # its install_hooks picks DeviceAutoState for a device timer
-            from stepwatch.exporters import _auto_device as _auto  # type: ignore[no-redef]
+            from stepwatch.exporters.auto import _auto_device as _auto  # type: ignore[no-redef]
 
         model, optimizer, monitor = self.model, self.optimizer, self.monitor
         handles: list[Any] = []
@@ -367,7 +367,7 @@ class _ForwardWrap:
 def _install_components(state: Any, model: Any, optimizer: Any, wanted: set[str]) -> list[Any]:
     handles = []
     if "fwd" in wanted:
-        from stepwatch.exporters._forward import time_forward
+        from stepwatch.exporters.auto._forward import time_forward
 
         handles.append(time_forward(state, model))
     if "opt_pre" in wanted:

@@ -169,7 +169,7 @@ class HookSwitch:
     switched on), so B steps run with no stepwatch hook at all and A steps with the very hooks
     a job keeps for its whole run: no registration per step, and none of its garbage for the
     collector. These are torch internals; a missing one stops the bench. Where auto mode marks
-    backward starts at the autograd engine (``stepwatch.exporters._engine``), B steps run on
+    backward starts at the autograd engine (``stepwatch.exporters.auto._engine``), B steps run on
     torch's own engine (``Variable._execution_engine`` put back while switched off), so the
     gate's check on every backward is in A's cost.
     """
@@ -193,7 +193,7 @@ class HookSwitch:
 
         self.variable = Variable
         try:
-            from stepwatch.exporters import _engine
+            from stepwatch.exporters.auto import _engine
         except ImportError:  # a tree before the gate (step_segments --compare)
             installed: dict[str, Any] = {}
         else:

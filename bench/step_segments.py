@@ -36,7 +36,7 @@ alternate processes, ``--repeat`` times each.
 ``--engine-arm`` adds ``torch-engine`` to the untimed steps of each round, after ``first``
 and before or after ``untimed`` at random: an untimed step on torch's own autograd engine
 rather than stepwatch's gate
-(``stepwatch.exporters._engine``), and prints ``untimed − torch-engine`` per segment: what the
+(``stepwatch.exporters.auto._engine``), and prints ``untimed − torch-engine`` per segment: what the
 gate's check costs every backward, where the model's memory traffic makes it cold.
 
 Run: ``.venv/bin/python bench/step_segments.py [--hidden 1024] [--rounds 1000] [--stride 16]

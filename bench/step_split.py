@@ -30,7 +30,7 @@ say) would be in the mean and not in the trimmed estimate, so read both.
 ``--aa`` adds a fourth arm, ``plain-again``, a second plain step compared like the others: the
 bench's noise floor, which should read zero within its CI. At 1024 wide on this project's VM
 the CIs are ±10–13 µs even over 10,000 rounds; at ``--hidden 256 --batch 64`` (~0.74 ms
-steps) ±1 µs over 20,000 (docs/exporters.md, "One budget off the training step").
+steps) ±1 µs over 20,000 (docs/history/exporters.md, "One budget off the training step").
 
 Run: ``.venv/bin/python bench/step_split.py [--ranks 1] [--rounds 2000] [--hidden 1024]
 [--batch 96] [--profiler] [--aa]``

@@ -5,11 +5,11 @@
  * windows the thread looks at the step count once a probe (1 s) to export early when a rank
  * stalls; in Python each look takes the GIL, which costs the export thread ~35 us in a DDP job
  * and ~130 us in a loop that rarely releases it, and forces the training thread to hand it over
- * (docs/exporters.md, "One budget off the training step"). Here the looks read the recorder's
- * counter with the GIL released, and the thread takes the GIL back only when the wait ends:
- * its time is up, the count has stood still for quiet_s since it last moved (a stall), or
- * wake() was called (close). Linux only (a monotonic condition variable); elsewhere the
- * Python loop runs. */
+ * (docs/exporters.md, "Cost"; docs/history/exporters.md, "One budget off the training step").
+ * Here the looks read the recorder's counter with the GIL released, and the thread takes the
+ * GIL back only when the wait ends: its time is up, the count has stood still for quiet_s
+ * since it last moved (a stall), or wake() was called (close). Linux only (a monotonic
+ * condition variable); elsewhere the Python loop runs. */
 #if defined(__linux__)
 #include <pthread.h>
 #include <unistd.h>

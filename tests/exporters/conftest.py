@@ -24,6 +24,6 @@ def gloo(tmp_path: Path) -> Iterator[None]:
 def tensor_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Auto mode marks a backward's start with a tensor hook on the forward's output (the
     fallback), not at the autograd engine (``_engine``), for instrumentations made in the test."""
-    from stepwatch.exporters._engine import ENV_BACKWARD_MARK
+    from stepwatch.exporters.auto._engine import ENV_BACKWARD_MARK
 
     monkeypatch.setenv(ENV_BACKWARD_MARK, "tensor-hook")

@@ -3,7 +3,7 @@
 The device here is virtual (a counter the model and its hooks advance, as kernels would make a
 GPU busy while the host only launches them), so each phase's device time differs from its host
 time by design: a phase read from the host clock fails the assertions. The same code ran on an
-H100 (bench/gpu_check.py; docs/exporters.md, "Auto mode on a GPU").
+H100 (bench/gpu_check.py; docs/history/exporters.md, "Auto mode on a GPU: phases on the device").
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters import InMemoryExporter, StepMonitor
-from stepwatch.exporters._auto_device import DeviceAutoState, DeviceStamp
 from stepwatch.exporters._recorder import _device_seconds
+from stepwatch.exporters.auto._auto_device import DeviceAutoState, DeviceStamp
 from tests.exporters.test_auto import ManualClock, _summary
 
 HOST_NS = 1_000  # what the host spends in each piece of work: launching it
@@ -268,17 +268,17 @@ class _TorchEvent:
 
 
 def test_cuda_marks_are_torch_events_made_in_c_where_torch_has_them() -> None:
-    from stepwatch.exporters import _device
+    from stepwatch.exporters.device import _cuda
 
-    found = _device._event_marker(_TorchEvent)
+    found = _cuda._event_marker(_TorchEvent)
     assert found is not None
     marker, kind = found
-    assert kind == ("torch.Event (C marker)" if _device._fastrecord is not None else "torch.Event")
+    assert kind == ("torch.Event (C marker)" if _cuda._fastrecord is not None else "torch.Event")
     first, second = marker(), marker()
     assert second.at_ms - first.at_ms == 2.5
-    assert _device._event_marker(None) is None  # an older torch: torch.cuda.Event stays
+    assert _cuda._event_marker(None) is None  # an older torch: torch.cuda.Event stays
 
     class Refusing(_TorchEvent):
         refuse = True
 
-    assert _device._event_marker(Refusing) is None
+    assert _cuda._event_marker(Refusing) is None

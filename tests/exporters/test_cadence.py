@@ -10,7 +10,7 @@ import pytest
 
 from stepwatch.core import _schema
 from stepwatch.exporters import InMemoryExporter, StepMonitor
-from stepwatch.exporters._cadence import ExportCadence
+from stepwatch.exporters.monitor._cadence import ExportCadence
 
 
 def _drive(cadence: ExportCadence, steps_at: Any, until_s: float) -> list[tuple[float, str]]:

@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from stepwatch.exporters import InMemoryExporter, StepMonitor, _cadence
-from stepwatch.exporters._cadence import ExportCadence, StopEvent, run_exports
+from stepwatch.exporters import InMemoryExporter, StepMonitor
+from stepwatch.exporters.monitor import _cadence
+from stepwatch.exporters.monitor._cadence import ExportCadence, StopEvent, run_exports
 
 pytestmark = pytest.mark.skipif(_cadence.WAITER is None, reason="no C ExportWaiter here")
 

@@ -119,7 +119,7 @@ def test_an_untimed_step_runs_the_models_own_class(recorder_kind: str, gloo: Non
 def _summary(monitor: StepMonitor) -> dict[str, int]:
     from tests.exporters.test_auto import _summary as summarise
 
-    exporter = monitor._exporter
+    exporter = monitor._transport.exporter
     assert isinstance(exporter, InMemoryExporter)
     summary = summarise(exporter)
     counts = {name: int(entry["count"]) for name, entry in summary["phases"].items()}

@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from stepwatch.exporters import InMemoryExporter, StepMonitor, _auto, _forward, _recorder
-from stepwatch.exporters._auto_device import DeviceAutoState
+from stepwatch.exporters import InMemoryExporter, StepMonitor, _recorder
+from stepwatch.exporters.auto import _auto, _forward
+from stepwatch.exporters.auto._auto_device import DeviceAutoState
 from tests.exporters import test_auto_device as auto_device
 from tests.exporters.test_auto import _summary
 
@@ -128,7 +129,7 @@ def test_device_phases_are_exact_on_every_path(
     phases = {
         name: round(entry["sum"] * 1e9)
         for name, entry in _summary(
-            monitor._exporter  # type: ignore[arg-type]
+            monitor._transport.exporter  # type: ignore[arg-type]
         )["phases"].items()
     }
     expected = {
@@ -203,7 +204,7 @@ def test_a_device_that_fails_never_raises_into_the_step_and_the_host_time_stays(
         handle.remove()
         monitor.close()
         assert monitor.stats.misuse > 0  # said, not raised
-        summary = _summary(monitor._exporter)  # type: ignore[arg-type]
+        summary = _summary(monitor._transport.exporter)  # type: ignore[arg-type]
         assert summary["steps"]["count"] == 9
         phases = summary["phases"]
         for name in ("forward", "backward", "communication", "optimizer"):

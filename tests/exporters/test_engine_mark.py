@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch.autograd.variable import Variable
 
-from stepwatch.exporters import InMemoryExporter, StepMonitor, _engine
-from stepwatch.exporters._engine import ENV_BACKWARD_MARK
-from stepwatch.exporters._engine_gate import PythonEngineGate
+from stepwatch.exporters import InMemoryExporter, StepMonitor
 from stepwatch.exporters._sampling import PhaseSampler
+from stepwatch.exporters.auto import _engine
+from stepwatch.exporters.auto._engine import ENV_BACKWARD_MARK
+from stepwatch.exporters.auto._engine_gate import PythonEngineGate
 from tests.exporters.test_auto import ManualClock, _model, _summary
 
 # The gate in C (exporters/csrc/enginegate.h) and its Python twin (_engine_gate): one behaviour.
@@ -287,7 +288,7 @@ def test_remove_disarms_and_two_models_start_at_one_backward() -> None:
         instrumentations[1].remove()
         for (monitor, _optimizer), expected in zip(monitors, (3, 3), strict=True):
             monitor.close()
-            assert _summary(monitor._exporter)["phases"]["backward"]["count"] == expected  # type: ignore[arg-type]
+            assert _summary(monitor._transport.exporter)["phases"]["backward"]["count"] == expected  # type: ignore[arg-type]
             assert monitor.stats.misuse == 0
     finally:
         _engine.release(gate)

@@ -357,14 +357,14 @@ def test_a_monitor_on_pooled_events_reads_what_plain_marks_read(
 
 
 def test_the_cuda_timer_marks_with_a_pool_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stepwatch.exporters import _device
+    from stepwatch.exporters.device import _cuda
     from tests.exporters.test_auto_device import _TorchEvent
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch, "Event", _TorchEvent, raising=False)
-    timer = _device.CudaEventTimer()
+    timer = _cuda.CudaEventTimer()
     assert timer.kind == "torch.Event (C marker, pool)"
-    assert timer.mark.pool == _device.EVENT_POOL
+    assert timer.mark.pool == _cuda.EVENT_POOL
     first = timer.mark()
     first_id = id(first)
     del first
@@ -373,5 +373,5 @@ def test_the_cuda_timer_marks_with_a_pool_by_default(monkeypatch: pytest.MonkeyP
     again = timer.mark()
     assert id(again) == first_id and timer.mark.reused >= 1
     assert timer.ready(again) and timer.elapsed_s(again, timer.mark()) > 0
-    plain = _device.CudaEventTimer(pool=0)
+    plain = _cuda.CudaEventTimer(pool=0)
     assert plain.kind == "torch.Event (C marker)" and plain.mark.pool == 0

@@ -281,6 +281,34 @@ def test_kernel_source_is_told_of_steps_and_drained_into_the_window(clock: FakeC
     assert metrics[_schema.DEVICE_IDLE_DURATION].data_points[0].count == 1
 
 
+class StartRaisingKernelSource(ListKernelSource):
+    """A KernelSource whose ``on_monitor_start`` raises (a user's source, a broken CUPTI)."""
+
+    def on_monitor_start(self) -> None:
+        raise RuntimeError("source would not start")
+
+
+def test_a_kernel_source_whose_start_raises_is_left_out_and_steps_continue(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    exporter = InMemoryExporter()
+    source = StartRaisingKernelSource()
+    with caplog.at_level("WARNING", logger="stepwatch.exporters"):
+        monitor = _monitor(clock, exporter, kernel_source=source)  # does not raise
+    started = [r for r in caplog.records if "on_monitor_start" in r.getMessage()]
+    assert len(started) == 1
+    assert started[0].exc_info is not None and "would not start" in str(started[0].exc_info[1])
+    assert source.closed  # released, and never asked again
+    _steps(monitor, clock, 3)
+    assert monitor.export_now()
+    monitor.close()
+    assert source.step_ends == []
+    assert monitor.stats.steps_recorded == 3
+    metrics = _metrics(exporter.exported[0])
+    assert metrics[_schema.STEP_DURATION].data_points[0].count == 3
+    assert _schema.KERNEL_DURATION not in metrics
+
+
 def test_close_is_idempotent_and_steps_after_close_do_not_raise(clock: FakeClock) -> None:
     exporter = InMemoryExporter()
     monitor = _monitor(clock, exporter)

@@ -9,8 +9,8 @@ from opentelemetry.sdk.metrics.export import Gauge, MetricsData
 
 from stepwatch.core import _schema
 from stepwatch.exporters import InMemoryExporter
-from stepwatch.exporters._auto import _AutoState
 from stepwatch.exporters._recorder import StepRecorder
+from stepwatch.exporters.auto._auto import _AutoState
 from tests.exporters.test_monitor import WALL_ANCHOR_NS, FakeClock, _monitor
 
 

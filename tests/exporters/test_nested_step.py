@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from stepwatch.exporters import InMemoryExporter, StepMonitor, _opthooks, _recorder
+from stepwatch.exporters import InMemoryExporter, StepMonitor, _recorder
+from stepwatch.exporters.auto import _opthooks
 from tests.exporters import test_device_in_c as device_in_c
 
 OUTER_SLEEP_S = 0.03  # the subclass's own work around its parent's step

@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from stepwatch.core._ratelog import RateLimitedLog
-from stepwatch.exporters import InMemoryExporter, StepMonitor, _auto
+from stepwatch.exporters import InMemoryExporter, StepMonitor
 from stepwatch.exporters._recorder import FAST_RECORDER, SystemClock
+from stepwatch.exporters.auto import _auto
 from tests.exporters.test_auto import _summary
 
 pytestmark = pytest.mark.skipif(FAST_RECORDER is None, reason="_fastrecord is not built")

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.exporters import InMemoryExporter, StepMonitor
-from stepwatch.exporters._opthooks import union_ns as _union_ns
+from stepwatch.exporters.auto._opthooks import union_ns as _union_ns
 
 
 def _union_of_pairs(intervals: list[tuple[int, int]]) -> int:

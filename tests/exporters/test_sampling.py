@@ -269,13 +269,13 @@ def test_the_default_samples_32_steps_a_window_at_least_50_ms_apart() -> None:
         job_id="s", rank=0, world_size=1, exporter=InMemoryExporter(), start=False
     )
     assert monitor.phase_sample_stride == 1  # every step until the first window's median
-    monitor._sampler.observe([0.020] * 10)
+    monitor._timing.sampler.observe([0.020] * 10)
     assert monitor.phase_sample_stride == 16
-    monitor._sampler.observe([0.001] * 10)
+    monitor._timing.sampler.observe([0.001] * 10)
     assert monitor.phase_sample_stride == 256
-    monitor._sampler.observe([0.2] * 10)
+    monitor._timing.sampler.observe([0.2] * 10)
     assert monitor.phase_sample_stride == 2
-    monitor._sampler.observe([0.4] * 10)
+    monitor._timing.sampler.observe([0.4] * 10)
     assert monitor.phase_sample_stride == 1
     monitor.close()
     for interval_s, stride_at_20_ms, stride_at_1_ms in (
@@ -291,9 +291,9 @@ def test_the_default_samples_32_steps_a_window_at_least_50_ms_apart() -> None:
             start=False,
             export_interval_s=interval_s,
         )
-        short._sampler.observe([0.020] * 10)
+        short._timing.sampler.observe([0.020] * 10)
         assert short.phase_sample_stride == stride_at_20_ms
-        short._sampler.observe([0.001] * 10)
+        short._timing.sampler.observe([0.001] * 10)
         assert short.phase_sample_stride == stride_at_1_ms
         short.close()
 
@@ -311,7 +311,7 @@ def test_phase_sampling_1_times_every_step() -> None:
         job_id="s", rank=0, world_size=1, exporter=exporter, start=False, phase_sampling=1
     )
     assert monitor.phase_sample_stride == 1
-    monitor._sampler.observe([0.001] * 10)
+    monitor._timing.sampler.observe([0.001] * 10)
     assert monitor.phase_sample_stride == 1
     model = _model(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

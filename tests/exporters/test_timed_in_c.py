@@ -120,7 +120,7 @@ def test_each_phase_holds_its_own_sleep(
             data = statistics.median(step["data"] for step in phases[1:])
             assert SLEEP_S["data"] * 1e9 <= data < SLEEP_S["backward"] * 1e9
         monitor.export_now()
-        exported = monitor._exporter
+        exported = monitor._transport.exporter
         assert isinstance(exported, InMemoryExporter) and exported.exported
     finally:
         monitor.close(timeout_s=1.0)

@@ -26,8 +26,11 @@ from hypothesis import strategies as st
 
 from stepwatch.exporters import KernelWindow
 from stepwatch.exporters.kernels import ActivityRecord, CuptiPythonBackend, CuptiSource, _cupti
-from stepwatch.exporters.kernels._cupti import activities_to_columns, activity_to_record
-from stepwatch.exporters.kernels._cupti_columns import ActivityColumns
+from stepwatch.exporters.kernels._cupti_records import (
+    ActivityColumns,
+    activities_to_columns,
+    activity_to_record,
+)
 from tests.exporters.kernels.test_cupti_source import _Activity
 
 NAMES = (

@@ -250,7 +250,7 @@ def test_a_cupti_that_cannot_start_costs_no_step(caplog: pytest.LogCaptureFixtur
 
 def test_steps_to_skip_and_split() -> None:
     assert [steps_to_skip(step, 8) for step in (0, 6, 7, 8, 14, 15)] == [6, None, 7, 6, None, 7]
-    from stepwatch.exporters.kernels._cupti_columns import ActivityColumns
+    from stepwatch.exporters.kernels._cupti_records import ActivityColumns
 
     columns = ActivityColumns(list("abcde"), [5, 10, 11, 20, 21], [6, 12, 13, 25, 30], [0] * 5)
     taken, later = split_cycle(columns, 10, 20)

@@ -27,7 +27,7 @@ from stepwatch.exporters.kernels import (
     KernelSummariser,
     classify_kernel,
 )
-from stepwatch.exporters.kernels._cupti import MEMCPY_KIND_NAMES, activity_to_record
+from stepwatch.exporters.kernels._cupti_records import MEMCPY_KIND_NAMES, activity_to_record
 
 _KINDS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
 

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from stepwatch.exporters import InMemoryExporter, StepMonitor
-from stepwatch.exporters._account import CpuLedger
-from stepwatch.exporters._window import KernelWindow
+from stepwatch.exporters._protocols import KernelWindow
 from stepwatch.exporters.kernels import TorchProfilerSource
 from stepwatch.exporters.kernels._torch_source import PROBES, _power_of_two_at_least
+from stepwatch.exporters.monitor._account import CpuLedger
 from tests.exporters.kernels.test_torch_source import SimulatedTraining, _adaptive
 
 BUDGET = 0.002

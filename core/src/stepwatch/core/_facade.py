@@ -12,7 +12,8 @@ def publish(module_name: str, members: Iterable[Any]) -> None:
 
     Called by a package's ``__init__`` for the names of its ``__all__`` that live in private
     modules: ``StepMonitor.__module__`` then reads ``stepwatch.exporters``, where users import
-    it from, instead of ``stepwatch.exporters._monitor``. Constants and modules are left alone.
+    it from, instead of ``stepwatch.exporters.monitor._monitor``. Constants and modules are left
+    alone.
     """
     for member in members:
         if isinstance(member, type) or (callable(member) and hasattr(member, "__qualname__")):

@@ -7,15 +7,20 @@ OpenTelemetry SDK; they load when used.
 """
 
 from stepwatch.core._facade import publish
-from stepwatch.exporters._account import MonitorStats
-from stepwatch.exporters._auto import Instrumentation
 from stepwatch.exporters._config import ExporterConfig, resolve_exporter_config
-from stepwatch.exporters._device import DeviceTimer, HealthSource
 from stepwatch.exporters._export import Exporter, InMemoryExporter, create_exporter
-from stepwatch.exporters._monitor import StepMonitor, instrument
 from stepwatch.exporters._otlp_http import OtlpHttpExporter, OtlpHttpStats
-from stepwatch.exporters._recorder import Clock
-from stepwatch.exporters._window import KernelSource, KernelWindow, WindowBuilder, build_resource
+from stepwatch.exporters._protocols import (
+    Clock,
+    DeviceTimer,
+    HealthSource,
+    KernelSource,
+    KernelWindow,
+)
+from stepwatch.exporters._window import WindowBuilder, build_resource
+from stepwatch.exporters.auto._auto import Instrumentation
+from stepwatch.exporters.monitor._account import MonitorStats
+from stepwatch.exporters.monitor._monitor import StepMonitor, instrument
 
 __all__ = [
     "Clock",

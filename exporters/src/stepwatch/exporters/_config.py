@@ -25,12 +25,11 @@ import logging
 import os
 import urllib.parse
 from collections.abc import Mapping
-from typing import Any, Final, cast
+from typing import Final, cast
 
 from stepwatch.core import settings
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters._sdk_env import flag, temporality_preference
-from stepwatch.exporters._window import HISTOGRAM_BUCKETS, WindowOptions
+from stepwatch.exporters._sdk_env import flag, lookup
 
 logger = logging.getLogger("stepwatch.exporters")
 
@@ -85,17 +84,6 @@ def _refuse(source: str, message: str, *, from_environment: bool) -> None:
     logger.warning("%s: %s; ignored (treated as unset)", source, message)
 
 
-def _lookup(setting: settings.Setting[Any], environ: Mapping[str, str]) -> tuple[Any, str]:
-    """The first variable set (value, its name), or (None, the option's name); a variable that
-    does not parse is logged and treated as unset."""
-    try:
-        value, variable = setting.lookup(environ)
-    except ConfigError as exc:
-        logger.warning("%s; ignored (treated as unset)", exc)
-        return None, setting.name
-    return value, variable or setting.name
-
-
 def resolve_exporter_config(
     *,
     endpoint: str | None = None,
@@ -146,7 +134,7 @@ def resolve_exporter_config(
     if protocol is not None:
         protocol_value, protocol_source, protocol_env = protocol, "protocol", False
     else:
-        found, protocol_source = _lookup(settings.OTLP_PROTOCOL, env)
+        found, protocol_source = lookup(settings.OTLP_PROTOCOL, env)
         protocol_env = found is not None
         protocol_value = (found or DEFAULT_PROTOCOL).lower()  # enum values: any case
     if protocol_value in FALLBACK_PROTOCOLS:
@@ -170,13 +158,13 @@ def resolve_exporter_config(
     if headers is not None:
         headers_value = {str(k): str(v) for k, v in headers.items()}
     else:
-        raw, source = _lookup(settings.OTLP_HEADERS, env)
+        raw, source = lookup(settings.OTLP_HEADERS, env)
         headers_value = _parse_headers(raw, source) if raw else {}
 
     if compression is not None:
         compression_value, compression_source, compression_env = compression, "compression", False
     else:
-        found, compression_source = _lookup(settings.OTLP_COMPRESSION, env)
+        found, compression_source = lookup(settings.OTLP_COMPRESSION, env)
         compression_value, compression_env = found or DEFAULT_COMPRESSION, found is not None
     compression_value = compression_value.lower()
     if compression_value not in COMPRESSIONS:
@@ -192,7 +180,7 @@ def resolve_exporter_config(
             raise ConfigError(f"timeout_s must be positive, got {timeout_s!r}")
         timeout_value = float(timeout_s)
     else:  # the variables are milliseconds: the setting reads them as seconds
-        found_s, _ = _lookup(settings.OTLP_TIMEOUT_S, env)
+        found_s, _ = lookup(settings.OTLP_TIMEOUT_S, env)
         timeout_value = DEFAULT_TIMEOUT_S if found_s is None else found_s
     return ExporterConfig(
         protocol=protocol_value,
@@ -218,7 +206,7 @@ def _endpoint(
     if argument is not None:
         value, source, path_rule = argument, "endpoint", "argument"
     else:
-        found, source = _lookup(settings.OTLP_ENDPOINT, environ)
+        found, source = lookup(settings.OTLP_ENDPOINT, environ)
         value = default if found is None else found
         path_rule = "as_is" if source == settings.OTLP_ENDPOINT.variable else "base"
     if protocol == "grpc" and "://" not in value:
@@ -251,7 +239,7 @@ def _tls_file(
     if argument is not None:
         value, source = argument, setting.name
     else:
-        found, source = _lookup(setting, environ)
+        found, source = lookup(setting, environ)
         if found is None:
             return None
         value = found
@@ -280,43 +268,3 @@ def _parse_headers(raw: str, source: str) -> dict[str, str]:
             return {}
         parsed[urllib.parse.unquote(key.strip()).lower()] = urllib.parse.unquote(value.strip())
     return parsed
-
-
-def resolve_histogram_buckets(argument: str | None, environ: Mapping[str, str]) -> str:
-    """The argument > ``STEPWATCH_HISTOGRAM_BUCKETS`` > ``exponential`` (docs/storage.md).
-
-    Raises:
-        ConfigError: the argument is not ``exponential`` or ``explicit`` (a bad variable is
-            logged and treated as unset, like the OpenTelemetry variables).
-    """
-    if argument is not None:
-        if argument not in HISTOGRAM_BUCKETS:
-            raise ConfigError(
-                f"histogram_buckets must be one of {HISTOGRAM_BUCKETS}, got {argument!r}"
-            )
-        return argument
-    found, source = _lookup(settings.HISTOGRAM_BUCKETS, environ)
-    if found is None:
-        return str(settings.HISTOGRAM_BUCKETS.default)
-    value = str(found).strip().lower()
-    if value not in HISTOGRAM_BUCKETS:
-        logger.warning(
-            "%s must be one of %s, got %r; ignored (treated as unset)",
-            source,
-            HISTOGRAM_BUCKETS,
-            found,
-        )
-        return str(settings.HISTOGRAM_BUCKETS.default)
-    return value
-
-
-def window_options(histogram_buckets: str | None, environ: Mapping[str, str]) -> WindowOptions:
-    """The :class:`~stepwatch.exporters.WindowBuilder` options a monitor resolves.
-
-    ``histogram_buckets`` as :func:`resolve_histogram_buckets`; ``temporality`` from
-    ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE`` (:func:`temporality_preference`).
-    """
-    return WindowOptions(
-        histogram_buckets=resolve_histogram_buckets(histogram_buckets, environ),
-        temporality=temporality_preference(environ),
-    )

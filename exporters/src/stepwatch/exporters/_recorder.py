@@ -22,13 +22,12 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from stepwatch.core._ratelog import RateLimitedLog
 from stepwatch.exporters import _cext
-from stepwatch.exporters._device import DeviceTimer
+from stepwatch.exporters._protocols import Clock, DeviceTimer, KernelSource
 from stepwatch.exporters._sampling import PhaseSampler, share_out, swap_forward_classes
-from stepwatch.exporters._window import KernelSource
 
 MAX_PHASE_NAME_LENGTH: Final = 64
 MAX_PHASE_NAMES: Final = 256
@@ -170,16 +169,6 @@ def _fast_host_values(
     return _fastrecord.host_values(records, carry)
 
 
-class Clock(Protocol):
-    """Time source of a monitor (injected; tests pass a fake that implements it)."""
-
-    def monotonic_ns(self) -> int:
-        """A monotonic timestamp in nanoseconds, for durations."""
-
-    def time_ns(self) -> int:
-        """Wall time, Unix epoch nanoseconds, for window bounds."""
-
-
 class SystemClock:
     """``time.perf_counter_ns`` for durations, ``time.time_ns`` for the wall-clock anchor."""
 
@@ -205,6 +194,14 @@ class _NullContext:
 
 
 _NULL_CONTEXT: Final = _NullContext()
+
+
+class NullPhases(dict[str, Any]):
+    """A disabled monitor's phase contexts: every name is the null context."""
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        """The null context, whatever the name."""
+        return _NULL_CONTEXT
 
 
 class _StepContext:
@@ -586,10 +583,7 @@ def new_mark_stamp(clock_ns: Callable[[], int], device: DeviceTimer) -> Any:
 
 
 def new_recorder(**kwargs: Any) -> StepRecorder:
-    """A :class:`StepRecorder` (:data:`FAST_RECORDER` where there is one) made with ``kwargs``,
-    after its kernel source's ``on_monitor_start`` (CUPTI from here: the first step counts)."""
+    """A :class:`StepRecorder` (:data:`FAST_RECORDER` where there is one) made with ``kwargs``."""
     _cext.start(os.environ)  # STEPWATCH_REQUIRE_C; a log line a process: which paths run
     cls = FAST_RECORDER if FAST_RECORDER is not None else StepRecorder
-    if (start := getattr(kwargs.get("kernel_source"), "on_monitor_start", None)) is not None:
-        start()
     return cls(**kwargs)

@@ -10,7 +10,7 @@ https://opentelemetry.io/docs/specs/otel/metrics/data-model/#temporality), so pe
 keeps one histogram of the whole run and merges each window into it
 (:func:`~stepwatch.exporters._histogram.merge_snapshots`).
 
-Choices (docs/exporters.md, "Cumulative temporality"):
+Choices (docs/exporters.md, "Temporality"):
 
 - Only the series that had observations in a window are sent in it. The data model allows
   a gap ("Resets and gaps"): the next point's total still covers what the gap did not hold,

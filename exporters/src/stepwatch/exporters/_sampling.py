@@ -12,8 +12,9 @@ at the same steps), no period of the workload can alias with it (a fixed stride 
 would see only the same micro-batch of a period-``k`` schedule), and with power-of-two strides
 the sets nest: a rank at stride 16 samples a subset of a rank's at stride 8.
 
-The default is every step (``phase_sampling=1``). While phases are sampled, each window also
-says what they rest on (``stepwatch.step.sampled`` and ``stepwatch.step.sampled.duration``,
+The monitor's default is ``phase_sampling="auto"`` (below); ``1`` times every step, ``k`` 1 in
+``k``. While phases are sampled, each window also says what they rest on
+(``stepwatch.step.sampled`` and ``stepwatch.step.sampled.duration``,
 :func:`~stepwatch.exporters._recorder.sampled_steps`), and the detectors pool and pair on it
 (docs/diagnosis.md); what sampling still loses is a one-off stall on a step whose phases were
 not timed (docs/exporters.md). ``phase_sampling="auto"`` picks the smallest power of two that

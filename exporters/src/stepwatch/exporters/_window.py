@@ -26,10 +26,9 @@ exact, and step, phase and idle histograms are sent exactly, ``min`` and ``max``
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Final, NamedTuple, Protocol, TypedDict
+from typing import TYPE_CHECKING, Final, NamedTuple, TypedDict
 
 from stepwatch.core import _schema
 from stepwatch.core._errors import ConfigError
@@ -38,6 +37,7 @@ from stepwatch.exporters._histogram import (
     ExponentialHistogram,
     HistogramSnapshot,
 )
+from stepwatch.exporters._protocols import KernelWindow
 from stepwatch.exporters._running import RunningTotals, number_metric
 from stepwatch.exporters._running import histogram_metric as _histogram_metric
 
@@ -86,19 +86,6 @@ class WindowOptions(TypedDict):
     temporality: str
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelWindow:
-    """Kernel events of one export window, already classified.
-
-    Attributes:
-        durations_s: ``(kernel class, category)`` → one duration per execution, in seconds.
-        idle_durations_s: Device-idle gap time, one value per step, in seconds.
-    """
-
-    durations_s: Mapping[tuple[str, str], Sequence[float]]
-    idle_durations_s: Sequence[float] = ()
-
-
 class Progress(NamedTuple):
     """Where a rank is when a window is built (the progress gauges of docs/schema.md).
 
@@ -114,23 +101,6 @@ class Progress(NamedTuple):
     step_elapsed_s: float
     phase: str | None = None
     phase_elapsed_s: float | None = None
-
-
-class KernelSource(Protocol):
-    """A producer of kernel events (CUPTI, torch.profiler, a trace file) for a StepMonitor.
-    It may also have ``on_monitor_start()`` (never raises), called when the monitor is made,
-    and ``charge(cpu_ns)``: the monitor's export work after each export, paid from its budget.
-    """
-
-    def on_step_end(self, step_index: int) -> int | None:
-        """Mark a step boundary (training thread: O(1), never raises). An int ``n > 0`` back:
-        the next ``n`` step ends go unreported (the next ``step_index`` says how many)."""
-
-    def drain(self) -> KernelWindow:
-        """Kernel events since the previous drain. Called on the export thread."""
-
-    def close(self) -> None:
-        """Stop collecting and release resources."""
 
 
 STAMP_NS: Final = 1_000_000

@@ -7,8 +7,8 @@ import logging
 from typing import Any
 
 from stepwatch.exporters._export import Exporter
-from stepwatch.exporters._monitor import StepMonitor
-from stepwatch.exporters._window import KernelSource
+from stepwatch.exporters._protocols import KernelSource
+from stepwatch.exporters.monitor._monitor import StepMonitor
 
 logger = logging.getLogger("stepwatch.exporters")
 

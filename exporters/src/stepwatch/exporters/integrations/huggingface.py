@@ -44,9 +44,9 @@ from typing import Any
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from stepwatch.exporters._export import Exporter
-from stepwatch.exporters._monitor import StepMonitor
-from stepwatch.exporters._window import KernelSource
+from stepwatch.exporters._protocols import KernelSource
 from stepwatch.exporters.integrations._common import CallbackMonitor, MonitorOptions
+from stepwatch.exporters.monitor._monitor import StepMonitor
 
 __all__ = ["StepwatchTrainerCallback"]
 

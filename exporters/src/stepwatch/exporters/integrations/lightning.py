@@ -44,13 +44,13 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from stepwatch.exporters._export import Exporter
-from stepwatch.exporters._monitor import StepMonitor
-from stepwatch.exporters._window import KernelSource
+from stepwatch.exporters._protocols import KernelSource
 from stepwatch.exporters.integrations._common import (
     CallbackMonitor,
     GradientWait,
     MonitorOptions,
 )
+from stepwatch.exporters.monitor._monitor import StepMonitor
 
 __all__ = ["StepwatchCallback"]
 

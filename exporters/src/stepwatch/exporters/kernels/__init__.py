@@ -20,13 +20,15 @@ Without a GPU, ``cupti`` or ``pynvml`` the GPU classes log once and do nothing.
 ``CuptiSource(period_steps=256, detach="finalize")`` records 5 steps in 256 (the same steps on
 every rank) and takes CUPTI out of the process in between, so a kernel launch pays nothing for
 it there; built and tested on recorded CUPTI records, not yet run on a GPU
-(docs/exporters.md, "CUPTI on a duty cycle").
+(docs/exporters.md, "Kernel and op histograms").
 """
 
 from stepwatch.core._facade import publish
-from stepwatch.exporters.kernels._cupti import ActivityRecord, CuptiBackend, CuptiSource
+from stepwatch.exporters.device._nvml import GpuReading, HealthSampler, NvmlBackend, XidEvent
+from stepwatch.exporters.kernels._cupti import CuptiBackend, CuptiSource
 from stepwatch.exporters.kernels._cupti_backend import CuptiPythonBackend
 from stepwatch.exporters.kernels._cupti_cycle import CuptiDutyCycle
+from stepwatch.exporters.kernels._cupti_records import ActivityRecord
 from stepwatch.exporters.kernels._duty import ProfilerDutyCycle
 from stepwatch.exporters.kernels._ingest import (
     IngestedTrace,
@@ -38,7 +40,6 @@ from stepwatch.exporters.kernels._ingest import (
     trace_windows,
 )
 from stepwatch.exporters.kernels._names import KernelClass, classify_kernel
-from stepwatch.exporters.kernels._nvml import GpuReading, HealthSampler, NvmlBackend, XidEvent
 from stepwatch.exporters.kernels._summary import KernelEvent, KernelSummariser
 from stepwatch.exporters.kernels._torch_backend import (
     OpRecord,

@@ -33,13 +33,13 @@ import logging
 import operator
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters._window import KernelWindow
+from stepwatch.exporters._protocols import KernelWindow
 from stepwatch.exporters.kernels._cupti_backend import CuptiPythonBackend
-from stepwatch.exporters.kernels._cupti_columns import ActivityColumns, summarise_bulk
+from stepwatch.exporters.kernels._cupti_columns import summarise_bulk
 from stepwatch.exporters.kernels._cupti_cycle import (
     DETACH_MODES,
     SPARE_STEPS,
@@ -49,48 +49,12 @@ from stepwatch.exporters.kernels._cupti_cycle import (
     steps_to_skip,
     stride_for,
 )
+from stepwatch.exporters.kernels._cupti_records import ActivityColumns, ActivityRecord, columns_of
 from stepwatch.exporters.kernels._duty import DEFAULT_OVERHEAD_BUDGET
 from stepwatch.exporters.kernels._summary import DEFAULT_TOP_K, KernelEvent, KernelSummariser
 
 _NEVER = 1 << 62  # step ends a failed duty-cycled source asks the recorder not to report
 _log = logging.getLogger(__name__)
-
-# CUpti_ActivityMemcpyKind → the names Kineto (and so the trace reader) uses.
-MEMCPY_KIND_NAMES = {
-    0: "Memcpy Unknown",
-    1: "Memcpy HtoD",
-    2: "Memcpy DtoH",
-    3: "Memcpy HtoA",
-    4: "Memcpy AtoH",
-    5: "Memcpy AtoA",
-    6: "Memcpy AtoD",
-    7: "Memcpy DtoA",
-    8: "Memcpy DtoD",
-    9: "Memcpy HtoH",
-    10: "Memcpy PtoP",
-}
-
-
-class ActivityRecord(NamedTuple):
-    """What the source needs of one CUPTI activity record (CUPTI timestamps, nanoseconds).
-
-    Attributes:
-        kind: ``kernel``, ``memcpy`` or ``memset``.
-        name: Kernel name, or ``Memcpy HtoD`` / ``Memset`` style names for copies and sets.
-        start_ns: Device start.
-        end_ns: Device end.
-        device_id: GPU ordinal.
-        stream_id: CUDA stream.
-        correlation_id: Links the record to its launching runtime call.
-    """
-
-    kind: str
-    name: str
-    start_ns: int
-    end_ns: int
-    device_id: int
-    stream_id: int
-    correlation_id: int
 
 
 class CuptiBackend(Protocol):
@@ -118,103 +82,6 @@ class CuptiBackend(Protocol):
     # Optional, for detach="finalize": detach(on_detached), as CuptiPythonBackend.detach.
 
 
-# CUpti_ActivityKind values (cupti_activity.h); cupti-python reports ``kind`` as these ints.
-# The real backend rebuilds this map from ``cupti.ActivityKind`` so it never depends on them.
-DEFAULT_ACTIVITY_KINDS: Mapping[int, str] = {
-    1: "memcpy",  # CUPTI_ACTIVITY_KIND_MEMCPY
-    2: "memset",  # CUPTI_ACTIVITY_KIND_MEMSET
-    3: "kernel",  # CUPTI_ACTIVITY_KIND_KERNEL
-    10: "kernel",  # CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL
-    22: "memcpy2",  # CUPTI_ACTIVITY_KIND_MEMCPY2 (peer to peer)
-}
-
-
-def activity_to_record(
-    activity: Any, *, kinds: Mapping[int, str] = DEFAULT_ACTIVITY_KINDS
-) -> ActivityRecord | None:
-    """Convert a cupti-python activity object; ``None`` for kinds the source ignores.
-
-    Reads ``kind``, ``start``, ``end``, ``device_id``, ``stream_id``, ``correlation_id`` and,
-    per kind, ``name`` (kernels) or ``copy_kind`` (memcpy).
-
-    Args:
-        activity: An activity object from the buffer-completed callback.
-        kinds: ``CUpti_ActivityKind`` int → ``kernel``, ``memcpy``, ``memcpy2``, ``memset``.
-    """
-    kind = kinds.get(int(activity.kind))
-    name = _record_name(activity, kind)
-    if kind is None or name is None:
-        return None
-    return ActivityRecord(
-        "memcpy" if kind == "memcpy2" else kind,
-        name,
-        int(activity.start),
-        int(activity.end),
-        int(activity.device_id),
-        int(activity.stream_id),
-        int(activity.correlation_id),
-    )
-
-
-def _record_name(activity: Any, kind: str | None) -> str | None:
-    """The name of a record of ``kind`` (``None``: a kind the source ignores)."""
-    if kind == "kernel":
-        return str(activity.name)
-    if kind == "memcpy":
-        return MEMCPY_KIND_NAMES.get(int(activity.copy_kind), "Memcpy Unknown")
-    if kind == "memcpy2":
-        return "Memcpy PtoP"
-    if kind == "memset":
-        return "Memset"
-    return None
-
-
-def activities_to_columns(
-    activities: Iterable[Any], *, kinds: Mapping[Any, str] = DEFAULT_ACTIVITY_KINDS
-) -> ActivityColumns:
-    """Convert a completed buffer's activity objects at once (the buffer callback's loop).
-
-    The records and fields :func:`activity_to_record` gives one by one, without an object per
-    record: a kernel costs five attribute reads and four list appends; values stay as
-    cupti-python reports them (the export thread converts them).
-
-    Args:
-        activities: The activity objects of one buffer.
-        kinds: ``CUpti_ActivityKind`` (int or enum member) → ``kernel``, ``memcpy``, ...
-    """
-    columns = ActivityColumns()
-    add_name = columns.names.append
-    add_start = columns.starts.append
-    add_end = columns.ends.append
-    add_device = columns.devices.append
-    kind_of = kinds.get
-    for activity in activities:
-        kind = kind_of(activity.kind)
-        if kind == "kernel":
-            add_name(activity.name)
-        else:
-            if kind is None:  # reported in another type than the table's keys
-                kind = kind_of(int(activity.kind))
-            name = _record_name(activity, kind)
-            if name is None:
-                continue
-            add_name(name)
-        add_start(activity.start)
-        add_end(activity.end)
-        add_device(activity.device_id)
-    return columns
-
-
-def _columns_of(records: Sequence[ActivityRecord]) -> ActivityColumns:
-    """:class:`ActivityRecord` objects (backends other than the real one) → columns."""
-    return ActivityColumns(
-        [record.name for record in records],
-        [record.start_ns for record in records],
-        [record.end_ns for record in records],
-        [record.device_id for record in records],
-    )
-
-
 def _rows(columns: ActivityColumns) -> list[tuple[int, int, int, Any]]:
     """``(start, end, device, name)`` per record, as ints; a record with a value that is no
     int (a field CUPTI did not fill) is left out rather than failing the whole drain."""
@@ -237,7 +104,7 @@ _START = operator.itemgetter(0)
 
 
 class CuptiSource:
-    """A :class:`~stepwatch.exporters._window.KernelSource` of CUPTI activity records.
+    """A :class:`~stepwatch.exporters.KernelSource` of CUPTI activity records.
 
     Args:
         backend: The CUPTI calls (default :class:`CuptiPythonBackend`).
@@ -253,7 +120,7 @@ class CuptiSource:
             (CUPTI stays loaded, and on an H200 a launch kept most of CUPTI's cost), or
             ``finalize``: take CUPTI out of the process (the backend's ``detach``; where it
             fails, the kinds are disabled instead). Neither has run on a GPU yet
-            (docs/exporters.md, "CUPTI on a duty cycle").
+            (docs/exporters.md, "Kernel and op histograms").
         overhead_budget: On a duty cycle, the share of training time a cycle's switches
             (on, off, finalize: measured) may take; where they cost more at ``period_steps``,
             cycles take every second, fourth, ... grid step (``duty_cycle.stride``).
@@ -346,7 +213,7 @@ class CuptiSource:
         return True
 
     def _on_records(self, records: Sequence[ActivityRecord] | ActivityColumns) -> None:
-        columns = records if isinstance(records, ActivityColumns) else _columns_of(records)
+        columns = records if isinstance(records, ActivityColumns) else columns_of(records)
         with self._records_lock:
             room = self._max_buffered - len(self._columns)
             if room < len(columns):

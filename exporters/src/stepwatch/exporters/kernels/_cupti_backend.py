@@ -22,13 +22,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stepwatch.core._errors import ConfigError
-
-if TYPE_CHECKING:
-    from stepwatch.exporters.kernels._cupti import ActivityRecord
-    from stepwatch.exporters.kernels._cupti_columns import ActivityColumns
+from stepwatch.exporters.kernels._cupti_records import (
+    ActivityColumns,
+    ActivityRecord,
+    activities_to_columns,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -56,8 +57,6 @@ class CuptiPythonBackend:
         thread may be flushing through the registered ones); after :meth:`detach` it attaches
         CUPTI again (its first call initialises it) and registers them anew."""
         from cupti import cupti
-
-        from stepwatch.exporters.kernels._cupti import activities_to_columns
 
         def buffer_requested() -> tuple[int, int]:
             return self._buffer_size_bytes, 0

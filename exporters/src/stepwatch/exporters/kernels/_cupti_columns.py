@@ -1,9 +1,10 @@
-"""Columnar CUPTI records and their bulk summary on numpy (the export thread's fast path).
+"""The bulk summary of columnar CUPTI records on numpy (the export thread's fast path).
 
 CUPTI's buffer callback appends the four fields the summary needs of each record to flat lists
-(:class:`ActivityColumns`) instead of building an object per record. On the export thread,
-:func:`summarise_bulk` turns them into numpy arrays and computes, in a handful of array passes,
-exactly what :class:`~stepwatch.exporters.kernels.CuptiSource`'s per-event path feeds
+(:class:`~stepwatch.exporters.kernels._cupti_records.ActivityColumns`) instead of building an
+object per record. On the export thread, :func:`summarise_bulk` turns them into numpy arrays and
+computes, in a handful of array passes, exactly what
+:class:`~stepwatch.exporters.kernels.CuptiSource`'s per-event path feeds
 :meth:`KernelSummariser.add_events` / :meth:`KernelSummariser.add_step` with, one
 :class:`KernelEvent` at a time:
 
@@ -26,6 +27,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from stepwatch.exporters.kernels._cupti_records import ActivityColumns
 from stepwatch.exporters.kernels._names import KernelClass
 from stepwatch.exporters.kernels._summary import _QUANTA_PER_NS, _QUANTA_PER_S
 
@@ -36,60 +38,6 @@ if TYPE_CHECKING:
 # Every timestamp must lie in [0, 2**62): differences and the per-group offsets of the running
 # maximum then never overflow int64. Anything else takes the per-event path (Python ints).
 _LIMIT_NS = 1 << 62
-
-
-class ActivityColumns:
-    """Activity records as four parallel lists, in arrival order.
-
-    Values are kept as cupti-python reports them (ints, kernel names as ``str``); the export
-    thread converts them.
-
-    Args:
-        names: Record names (kernel names, ``Memcpy HtoD`` style names).
-        starts: Device start, nanoseconds on CUPTI's clock.
-        ends: Device end.
-        devices: GPU ordinal.
-    """
-
-    __slots__ = ("devices", "ends", "names", "starts")
-
-    def __init__(
-        self,
-        names: list[Any] | None = None,
-        starts: list[Any] | None = None,
-        ends: list[Any] | None = None,
-        devices: list[Any] | None = None,
-    ) -> None:
-        self.names: list[Any] = [] if names is None else names
-        self.starts: list[Any] = [] if starts is None else starts
-        self.ends: list[Any] = [] if ends is None else ends
-        self.devices: list[Any] = [] if devices is None else devices
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def __repr__(self) -> str:
-        return f"ActivityColumns({len(self)} records)"
-
-    def head(self, count: int) -> ActivityColumns:
-        """The first ``count`` records (a copy)."""
-        return ActivityColumns(
-            self.names[:count], self.starts[:count], self.ends[:count], self.devices[:count]
-        )
-
-    def extend(self, other: ActivityColumns) -> None:
-        """Append ``other``'s records."""
-        self.names.extend(other.names)
-        self.starts.extend(other.starts)
-        self.ends.extend(other.ends)
-        self.devices.extend(other.devices)
-
-    def prepend(self, other: ActivityColumns) -> None:
-        """Insert ``other``'s records before these."""
-        self.names[:0] = other.names
-        self.starts[:0] = other.starts
-        self.ends[:0] = other.ends
-        self.devices[:0] = other.devices
 
 
 class BulkSummary(NamedTuple):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from stepwatch.exporters.kernels._cupti_columns import ActivityColumns
+from stepwatch.exporters.kernels._cupti_records import ActivityColumns
 
 DETACH_MODES = ("disable", "finalize")
 SPARE_STEPS = 2

@@ -19,7 +19,7 @@ DEFAULT_OVERHEAD_BUDGET = 0.0004
 histograms' cycles and, shared with them, a monitor's export work: ``share_budget``): what the
 whole 0.1 % goal at a 20 ms step (issue 15) leaves after the training thread's share, measured
 at ~0.044 % there with ``auto`` timing 1 step in 16 (~0.06 % at 1 in 8; auto-mode hooks and
-``step()``: docs/exporters.md, "What stepwatch costs a training step"). It was 0.05 % (half
+``step()``: docs/exporters.md, "Cost"). It was 0.05 % (half
 and half) until the twenty-second round, which made a cycle's drain on the export thread 2.3x
 cheaper (the op reading and the self-time pass, bench/profiler_cost.py ``--drain-only``), so
 the cycles come about as often as before within less budget. bench/offstep_cost.py measures

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from stepwatch.core._errors import ConfigError
 from stepwatch.exporters import _cext
-from stepwatch.exporters._window import KernelWindow
+from stepwatch.exporters._protocols import KernelWindow
 from stepwatch.exporters.kernels._names import OTHER_CLASS, KernelClass, classify_kernel
 
 _fasthist = _cext.fasthist  # self_time_events' loop in C (exporters/csrc/fasthist.c), or None

@@ -52,7 +52,8 @@ work too (building, encoding and sending each window, and the export thread's lo
 windows), measured on that thread's CPU clock; the cycles get what is left. So everything
 stepwatch does off the training step, op histograms and export together, stays within
 ``overhead_budget`` of training time; with 10 s windows the export takes ~0.01–0.03 % of it
-(docs/exporters.md, "One budget off the training step").
+(docs/exporters.md, "Kernel and op histograms", its shared budget; how it came:
+docs/history/exporters.md, "One budget off the training step").
 
 Pauses of the training loop (evaluation, checkpoints, stalls: a step longer than 8 baseline
 steps) are not training time. One that falls between cycles earns no more budget than 8
@@ -82,7 +83,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters._window import KernelWindow
+from stepwatch.exporters._protocols import KernelWindow
 from stepwatch.exporters.kernels._duty import (
     _BASELINE_MIN_STEPS,
     _BASELINE_STEPS,
@@ -117,7 +118,7 @@ _log = logging.getLogger(__name__)
 
 
 class TorchProfilerSource:
-    """A :class:`~stepwatch.exporters._window.KernelSource` of ATen CPU ops.
+    """A :class:`~stepwatch.exporters.KernelSource` of ATen CPU ops.
 
     Args:
         active_steps: Consecutive steps profiled per cycle.

@@ -7,6 +7,12 @@ steps finished since the last export (:class:`~stepwatch.exporters.WindowBuilder
 window to the OTLP exporter. A window without a finished step says where the rank is (step, phase,
 for how long), so a rank stuck inside a step is seen. Nothing raises into the training loop:
 misuse and export failures are logged (rate-limited) and counted in :attr:`StepMonitor.stats`.
+
+A monitor is composed of four parts, each resolved from its own arguments by its own module,
+as an OpenTelemetry ``MeterProvider`` is of a resource, readers, exporters and views: who the
+rank is (``_identity``: the resource), how it times (``_timing``: clock, interval, buffer,
+sampling, histogram options), where windows go (``_transport``: the exporter) and what it
+reads besides its clock (``_sources``: kernel events, device health, the device timer).
 """
 
 from __future__ import annotations
@@ -16,32 +22,17 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from stepwatch.core import _schema, settings
-from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
-from stepwatch.exporters._account import ExportAccount, MonitorStats
-from stepwatch.exporters._auto_device import Instrumentation, install_hooks
-from stepwatch.exporters._cadence import StopEvent, run_exports
-from stepwatch.exporters._config import (
-    DEFAULT_TIMEOUT_S,
-    ExporterConfig,
-    resolve_exporter_config,
-    window_options,
-)
-from stepwatch.exporters._device import (
-    DeviceTimer,
-    HealthSource,
-    resolve_device_timer,
-    resolve_health,
-    with_health,
-)
-from stepwatch.exporters._export import Exporter, create_exporter
+from stepwatch.exporters._config import ExporterConfig
+from stepwatch.exporters._export import Exporter
+from stepwatch.exporters._protocols import Clock, DeviceTimer, HealthSource, KernelSource
 from stepwatch.exporters._recorder import (
     _NULL_CONTEXT,
-    Clock,
+    NullPhases,
     StepRecord,
     StepRecorder,
     SystemClock,
@@ -49,26 +40,26 @@ from stepwatch.exporters._recorder import (
     sampled_steps,
     window_values,
 )
-from stepwatch.exporters._sampling import PhaseSampler
-from stepwatch.exporters._sdk_env import (
-    NoHooks,
-    NullPhases,
-    buffer_size,
-    export_interval,
-    rank_resource,
-    sdk_disabled,
-)
-from stepwatch.exporters._stack import where
-from stepwatch.exporters._window import KernelSource, Progress, WindowBuilder
+from stepwatch.exporters._sdk_env import sdk_disabled
+from stepwatch.exporters._window import Progress
+from stepwatch.exporters.auto._auto import NoHooks
+from stepwatch.exporters.auto._auto_device import Instrumentation, install_hooks
+from stepwatch.exporters.monitor._account import ExportAccount, MonitorStats
+from stepwatch.exporters.monitor._cadence import StopEvent, run_exports
+from stepwatch.exporters.monitor._identity import rank_resource
+from stepwatch.exporters.monitor._sources import Sources, resolve_sources, start_sources
+from stepwatch.exporters.monitor._timing import Timing, resolve_timing
+from stepwatch.exporters.monitor._transport import Transport, resolve_transport
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import MetricsData
+    from opentelemetry.sdk.resources import Resource
+
     from stepwatch.exporters._recorder import _NullContext, _PhaseContext, _StepContext
 
 logger = logging.getLogger("stepwatch.exporters")
 
 DEFAULT_EXPORT_INTERVAL_S: Final = cast(float, settings.METRIC_EXPORT_INTERVAL_S.default)
-DEFAULT_BUFFER_STEPS: Final = 4096  # per second of export interval (at least this many)
-RECONNECT_AFTER_FAILURES: Final = 2
 AT_EXIT_TIMEOUT_S: Final = 2.0
 DEFAULT_CLOSE_TIMEOUT_S: Final = 2.0
 #: What ``close()`` keeps for cutting short an export still in flight at its deadline.
@@ -197,45 +188,52 @@ class StepMonitor:
             pp_rank=pp_rank,
             service_name=service_name,
         )
-        rank = int(cast(int, resource.attributes[_schema.RANK]))
-        self._interval_s = export_interval(export_interval_s, environ)
-        buffer_steps = buffer_size(buffer_steps, self._interval_s, DEFAULT_BUFFER_STEPS)
-        self.exporter_config: ExporterConfig | None = None
-        if exporter is None:
-            self.exporter_config = resolve_exporter_config(
-                endpoint=endpoint,
-                protocol=protocol,
-                headers=headers,
-                compression=compression,
-                timeout_s=timeout_s,
-            )
-            exporter = create_exporter(self.exporter_config)
-            self._export_timeout_s = self.exporter_config.timeout_s
-        else:
-            if timeout_s is not None and not timeout_s > 0:
-                raise ConfigError(f"timeout_s must be positive, got {timeout_s!r}")
-            self._export_timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        self._exporter: Exporter = exporter
-        options = window_options(histogram_buckets, environ)  # and the temporality preference
-        self._builder = WindowBuilder(resource, max_scale=max_scale, max_size=max_size, **options)
-        self._kernel_source = kernel_source
-        self._health = resolve_health(health, resource)
-        self._clock: Clock = clock if clock is not None else SystemClock()
-        self._device_timer = resolve_device_timer(device_timer)
-        self._mono_anchor_ns = self._clock.monotonic_ns()
-        self._wall_anchor_ns = self._clock.time_ns()
+        timing = resolve_timing(
+            environ,
+            clock=clock,
+            export_interval_s=export_interval_s,
+            buffer_steps=buffer_steps,
+            phase_sampling=phase_sampling,
+            histogram_buckets=histogram_buckets,
+            max_scale=max_scale,
+            max_size=max_size,
+        )
+        transport = resolve_transport(
+            exporter,
+            endpoint=endpoint,
+            protocol=protocol,
+            headers=headers,
+            compression=compression,
+            timeout_s=timeout_s,
+        )
+        sources = resolve_sources(
+            resource, kernel_source=kernel_source, health=health, device_timer=device_timer
+        )
+        self._compose(resource, timing, transport, start_sources(sources))
+        if start:
+            self._start_export_thread(int(cast(int, resource.attributes[_schema.RANK])))
+
+    def _compose(
+        self, resource: Resource, timing: Timing, transport: Transport, sources: Sources
+    ) -> None:
+        """The monitor's state, from its parts: the training thread's, then the export's."""
+        self._timing = timing
+        self._transport = transport
+        self._sources = sources
+        self._builder = timing.window_builder(resource)
         self._log = RateLimitedLog(logger, _LOG_INTERVAL_S)
+        self._mono_anchor_ns = timing.clock.monotonic_ns()
+        self._wall_anchor_ns = timing.clock.time_ns()
 
         # Training-thread state: the recorder (handed to auto-mode hooks too), its contexts.
-        self._sampler = PhaseSampler(phase_sampling, export_interval_s=self._interval_s)
         self._unsampled_carry = 0  # the steps waiting for a sampled one
         self._recorder = new_recorder(
-            clock=self._clock,
-            device_timer=self._device_timer,
-            kernel_source=kernel_source,
-            buffer_steps=buffer_steps,
+            clock=timing.clock,
+            device_timer=sources.device_timer,
+            kernel_source=sources.kernels,
+            buffer_steps=timing.buffer_steps,
             log=self._log,
-            sampler=self._sampler,
+            sampler=timing.sampler,
         )
         self._buffer = self._recorder.buffer
         self._step_context = self._recorder.step_context
@@ -245,7 +243,6 @@ class StepMonitor:
         # Export-thread state.
         self._export_lock = threading.Lock()
         self._account = ExportAccount()
-        self._consecutive_failures = 0
         self._last_window_end_ns = self._wall_anchor_ns
         # End (monotonic ns) of the last step that left the buffer: the rank's last progress.
         self._last_progress_ns = self._mono_anchor_ns
@@ -255,18 +252,17 @@ class StepMonitor:
         self._interrupted = False  # close() cut an export short
         self._instrumentations: list[Instrumentation] = []
         self._thread: threading.Thread | None = None
-        if start:
-            self._thread = threading.Thread(
-                target=self._run, name=f"stepwatch-export-r{rank}", daemon=True
-            )
-            self._thread.start()
-            # A monitor nobody closed still flushes its last steps at interpreter exit.
-            atexit.register(self._close_at_exit)
+
+    def _start_export_thread(self, rank: int) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name=f"stepwatch-export-r{rank}", daemon=True
+        )
+        self._thread.start()
+        # A monitor nobody closed still flushes its last steps at interpreter exit.
+        atexit.register(self._close_at_exit)
 
     def _init_disabled(self) -> None:
         """``OTEL_SDK_DISABLED=true``: null contexts, no exporter, no thread, no validation."""
-        self.exporter_config = None
-        self._interval_s = DEFAULT_EXPORT_INTERVAL_S
         self._log = RateLimitedLog(logger, _LOG_INTERVAL_S)
         self._recorder = StepRecorder(
             clock=SystemClock(),
@@ -310,7 +306,7 @@ class StepMonitor:
     ) -> Instrumentation:
         """Time forward, backward, optimizer and DDP communication with hooks (no code changes).
 
-        The phases and where each starts and ends are in the ``stepwatch.exporters._auto``
+        The phases and where each starts and ends are in the ``stepwatch.exporters.auto._auto``
         module docstring. :meth:`close` removes the hooks. Also callable as a function,
         ``stepwatch.exporters.instrument(monitor, model, optimizer, ...)``.
 
@@ -358,12 +354,14 @@ class StepMonitor:
         return self._builder.stamp(self._wall_anchor_ns + (monotonic_ns - self._mono_anchor_ns))
 
     def _run(self) -> None:
-        run_exports(self._interval_s, self._stop, self._recorder, self._buffer, self.export_now)
+        run_exports(
+            self._timing.interval_s, self._stop, self._recorder, self._buffer, self.export_now
+        )
         self._final_flush()
 
     def _final_flush(self) -> None:
         """Last export at close: first give the device until the close deadline to finish."""
-        timer = self._device_timer
+        timer = self._sources.device_timer
         if timer is not None:
             try:
                 while self._buffer and time.monotonic() < self._close_deadline:
@@ -407,12 +405,34 @@ class StepMonitor:
                 return False
             finally:
                 thread = threading.current_thread() is self._thread
-                self._account.cpu.end(started, self._kernel_source, export_thread=thread)
+                self._account.cpu.end(started, self._sources.kernels, export_thread=thread)
 
     def _export_locked(self, timeout_s: float | None, *, final: bool) -> bool:
+        """One window: the steps the device has finished, the kernels, or where the rank is."""
+        records = self._take_finished_steps()
+        source = self._sources.kernels
+        kernels = self._account.cpu.drain(source, self._log) if source is not None else None
+        builder = self._builder
+        if records:
+            self._add_steps(records)
+        if kernels is not None:
+            builder.add_kernels(kernels)
+        start_unix_nano, end_unix_nano = self._window_bounds(records)
+        end_unix_nano = builder.stamp(end_unix_nano, after=self._last_window_end_ns)
+        if final:
+            builder.mark_closed()
+        metrics = builder.build(start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano)
+        if metrics is None:
+            return False
+        metrics = self._sources.add_health(metrics, start_unix_nano, end_unix_nano, self._log)
+        self._last_window_end_ns = max(end_unix_nano, self._last_window_end_ns)
+        return self._send(metrics, len(records), timeout_s)
+
+    def _take_finished_steps(self) -> list[StepRecord]:
+        """The buffered steps the device has finished, oldest first (all on the host clock)."""
         records: list[StepRecord] = []
         buffer = self._buffer
-        timer = self._device_timer
+        timer = self._sources.device_timer
         account = self._account
         with account.lock:  # steps leave the buffer and enter the window in one move
             while buffer:
@@ -421,91 +441,60 @@ class StepMonitor:
                     break  # the device is still running this step: it goes in a later window
                 records.append(buffer.popleft())
             account.steps_in_flight = len(records)
-        source = self._kernel_source
-        kernels = account.cpu.drain(source, self._log) if source is not None else None
+        return records
+
+    def _add_steps(self, records: list[StepRecord]) -> None:
+        """Add the durations and phases of ``records`` to the window (sampled phases weighted)."""
+        carry = self._unsampled_carry
+        durations, phases, weighted, self._unsampled_carry = window_values(
+            records, self._sources.device_timer, _YIELD_EVERY_STEPS, carry
+        )
+        sampler, auto_mode = self._timing.sampler, self._recorder.watchers > 0
+        sampled = sampled_steps(records, durations, carry, sampler) if weighted else None
+        self._builder.add_steps(
+            last_step_index=max(record[0] for record in records),
+            durations_s=durations,
+            phases_s=phases,
+            weighted_phases_s=weighted,
+            sampled_steps_s=sampled,
+            sampling=sampled is not None or (auto_mode and sampler.stride != 1),
+        )
+        sampler.observe(durations)
+
+    def _window_bounds(self, records: list[StepRecord]) -> tuple[int, int]:
+        """The window's start and end (Unix ns): its steps', or, with none, from the previous
+        window's end to now, the window then saying where the rank is."""
         builder = self._builder
         if records:
-            carry = self._unsampled_carry
-            durations, phases, weighted, self._unsampled_carry = window_values(
-                records, timer, _YIELD_EVERY_STEPS, carry
-            )
-            sampler, auto_mode = self._sampler, self._recorder.watchers > 0
-            sampled = sampled_steps(records, durations, carry, sampler) if weighted else None
-            builder.add_steps(
-                last_step_index=max(record[0] for record in records),
-                durations_s=durations,
-                phases_s=phases,
-                weighted_phases_s=weighted,
-                sampled_steps_s=sampled,
-                sampling=sampled is not None or (auto_mode and sampler.stride != 1),
-            )
-            self._sampler.observe(durations)
-        if kernels is not None:
-            builder.add_kernels(kernels)
-        if records:
             self._last_progress_ns = records[-1][2]
-            start_unix_nano = self._wall_ns(records[0][1])
-            end_unix_nano = self._wall_ns(records[-1][2])
-            if account.windows_built == 0:  # the first window says this monitor reports progress
+            if self._account.windows_built == 0:  # the first window says it reports progress
                 builder.set_progress(Progress(step_index=records[-1][0] + 1, step_elapsed_s=0.0))
-        else:
-            # No step finished: say where the rank is (a rank stuck in a step still reports).
-            now_ns = self._clock.monotonic_ns()
-            progress = where(self._recorder, self._instrumentations, now_ns, self._last_progress_ns)
-            builder.set_progress(progress)
-            start_unix_nano = self._last_window_end_ns
-            end_unix_nano = self._wall_ns(now_ns)
-        end_unix_nano = builder.stamp(end_unix_nano, after=self._last_window_end_ns)
-        if final:
-            builder.mark_closed()
-        metrics = builder.build(start_unix_nano=start_unix_nano, end_unix_nano=end_unix_nano)
-        if metrics is None:
-            return False
-        if self._health is not None:
-            metrics = with_health(self._health, metrics, start_unix_nano, end_unix_nano, self._log)
-        self._last_window_end_ns = max(end_unix_nano, self._last_window_end_ns)
-        timeout = self._export_timeout_s if timeout_s is None else timeout_s
-        from opentelemetry.sdk.metrics.export import MetricExportResult
+            return self._wall_ns(records[0][1]), self._wall_ns(records[-1][2])
+        # No step finished: say where the rank is (a rank stuck in a step still reports).
+        now_ns = self._timing.clock.monotonic_ns()
+        progress = where(self._recorder, self._instrumentations, now_ns, self._last_progress_ns)
+        builder.set_progress(progress)
+        return self._last_window_end_ns, self._wall_ns(now_ns)
 
+    def _send(self, metrics: MetricsData, steps: int, timeout_s: float | None) -> bool:
+        """Hand the window to the exporter and settle the account; True when it was taken."""
+        account = self._account
+        transport = self._transport
         with account.lock:
             account.windows_built += 1
             account.window_in_flight = True
-        try:
-            result = self._exporter.export(metrics, timeout_millis=timeout * 1000.0)
-        except Exception:
-            result = MetricExportResult.FAILURE
-            self._log.warning("export-raise", "the metric exporter raised", exc_info=True)
-        if result is MetricExportResult.SUCCESS:
+        timeout = transport.timeout_s if timeout_s is None else timeout_s
+        if transport.send(metrics, timeout, self._log):
             account.settle(delivered=True)
-            self._consecutive_failures = 0
             return True
         account.export_failures += 1
         account.settle(delivered=False, reason="closed" if self._interrupted else "export_failed")
-        self._consecutive_failures += 1
-        if self._consecutive_failures % RECONNECT_AFTER_FAILURES == 0 and not self._stop.is_set():
-            self._reconnect()
+        if transport.reconnect_due and not self._stop.is_set():
+            transport.reconnect(self._log)
         self._log.warning(
-            "export-failed", "export of a %d-step window failed; steps dropped", len(records)
+            "export-failed", "export of a %d-step window failed; steps dropped", steps
         )
         return False
-
-    def _reconnect(self) -> None:
-        """Replace an exporter built from settings by a fresh one (new connections).
-
-        A kept-alive connection can outlive the receiver it was opened to (a restarted
-        bridge, a load balancer that moved the backend) and fail every retry; a new exporter
-        opens new connections. Injected exporters are left alone.
-        """
-        if self.exporter_config is None:
-            return
-        try:
-            self._exporter.shutdown(timeout_millis=100.0)
-        except Exception:
-            self._log.warning("reconnect", "shutting down the old exporter failed", exc_info=True)
-        try:
-            self._exporter = create_exporter(self.exporter_config)
-        except Exception:
-            self._log.warning("reconnect", "re-creating the exporter failed", exc_info=True)
 
     @property
     def stats(self) -> MonitorStats:
@@ -528,12 +517,17 @@ class StepMonitor:
     @property
     def phase_sample_stride(self) -> int:
         """Auto mode times phases on about 1 step in this many (``phase_sampling``)."""
-        return 1 if self._disabled else self._sampler.stride
+        return 1 if self._disabled else self._timing.sampler.stride
 
     @property
     def export_interval_s(self) -> float:
         """Seconds between exports."""
-        return self._interval_s
+        return DEFAULT_EXPORT_INTERVAL_S if self._disabled else self._timing.interval_s
+
+    @property
+    def exporter_config(self) -> ExporterConfig | None:
+        """The OTLP settings the exporter was built from; None for an exporter passed in."""
+        return None if self._disabled else self._transport.config
 
     def close(self, *, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Remove hooks, flush the last window and shut the exporter down, within ``timeout_s``.
@@ -574,15 +568,15 @@ class StepMonitor:
                     self._account.drop_steps("closed", len(self._buffer))
                     self._buffer.clear()
                 self._shutdown_exporter(deadline)
-            if self._kernel_source is not None:
-                self._kernel_source.close()
+            if self._sources.kernels is not None:
+                self._sources.kernels.close()
         except Exception:
             logger.warning("closing the stepwatch monitor failed", exc_info=True)
 
     def _shutdown_exporter(self, deadline: float) -> None:
         remaining_ms = max(deadline - time.monotonic(), 0.001) * 1000.0
         try:
-            self._exporter.shutdown(timeout_millis=remaining_ms)
+            self._transport.exporter.shutdown(timeout_millis=remaining_ms)
         except Exception:
             logger.warning("shutting the stepwatch exporter down failed", exc_info=True)
 
@@ -598,3 +592,25 @@ class StepMonitor:
 
 #: ``instrument(monitor, model, optimizer, ...)``: :meth:`StepMonitor.instrument` as a function.
 instrument = StepMonitor.instrument
+
+
+def where(
+    recorder: StepRecorder, instrumentations: Iterable[Any], now_ns: int, last_progress_ns: int
+) -> Progress:
+    """Where the rank is now, from what the training thread recorded (export thread).
+
+    The innermost ``phase()`` open or the auto-mode phase with the latest start (each
+    instrumentation's ``open_phase()``: the stack, in a step whose phases are not timed);
+    ``last_progress_ns`` is the end of the last step that left the buffer.
+    """
+    phase = recorder.open_phase()
+    for instrumentation in instrumentations:
+        auto = instrumentation.open_phase()
+        if auto is not None and (phase is None or auto[1] >= phase[1]):
+            phase = auto
+    return Progress(
+        step_index=recorder.step_index,
+        step_elapsed_s=max(now_ns - last_progress_ns, 0) * 1e-9,
+        phase=None if phase is None else phase[0],
+        phase_elapsed_s=None if phase is None else max(now_ns - phase[1], 0) * 1e-9,
+    )

@@ -3,11 +3,12 @@
 On a GPU the host launches work and runs ahead; the hooks of ``_auto`` read the host clock, so
 a forward that launches in 0.3 ms and runs 8 ms on the device is a 0.3 ms forward, and the
 time the device needs shows up wherever the host happens to wait for it (a copy to the host, a
-full launch queue, the gloo allreduce). Seen on an H100 (docs/exporters.md, "Auto mode on a
-GPU"): a rank whose forward did 7 ms of extra matrix products kept a 0.85 ms forward and
-doubled every rank's backward, so the job read as a backward regression on every rank.
+full launch queue, the gloo allreduce). Seen on an H100 (docs/history/exporters.md, "Auto mode
+on a GPU: phases on the device"): a rank whose forward did 7 ms of extra matrix products kept a
+0.85 ms forward and doubled every rank's backward, so the job read as a backward regression on
+every rank.
 
-:class:`DeviceAutoState` is :class:`~stepwatch.exporters._auto._AutoState` plus a device mark
+:class:`DeviceAutoState` is :class:`~stepwatch.exporters.auto._auto._AutoState` plus a device mark
 (``DeviceTimer.mark``, a CUDA event in the current stream) at each point where a hook reads the
 host clock, so each phase is the device time between the marks of its start and end:
 
@@ -31,20 +32,21 @@ Phases are added to the step's record as intervals of marks (``StepRecorder.add_
 passed the step's end (``_recorder.window_values``); where a mark cannot be read the host
 time stays. Host timing is unchanged underneath (the stuck-rank view reads it).
 
-Cost: a mark is a ``torch.Event`` made and recorded in C (``_device.CudaEventTimer``: 3.8 µs
+Cost: a mark is a ``torch.Event`` made and recorded in C (``device/_cuda.CudaEventTimer``: 3.8 µs
 on an H200, against 13.7 µs for ``torch.cuda.Event``); a sampled step takes seven, another step
 two (the exposed wait) plus the step's own two, which the C recorder takes. An auto step starts
 at the previous one's end mark (one instant, one mark): one fewer. In the training loop a mark
-cost more than that on an H200 (docs/exporters.md, "Device-timed steps in C").
+cost more than that on an H200 (docs/exporters.md, "On a GPU"; docs/history/exporters.md,
+"Device-timed steps in C, and what a device timer costs").
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from stepwatch.exporters import _auto
-from stepwatch.exporters._auto import Instrumentation, _AutoState
 from stepwatch.exporters._recorder import StepRecorder, new_mark_stamp
+from stepwatch.exporters.auto import _auto
+from stepwatch.exporters.auto._auto import Instrumentation, _AutoState
 
 __all__ = ["DeviceAutoState", "DeviceStamp", "Instrumentation", "install_hooks"]
 

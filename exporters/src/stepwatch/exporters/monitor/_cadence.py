@@ -11,8 +11,8 @@ rank is. Then nothing early until a step finishes again; the regular windows go 
 reads one counter. In Python each look takes the GIL (~35 µs of the export thread in a DDP job,
 ~130 µs in a loop that rarely releases it, and a forced hand-over for the training thread), so
 where the C recorder is built the looks run in C without the GIL (``_fastrecord.ExportWaiter``):
-the thread takes the GIL back only to export, at a stall or at close (docs/exporters.md, "One
-budget off the training step").
+the thread takes the GIL back only to export, at a stall or at close (docs/exporters.md, "Cost";
+docs/history/exporters.md, "One budget off the training step").
 """
 
 from __future__ import annotations

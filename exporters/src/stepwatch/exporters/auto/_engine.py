@@ -51,8 +51,8 @@ from typing import Any, Final
 
 from stepwatch.core import settings
 from stepwatch.exporters import _cext
-from stepwatch.exporters._engine_gate import PythonEngineGate
 from stepwatch.exporters._recorder import _ClockStamp
+from stepwatch.exporters.auto._engine_gate import PythonEngineGate
 
 _fastrecord = _cext.fastrecord  # exporters/csrc/enginegate.h; None: not built or turned off
 

@@ -31,7 +31,7 @@ One line, no change to the training loop: ``monitor.instrument(model, optimizer)
 - data: time from the previous step's end to the next forward (auto steps only);
 - step boundary: the end of ``optimizer.step()``, unless the loop uses ``monitor.step()``.
 
-Sampling (``StepMonitor(phase_sampling=...)``, ``_sampling``; default: every step): the
+Sampling (``StepMonitor(phase_sampling=...)``, ``_sampling``; default ``"auto"``): the
 recorder says at each step's start whether its phases are timed (``recorder.sampled``) and
 gives the model its own class on a step that is not (``_forward._ClassSwap``), which then runs
 the optimizer hooks' check and, in auto steps, the step boundary; its output gets no backward
@@ -73,10 +73,11 @@ import threading
 from typing import Any
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.exporters._engine import acquire as acquire_engine
-from stepwatch.exporters._engine import close_waits
-from stepwatch.exporters._engine import release as release_engine
-from stepwatch.exporters._forward import (
+from stepwatch.exporters._recorder import StepRecorder, new_clock_stamp
+from stepwatch.exporters.auto._engine import acquire as acquire_engine
+from stepwatch.exporters.auto._engine import close_waits
+from stepwatch.exporters.auto._engine import release as release_engine
+from stepwatch.exporters.auto._forward import (
     HOOK_KEYS,
     HookDict,
     direct_tensor_hooks_work,
@@ -84,9 +85,8 @@ from stepwatch.exporters._forward import (
     hooks_in_c,
     time_forward,
 )
-from stepwatch.exporters._opthooks import gates, nested, outer_post, outer_pre, union_ns
-from stepwatch.exporters._recorder import StepRecorder, new_clock_stamp
-from stepwatch.exporters._stack import phase_codes, stack_phase
+from stepwatch.exporters.auto._opthooks import gates, nested, outer_post, outer_pre, union_ns
+from stepwatch.exporters.auto._stack import phase_codes, stack_phase
 
 logger = logging.getLogger("stepwatch.exporters")
 
@@ -134,6 +134,20 @@ class Instrumentation:
             engine.disarm(state._on_backward_start)
             engine.unclose(state.gradient_stamp)
             release_engine(engine)
+
+
+class NoHooks:
+    """What ``instrument()`` returns when the SDK is disabled: no hooks to remove."""
+
+    communication_timed = False
+
+    def open_phase(self) -> None:
+        """Never in a phase."""
+        return None
+
+    def remove(self) -> None:
+        """Nothing to remove."""
+        return None
 
 
 class _AutoState:

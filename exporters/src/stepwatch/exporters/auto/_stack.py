@@ -13,11 +13,7 @@ followed so every layer is known.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
 from typing import Any
-
-from stepwatch.exporters._recorder import StepRecorder
-from stepwatch.exporters._window import Progress
 
 #: Most ``__wrapped__`` links followed from one function.
 _MAX_WRAPPERS = 8
@@ -75,25 +71,3 @@ def stack_phase(codes: dict[Any, str], thread_id: int) -> str | None:
         if phase is not None:
             return phase
     return None
-
-
-def where(
-    recorder: StepRecorder, instrumentations: Iterable[Any], now_ns: int, last_progress_ns: int
-) -> Progress:
-    """Where the rank is now, from what the training thread recorded (export thread).
-
-    The innermost ``phase()`` open or the auto-mode phase with the latest start (each
-    instrumentation's ``open_phase()``: the stack, in a step whose phases are not timed);
-    ``last_progress_ns`` is the end of the last step that left the buffer.
-    """
-    phase = recorder.open_phase()
-    for instrumentation in instrumentations:
-        auto = instrumentation.open_phase()
-        if auto is not None and (phase is None or auto[1] >= phase[1]):
-            phase = auto
-    return Progress(
-        step_index=recorder.step_index,
-        step_elapsed_s=max(now_ns - last_progress_ns, 0) * 1e-9,
-        phase=None if phase is None else phase[0],
-        phase_elapsed_s=None if phase is None else max(now_ns - phase[1], 0) * 1e-9,
-    )

@@ -39,12 +39,14 @@ produces nothing. NVML reference: https://docs.nvidia.com/deploy/nvml-api/
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from stepwatch.core import _schema
+from stepwatch.exporters._sdk_env import temporality_preference
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import Metric, MetricsData, NumberDataPoint
@@ -239,8 +241,6 @@ class HealthSampler:
         devices: Sequence[int] | None = None,
         temporality: str | None = None,
     ) -> None:
-        from stepwatch.exporters._sdk_env import temporality_preference
-
         if temporality is None:  # the monitor has warned about a bad value already
             temporality = temporality_preference(os.environ, warn=False)
         self._cumulative = temporality == "cumulative"
@@ -424,6 +424,14 @@ class HealthSampler:
             self._backend.close()
         except Exception:
             _log.debug("NVML close failed", exc_info=True)
+
+
+def probe(resource: Resource) -> HealthSampler | None:
+    """A sampler when ``pynvml`` is installed, else None (``health=None``); on a machine
+    without a GPU it logs that once and goes quiet."""
+    if importlib.util.find_spec("pynvml") is None:
+        return None
+    return HealthSampler(resource)
 
 
 def _counter(points: list[NumberDataPoint], sum_type: Any, temporality: Any) -> Any:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Final
 from stepwatch.exporters import _cext
 
 if TYPE_CHECKING:
-    from stepwatch.exporters._window import KernelSource, KernelWindow
+    from stepwatch.exporters._protocols import KernelSource, KernelWindow
 
 _log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ WINDOW_DROP_REASONS: Final = ("export_failed", "closed")
 
 @dataclasses.dataclass(frozen=True)
 class MonitorStats:
-    """Counters of one monitor since it was built (see :mod:`stepwatch.exporters._account`).
+    """Counters of one monitor since it was built (see :mod:`stepwatch.exporters.monitor._account`).
 
     Attributes:
         steps_recorded: Steps finished on the training thread.
@@ -171,10 +171,10 @@ class CpuLedger:
     Measured on the CPU clock of the thread doing it (``time.thread_time_ns``, a system call
     of ~0.4 µs, three an export). A kernel source with a ``charge(cpu_ns)`` method (the
     ``torch.profiler`` one) pays it from its overhead budget, so its cycles get what the
-    export leaves (docs/exporters.md, "One budget off the training step"). What is charged:
-    each export's CPU less the source's own ``drain()`` (which charges itself), and on the
-    export thread also its CPU between exports (its looks at the step count, a garbage
-    collection it ran). The export thread's first export is counted, not charged: like the
+    export leaves (docs/exporters.md, "Kernel and op histograms", its shared budget). What
+    is charged: each export's CPU less the source's own ``drain()`` (which charges itself),
+    and on the export thread also its CPU between exports (its looks at the step count, a
+    garbage collection it ran). The export thread's first export is counted, not charged: like the
     profiler's warm-up, it pays one-time set-up (the first connection).
 
     Only the thread holding the monitor's export lock calls it.
