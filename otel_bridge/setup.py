@@ -1,42 +1,71 @@
-"""The bridge's optional C extension (``stepwatch.otel_bridge._fastpath``); the rest of the
-build is in pyproject.toml. Without a C compiler the package still installs: the bridge then
-uses its Python path (docs/deployment.md, "Bridge vs influxd CPU")."""
+"""The bridge's optional C extension (``stepwatch.otel_bridge._fastpath``: ``csrc/fastpath.c``
+with ``csrc/pow10.h``, which ``csrc/gen_pow10.py`` writes); the rest of the build is in
+pyproject.toml.
+
+Where it does not compile (no C compiler), the package installs without it: the bridge then
+converts in Python (the same lines, ~10x the CPU per point; docs/deployment.md, "Bridge vs
+influxd CPU"). The wheel is then pure Python (``py3-none-any``) and the bridge logs a warning
+when it starts (docs/packaging.md; ``STEPWATCH_REQUIRE_C=1`` makes it refuse to start).
+"""
 
 from __future__ import annotations
 
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
 
+# ---- optional C build: the same in exporters/setup.py and otel_bridge/setup.py (each sdist
+# builds alone; tests/test_packaging.py checks the two copies are one text) ----
 WARNINGS = ["-Wall", "-Wextra", "-Wshadow", "-Wstrict-prototypes", "-Wconversion"]
-# -ffp-contract=off: the C arithmetic must round exactly as Python's does (no fused multiply-add)
-FLAGS = [] if sys.platform == "win32" else ["-O2", "-std=c11", "-ffp-contract=off", *WARNINGS]
+# -ffp-contract=off: the C arithmetic must round exactly as Python's does (no fused multiply-add).
+# An undeclared function is an error, never an implicit int (a truncated result).
+UNIX_FLAGS = ["-O2", "-std=c11", "-ffp-contract=off", "-Werror=implicit-function-declaration"]
+FLAGS = [] if sys.platform == "win32" else [*UNIX_FLAGS, *WARNINGS]
+NOT_BUILT: dict[str, str] = {}  # extension -> why it was not built
 
 
 class OptionalBuildExt(build_ext):
-    """Builds the extension when it can; a failure leaves the pure-Python bridge."""
-
-    def run(self) -> None:
-        try:
-            super().run()
-        except Exception as exc:
-            print(f"stepwatch-otel-bridge: C fast path not built ({exc})", file=sys.stderr)
+    """Builds each extension where it compiles; where one does not, says so and goes on."""
 
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
-        except Exception as exc:
-            print(f"stepwatch-otel-bridge: C fast path not built ({exc})", file=sys.stderr)
+        except Exception as exc:  # no compiler, or one that refuses the code
+            NOT_BUILT[ext.name] = str(exc).strip().splitlines()[-1] if str(exc) else repr(exc)
+            bar = "=" * 78
+            print(
+                f"\n{bar}\nWARNING: {ext.name} not built ({NOT_BUILT[ext.name]}).\nThe "
+                "package installs without it: its Python code runs instead (the same results,"
+                f" more CPU).\n{bar}\n",
+                file=sys.stderr,
+            )
 
+
+class WheelOfWhatWasBuilt(bdist_wheel):
+    """A wheel tagged by what it holds: with no extension built, pure (``py3-none-any``)."""
+
+    def run(self) -> None:
+        self.run_command("build")
+        extensions = self.distribution.ext_modules or []
+        if extensions and all(ext.name in NOT_BUILT for ext in extensions):
+            self.distribution.ext_modules = []
+            self.root_is_pure = True
+        super().run()
+
+
+COMMANDS = {"build_ext": OptionalBuildExt, "bdist_wheel": WheelOfWhatWasBuilt}
+# ---- end of the optional C build ----
 
 setup(
     ext_modules=[
         Extension(
             "stepwatch.otel_bridge._fastpath",
             sources=["csrc/fastpath.c"],
+            depends=["csrc/pow10.h"],
             extra_compile_args=FLAGS,
         )
     ],
-    cmdclass={"build_ext": OptionalBuildExt},
+    cmdclass=COMMANDS,
 )

@@ -359,6 +359,14 @@ static int rd_double(Rd *rd, double *out) {
     return OK;
 }
 
+/* A tag or a length: upb reads them as 32-bit varints, of at most 5 bytes; a longer encoding,
+ * even of a small value (0x80 0x80 0x80 0x80 0x80 0x00), is malformed there: declined here. */
+static inline __attribute__((always_inline)) int rd_varint32(Rd *rd, uint64_t *out) {
+    const uint8_t *start = rd->p;
+    CHECK(rd_varint(rd, out));
+    return rd->p - start > 5 ? DECLINE : OK;
+}
+
 /* The next field's number and wire type; *done at the end of the message. */
 static int rd_tag(Rd *rd, uint32_t *field, uint32_t *wire, int *done) {
     if (rd->p >= rd->end) {
@@ -366,7 +374,7 @@ static int rd_tag(Rd *rd, uint32_t *field, uint32_t *wire, int *done) {
         return OK;
     }
     uint64_t tag;
-    CHECK(rd_varint(rd, &tag));
+    CHECK(rd_varint32(rd, &tag));
     if (tag >> 3 == 0 || tag >> 3 > 536870911u) return DECLINE;
     *field = (uint32_t)(tag >> 3);
     *wire = (uint32_t)(tag & 7);
@@ -376,7 +384,7 @@ static int rd_tag(Rd *rd, uint32_t *field, uint32_t *wire, int *done) {
 
 static int rd_len(Rd *rd, Rd *sub) {
     uint64_t n;
-    CHECK(rd_varint(rd, &n));
+    CHECK(rd_varint32(rd, &n));
     if (n > (uint64_t)(rd->end - rd->p)) return DECLINE;
     sub->p = rd->p;
     sub->end = rd->p + n;
@@ -1073,13 +1081,11 @@ static int convert_metric(Conv *c, ResState *res, const Metric *m, int owner) {
             int resource_first = j >= npieces ||
                                  (i < c->nrpieces &&
                                   slice_cmp(c->rpieces[i].key, c->ppieces[j].key) < 0);
-            if (resource_first) {
-                CHECK(buf_put(out, c->rtext.b + c->rpieces[i].off, c->rpieces[i].len));
-                i++;
-            } else {
-                CHECK(buf_put(out, c->ptext.b + c->ppieces[j].off, c->ppieces[j].len));
-                j++;
-            }
+            /* an empty value is a piece with no text (it still overrides, above); where every
+             * piece is one, the text buffer was never allocated: no offset from NULL */
+            const Piece *piece = resource_first ? &c->rpieces[i++] : &c->ppieces[j++];
+            const Buf *text = resource_first ? &c->rtext : &c->ptext;
+            if (piece->len) CHECK(buf_put(out, text->b + piece->off, piece->len));
         }
         line.series_len = out->n - line.off;
         CHECK(buf_put(out, " ", 1));
@@ -1342,22 +1348,25 @@ static int is_ascii(const char *p, size_t n) {
     return !(any & 0x8080808080808080ULL);
 }
 
-/* hash() of the str of a line's series key (UTF-8, already validated) */
-static Py_hash_t series_hash(const char *p, size_t n, int ascii) {
-    if (ascii) return _Py_HashBytes(p, (Py_ssize_t)n); /* hash() of an ASCII str */
-    PyObject *text = PyUnicode_DecodeUTF8(p, (Py_ssize_t)n, NULL);
-    if (!text) return -1;
-    Py_hash_t h = PyObject_Hash(text);
-    Py_DECREF(text);
-    return h;
-}
-
 /* A str of a line: copied as is when ASCII (the common case), else decoded. */
 static PyObject *line_text(const char *p, size_t n, int ascii) {
     if (!ascii) return PyUnicode_DecodeUTF8(p, (Py_ssize_t)n, NULL);
     PyObject *text = PyUnicode_New((Py_ssize_t)n, 127);
     if (text) memcpy(PyUnicode_1BYTE_DATA(text), p, n);
     return text;
+}
+
+/* hash() of the str of a line's series key (UTF-8, already validated): the key the Python
+ * path's guard takes (CardinalityGuard.filter: hash(key)), so the two paths share one table
+ * of series. The str is made and hashed through the public API: the interpreter's own hash of
+ * a str, whatever it is on this version (3.13's headers no longer declare _Py_HashBytes, which
+ * an implicit declaration truncated to 32 bits). */
+static Py_hash_t series_hash(const char *p, size_t n, int ascii) {
+    PyObject *text = line_text(p, n, ascii);
+    if (!text) return -1;
+    Py_hash_t h = PyObject_Hash(text);
+    Py_DECREF(text);
+    return h;
 }
 
 static int load_allowlist(PyObject *allowlist, Allow *allow) {

@@ -55,3 +55,47 @@ def test_no_component_reads_the_environment_behind_the_settings_back() -> None:
                 if name in names:
                     offenders.append(f"{path.relative_to(repo)}:{number}: {name}")
     assert not offenders, "\n".join(offenders)
+
+
+_READS = re.compile(r"os\.environ\.get\(|os\.getenv\(|os\.environ\[[\"']")
+_STEPWATCH_NAME = re.compile("[\"'](STEPWATCH_[A-Z0-9_]+)[\"']")
+
+
+def test_no_component_names_its_own_variable_or_reads_one_outside_the_settings() -> None:
+    """A ``STEPWATCH_*`` name, or ``os.environ.get``/``os.getenv``, only in settings.py: every
+    variable is a Setting (documented, parsed, tested), read through ``resolve``/``lookup``."""
+    repo = Path(__file__).resolve().parents[2]
+    offenders = []
+    for path in repo.glob("*/src/stepwatch/**/*.py"):
+        if path.name == "settings.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if _STEPWATCH_NAME.search(line) or _READS.search(line):
+                offenders.append(f"{path.relative_to(repo)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize(
+    "setting", [settings.EXPORTERS_NO_C, settings.REQUIRE_C], ids=lambda s: s.variable
+)
+def test_switches_read_the_usual_spellings_and_name_the_variable_otherwise(
+    setting: settings.Setting[bool],
+) -> None:
+    assert setting.resolve(None, {}) is False
+    for text in ("1", "true", "Yes", " ON "):
+        assert setting.resolve(None, {setting.variable: text}) is True, text
+    for text in ("0", "false", "No", "off", ""):
+        assert setting.resolve(None, {setting.variable: text}) is False, text
+    assert setting.resolve(True, {setting.variable: "0"}) is True  # an argument wins
+    with pytest.raises(ConfigError, match=setting.variable):
+        setting.resolve(None, {setting.variable: "2"})
+
+
+def test_the_backward_mark_is_the_engine_or_a_tensor_hook() -> None:
+    mark = settings.BACKWARD_MARK
+    assert mark.resolve(None, {}) == "engine"
+    assert mark.resolve(None, {mark.variable: "Tensor_Hook"}) == "tensor-hook"
+    assert mark.resolve(None, {mark.variable: "tensor-hook"}) == "tensor-hook"
+    assert mark.resolve(None, {mark.variable: "engine"}) == "engine"
+    with pytest.raises(ConfigError, match="STEPWATCH_BACKWARD_MARK"):
+        mark.resolve(None, {mark.variable: "hooks"})

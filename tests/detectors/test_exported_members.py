@@ -62,6 +62,28 @@ def test_all_is_pinned() -> None:
         _ = stepwatch.detectors.no_such_name  # type: ignore[attr-defined]
 
 
+def test_the_facade_lists_agree() -> None:
+    """The façade's typing imports, its lazy map and ``__all__`` name the same things, each
+    from the room that exports it."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    source = Path(stepwatch.detectors.__file__).read_text()
+    typed: dict[str, str] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "stepwatch.detectors."
+        ):
+            for alias in node.names:
+                typed[alias.name] = (node.module or "").rsplit(".", 1)[1]
+    lazy = stepwatch.detectors._EXPORTS
+    assert typed == lazy
+    assert sorted(lazy) == sorted(stepwatch.detectors.__all__)
+    for name, room in lazy.items():
+        assert name in importlib.import_module(f"stepwatch.detectors.{room}").__all__, name
+
+
 def test_cli_module_imports_only_the_standard_library() -> None:
     code = (
         "import sys, stepwatch.app._detect_commands, stepwatch.app._cli;"

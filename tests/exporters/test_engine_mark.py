@@ -12,12 +12,19 @@ from torch.autograd.variable import Variable
 
 from stepwatch.exporters import InMemoryExporter, StepMonitor, _engine
 from stepwatch.exporters._engine import ENV_BACKWARD_MARK
+from stepwatch.exporters._engine_gate import PythonEngineGate
 from stepwatch.exporters._sampling import PhaseSampler
 from tests.exporters.test_auto import ManualClock, _model, _summary
 
-pytestmark = pytest.mark.skipif(
-    _engine._fastrecord is None, reason="_fastrecord is not built (tensor hooks are used)"
-)
+# The gate in C (exporters/csrc/enginegate.h) and its Python twin (_engine_gate): one behaviour.
+GATES = [
+    pytest.param(
+        getattr(_engine._fastrecord, "EngineGate", None),
+        id="C",
+        marks=pytest.mark.skipif(_engine._fastrecord is None, reason="_fastrecord is not built"),
+    ),
+    pytest.param(PythonEngineGate, id="Python"),
+]
 
 
 def _gate() -> Any:
@@ -51,14 +58,17 @@ def test_the_gate_is_torchs_engine_and_the_last_release_puts_torchs_back() -> No
         _engine.release(_engine._installed["gate"])
 
 
-def test_the_gate_passes_every_call_through_and_fires_on_accumulating_backwards_only() -> None:
+@pytest.mark.parametrize("gate_type", GATES)
+def test_the_gate_passes_every_call_through_and_fires_on_accumulating_backwards_only(
+    gate_type: Any,
+) -> None:
     calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
     def run(*args: Any, **kwargs: Any) -> str:
         calls.append((args, kwargs))
         return "ran"
 
-    gate = _engine._fastrecord.EngineGate(run)
+    gate = gate_type(run)
     fired: list[Any] = []
     assert gate.arm(fired.append, None)
     assert gate(1, 2, accumulate_grad=False) == "ran"  # autograd.grad: not a backward's start
@@ -92,9 +102,12 @@ def test_the_gate_passes_every_call_through_and_fires_on_accumulating_backwards_
     assert fired == [None, None, None] and calls[-1] == ((), megatron)
 
 
-def test_arms_beyond_the_slots_are_refused_and_hooks_cannot_break_the_backward() -> None:
+@pytest.mark.parametrize("gate_type", GATES)
+def test_arms_beyond_the_slots_are_refused_and_hooks_cannot_break_the_backward(
+    gate_type: Any,
+) -> None:
     order: list[int] = []
-    gate = _engine._fastrecord.EngineGate(lambda *args, **kwargs: order.append(-1))
+    gate = gate_type(lambda *args, **kwargs: order.append(-1))
 
     def hook(number: int) -> Any:
         def call(_: Any) -> None:
@@ -149,7 +162,8 @@ def _job(
 
 
 def test_a_timed_step_arms_the_engine_and_hooks_no_output() -> None:
-    """The C path (the monitor's own clock): one mark per timed step, no tensor hook."""
+    """The monitor's own clock: one mark per timed step, no tensor hook (the gate in C, or in
+    Python where the extension is not built)."""
     exporter = InMemoryExporter()
     monitor = StepMonitor(
         job_id="e", rank=0, world_size=1, exporter=exporter, start=False, phase_sampling=4
@@ -306,3 +320,66 @@ def test_someone_elses_engine_or_the_environment_keeps_tensor_hooks(
     instrumentation.remove()
     monitor.close()
     assert _summary(exporter)["phases"]["backward"]["count"] == 3
+
+
+class _Stamp:
+    """The last-gradient stamp (``_recorder._ClockStamp``'s ``ns``)."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+
+class _Recorder:
+    """What the Python gate reads of a recorder: its open step, clock and phases."""
+
+    def __init__(self, now_ns: int) -> None:
+        self.step_depth, self.step_index, self.now_ns = 1, 0, now_ns
+        self.phases: dict[str, int] = {}
+
+    def clock_ns(self) -> int:
+        return self.now_ns
+
+    def add_phase_ns(self, name: str, elapsed_ns: int) -> None:
+        self.phases[name] = self.phases.get(name, 0) + elapsed_ns
+
+
+def test_the_python_gate_ends_each_set_wait_when_a_backward_returns_or_raises() -> None:
+    """``close_waits`` of the Python twin: the C gate's (``enginegate.h``), on Python stamps
+    and recorders (the C one takes only its own types, tested through real DDP jobs)."""
+
+    def run(*args: Any, **kwargs: Any) -> str:
+        if kwargs.get("fail"):
+            raise RuntimeError("the engine raised")
+        return "ran"
+
+    gate = PythonEngineGate(run)
+    stamps, recorders = [_Stamp() for _ in range(9)], [_Recorder(1_000) for _ in range(9)]
+    assert all(gate.close_waits(stamps[i], recorders[i]) for i in range(8))
+    assert not gate.close_waits(stamps[8], recorders[8])  # no slot left
+    assert gate.close_waits(stamps[0], recorders[8])  # the same stamp takes the new recorder
+    assert gate.closing == 8
+    stamps[0].ns, stamps[1].ns, stamps[2].ns = 400, 1_500, 0  # 1_500: after "now", not counted
+    assert gate() == "ran"
+    assert recorders[8].phases == {"communication": 600} and recorders[0].phases == {}
+    assert recorders[1].phases == {} and stamps[0].ns == stamps[1].ns == 0
+    assert gate.closed == 2
+    stamps[3].ns = 900
+    with pytest.raises(RuntimeError):
+        gate(fail=True)
+    assert recorders[3].phases == {"communication": 100} and stamps[3].ns == 0
+    assert gate.unclose(stamps[3]) and not gate.unclose(stamps[3]) and gate.closing == 7
+    stamps[3].ns = 10
+    gate()
+    assert stamps[3].ns == 10  # no longer closed here
+
+
+def test_the_python_gate_drops_an_arm_whose_step_closed() -> None:
+    gate, recorder = PythonEngineGate(lambda *a, **k: None), _Recorder(0)
+    fired: list[Any] = []
+    recorder.step_depth = 0
+    assert not gate.arm(fired.append, recorder)  # no step open: not armed
+    recorder.step_depth = 1
+    assert gate.arm(fired.append, recorder)
+    recorder.step_index = 1  # that step closed, the next one is open
+    gate()
+    assert fired == [] and gate.dropped == 1 and gate.marks == 0

@@ -24,13 +24,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.core._ratelog import RateLimitedLog
-from stepwatch.exporters import _fastrecord, _recorder
+from stepwatch.exporters import _cext, _recorder
 from stepwatch.exporters._recorder import FAST_RECORDER, StepRecorder, SystemClock
 from stepwatch.exporters._sampling import PhaseSampler
 
 pytestmark = pytest.mark.skipif(
     FAST_RECORDER is None, reason="the C extension _fastrecord is not built"
 )
+_fastrecord = _cext.fastrecord
 
 # More valid names than the C recorder's phase slots (PHASE_SLOTS, 4): the rest go to its dict.
 PHASES = ["data", "forward", "x" * 65, "compute", "loss", "io", "eval"]

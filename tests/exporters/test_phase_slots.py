@@ -15,10 +15,11 @@ import sys
 import pytest
 
 from stepwatch.core._ratelog import RateLimitedLog
-from stepwatch.exporters import _fastrecord
+from stepwatch.exporters import _cext
 from stepwatch.exporters._recorder import FAST_RECORDER, StepRecorder
 
 pytestmark = pytest.mark.skipif(FAST_RECORDER is None, reason="_fastrecord is not built")
+_fastrecord = _cext.fastrecord
 
 
 class _Clock:

@@ -30,7 +30,9 @@ from stepwatch.otel_bridge import _fast
 from stepwatch.otel_bridge._convert import MAX_DURATION_S, TAG_ALLOWLIST, convert_to_points
 from stepwatch.otel_bridge._decode import RequestError, parse_protobuf
 from stepwatch.otel_bridge._identity import IDENTITY_KEYS
+from tests.c_extensions import needs
 
+pytestmark = needs(_fast.AVAILABLE, "the bridge's C fast path")
 NOW_NS = time.time_ns()
 
 
@@ -97,7 +99,8 @@ def compare(
 
 
 def test_extension_is_built() -> None:
-    """CI builds the extension (gcc is there): the fast path must really run in the tests."""
+    """Where the extension is built (CI: ``STEPWATCH_REQUIRE_C=1``), the fast path really runs in
+    the tests."""
     assert _fast.AVAILABLE, _fast.IMPORT_ERROR
     from stepwatch.otel_bridge import _fastpath
 
@@ -458,6 +461,42 @@ def _check_malformed(body: bytes) -> bool:
     assert not isinstance(expected, RequestError), "handled a body protobuf refuses"
     assert fast.lines == expected
     return True
+
+
+def test_tags_and_lengths_in_more_than_five_bytes_are_left_to_python() -> None:
+    """protobuf (upb) refuses a tag or a length encoded in more than 5 bytes, whatever its
+    value; the fast path once took them (found by the fuzzer's oracle)."""
+    for size in range(1, 11):
+        overlong = bytes([0x80] * (size - 1) + [0x00])
+        length = b"\x0a" + overlong  # resource_metrics, empty, its length in `size` bytes
+        tag = (b"\x8a" + overlong[1:] if size > 1 else b"\x0a") + b"\x00"
+        for body in (
+            length,
+            tag,
+            length * 3 + window_body(random.Random(size), rank=0, ranks=1, kernels=0),
+        ):
+            handled = _check_malformed(body)
+            assert handled is (size <= 5), (size, body.hex())
+
+
+def test_tags_whose_values_are_all_empty() -> None:
+    """Allowlisted attributes with empty values (not stored) as a resource's or a point's only
+    tags: the tags write no text at all. Under UBSan (scripts/ci_sanitizers.sh) the fast path
+    once added their offset to a buffer never allocated (NULL + 0, found by the fuzzer)."""
+    from tests.otel_bridge import otlp_requests as otlp
+
+    cases = [
+        otlp.request([otlp.gauge("hw.power", 1.5, attrs={"hw.id": "GPU-0"})], {"host.name": ""}),
+        otlp.request(
+            [otlp.gauge("stepwatch.step.last", 7.0, attrs={"stepwatch.phase": ""})],
+            {**otlp.rank_resource(), "host.name": "", "service.name": ""},
+        ),
+        otlp.request([otlp.gauge("hw.power", 2.0, attrs={"hw.id": ""})], {"host.name": ""}),
+    ]
+    for request in cases:
+        body = request.SerializeToString()
+        for allowlist in (TAG_ALLOWLIST, frozenset({"host.name", _schema.RANK})):
+            assert compare(body, tag_allowlist=allowlist)
 
 
 def test_truncated_and_corrupted_bodies() -> None:

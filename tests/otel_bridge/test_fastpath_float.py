@@ -17,16 +17,16 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepwatch.otel_bridge import _fast
+from tests.c_extensions import needs
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "otel_bridge" / "csrc"
 
-pytestmark = pytest.mark.skipif(not _fast.AVAILABLE, reason="the C extension is not built")
+pytestmark = needs(_fast.AVAILABLE, "the bridge's C fast path")
 
 
 def _format(value: float) -> str:

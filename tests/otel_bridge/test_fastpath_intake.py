@@ -16,12 +16,16 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from stepwatch.core import ConfigError, settings
 from stepwatch.core._influx import wait_until
 from stepwatch.otel_bridge import Bridge, _fast
 from stepwatch.otel_bridge._convert import convert_request
 from stepwatch.otel_bridge._decode import parse_protobuf
 from stepwatch.otel_bridge._intake import Outcome
+from tests.c_extensions import needs
 from tests.otel_bridge.otlp_requests import post
+
+needs_c = needs(_fast.AVAILABLE, "the bridge's C fast path")
 
 NOW_NS = time.time_ns()
 
@@ -112,8 +116,8 @@ def _bodies(seed: int, ranks: int, windows: int, kernels: int) -> list[bytes]:
         ({"max_series_total": 50}, "reason=cardinality_limit"),
     ],
 )
+@needs_c
 def test_fast_and_python_bridges_agree(options: dict[str, Any], expect: str) -> None:
-    assert _fast.AVAILABLE
     clock = [time.monotonic()]
     fast, python = _bridge(True, clock, **options), _bridge(False, clock, **options)
     bodies = _bodies(3, ranks=4, windows=3, kernels=6)
@@ -138,6 +142,7 @@ def test_fast_and_python_bridges_agree(options: dict[str, Any], expect: str) -> 
     assert any(expect in key and value > 0 for key, value in metrics.items()), metrics
 
 
+@needs_c
 def test_forced_python_path_never_calls_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
     from stepwatch.otel_bridge import _fastpath
 
@@ -159,6 +164,7 @@ def test_forced_python_path_never_calls_the_extension(monkeypatch: pytest.Monkey
 def test_missing_extension_logs_once_and_uses_python(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    monkeypatch.delenv(settings.REQUIRE_C.variable, raising=False)
     monkeypatch.setattr(_fast, "_fastpath", None)
     monkeypatch.setattr(_fast, "AVAILABLE", False)
     monkeypatch.setattr(_fast, "IMPORT_ERROR", "No module named '_fastpath'")
@@ -172,8 +178,23 @@ def test_missing_extension_logs_once_and_uses_python(
     assert status == 200
     messages = [r.getMessage() for r in caplog.records if "fast path unavailable" in r.getMessage()]
     assert len(messages) == 1
+    assert bridge.metrics.registry.get_sample_value("stepwatch_bridge_fast_path") == 0
+    monkeypatch.setenv(settings.REQUIRE_C.variable, "1")  # CI: a missing extension is an error
+    with pytest.raises(ConfigError, match="STEPWATCH_REQUIRE_C"):
+        Bridge(writer, grpc_port=None, http_port=0).start()  # type: ignore[arg-type]
 
 
+@needs_c
+def test_the_bridge_says_which_path_converts(caplog: pytest.LogCaptureFixture) -> None:
+    for fast, expected, words in ((True, 1, "C fast path"), (False, 0, "fast_path=False")):
+        bridge = Bridge(_Recorder(), grpc_port=None, http_port=0, fast_path=fast)  # type: ignore[arg-type]
+        with caplog.at_level(logging.INFO, logger="stepwatch.otel_bridge"), bridge:
+            pass
+        assert bridge.metrics.registry.get_sample_value("stepwatch_bridge_fast_path") == expected
+        assert any(words in record.getMessage() for record in caplog.records)
+
+
+@needs_c
 def test_http_fast_path_answers_as_before() -> None:
     """Malformed bodies still get 400 (parsed after the fast path declines), gzip works."""
     import gzip
@@ -222,7 +243,7 @@ def test_state_gauges_are_read_at_the_scrape() -> None:
         assert sample("stepwatch_bridge_spool_bytes") == 0
 
 
-@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("fast", [pytest.param(True, marks=needs_c), False])
 def test_silent_series_are_forgotten_after_the_ttl(fast: bool) -> None:
     """A series is forgotten after series_ttl_s without a point (up to 1/64 of it sooner:
     its time is refreshed at that granularity, on both paths); a series that keeps coming

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from stepwatch.core._influx import wait_until
-from stepwatch.otel_bridge import Bridge, DiskSpool
+from stepwatch.otel_bridge import Bridge, DiskSpool, _fast
 from stepwatch.otel_bridge._http_server import MAX_HEADERS
+from tests.c_extensions import needs
 from tests.otel_bridge.otlp_requests import RecordingWriter, post, window_request
 
 
@@ -94,6 +95,7 @@ def test_a_new_connection_takes_the_place_of_the_one_idle_longest() -> None:
             sock.close()
 
 
+@needs(_fast.AVAILABLE, "the bridge's C fast path")  # its ingest_body is what runs where
 @pytest.mark.parametrize("durable", [False, True])
 def test_exports_run_on_the_loop_unless_the_spool_waits_for_a_disk(
     durable: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stepwatch.exporters import _fasthist
+from stepwatch.exporters import _cext
 from stepwatch.exporters.kernels import KernelEvent
 from stepwatch.exporters.kernels._summary import self_time_events, self_time_events_python
 from stepwatch.exporters.kernels._torch_backend import (
@@ -32,6 +32,11 @@ _span = st.tuples(
 )
 
 
+_fasthist = _cext.fasthist
+needs_c = pytest.mark.skipif(_fasthist is None, reason="the C extension _fasthist is not built")
+
+
+@needs_c
 @settings(max_examples=400, deadline=None)
 @given(st.lists(_span, max_size=40))
 def test_the_c_pass_gives_the_python_result_element_for_element(
@@ -68,6 +73,7 @@ def test_ties_keep_the_input_order_and_threads_their_first_appearance() -> None:
     }
 
 
+@needs_c
 @pytest.mark.parametrize(
     "spans",
     [

@@ -18,6 +18,7 @@ from stepwatch.app._demo_job import (
     DEMO_STEPS,
     FAULT_KINDS,
     HANG_FAULTS,
+    INSTRUMENTATIONS,
     NO_KERNELS_BY_DEFAULT,
 )
 from stepwatch.core import settings
@@ -98,6 +99,14 @@ def register(subparsers: Any) -> None:
         help="auto mode times phases on steps >= 50 ms apart ('auto', the default), 1 step in "
         "N (an integer) or every step (1); the collective wait is timed on every step, and the "
         "detectors know what sampled phases rest on",
+    )
+    demo.add_argument(
+        "--instrumentation",
+        choices=INSTRUMENTATIONS,
+        default="auto",
+        help="how the job's loop is timed: 'auto' (monitor.instrument: the collective wait as "
+        "communication) or 'hand' (the README's loop: data, forward, backward, optimizer "
+        "phases, the all-reduce inside backward)",
     )
     demo.add_argument(
         "--keep-running",
@@ -255,6 +264,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             if args.kernels is None
             else args.kernels,
             phase_sampling=args.phase_sampling,
+            instrumentation=args.instrumentation,
         )
         if hangs:
             return _hang_demo(stack, config, json_lines=args.json)

@@ -37,6 +37,24 @@ def _float(raw: str) -> float:
     return float(raw)
 
 
+def _switch(raw: str) -> bool:
+    """An on/off variable: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``."""
+    value = raw.lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/true/yes/on or 0/false/no/off")
+
+
+def _backward_mark(raw: str) -> str:
+    """``engine`` or ``tensor-hook`` (``tensor_hook`` read as ``tensor-hook``)."""
+    value = raw.lower().replace("_", "-")
+    if value not in ("engine", "tensor-hook"):
+        raise ValueError("expected engine or tensor-hook")
+    return value
+
+
 def _milliseconds_as_s(raw: str) -> float:
     """OTel's ``*_TIMEOUT`` and ``*_INTERVAL`` variables are milliseconds."""
     value = float(raw) / 1000.0
@@ -526,6 +544,34 @@ HISTOGRAM_BUCKETS = Setting[str](
     "exponential",
     _text,
     "exponential, or explicit: fixed log-spaced bounds a Collector's influxdb exporter keeps",
+)
+
+# ---- the C extensions (issue 46; docs/packaging.md) ----------------------------------------
+# The exporters' and the bridge's C fast paths are optional: a package built without a C
+# compiler installs its Python paths, which give the same results at more CPU.
+EXPORTERS_NO_C = Setting[bool](
+    "exporters_no_c",
+    "STEPWATCH_EXPORTERS_NO_C",
+    False,
+    _switch,
+    "1: the exporters use their Python paths even where the C extensions are built (read once, "
+    "when stepwatch.exporters is first imported)",
+)
+BACKWARD_MARK = Setting[str](
+    "backward_mark",
+    "STEPWATCH_BACKWARD_MARK",
+    "engine",
+    _backward_mark,
+    "engine (auto mode marks a backward's start at the autograd engine's gate) or tensor-hook "
+    "(a hook on the forward's output, when its gradient arrives)",
+)
+REQUIRE_C = Setting[bool](
+    "require_c",
+    "STEPWATCH_REQUIRE_C",
+    False,
+    _switch,
+    "1: StepMonitor and the bridge refuse to start where their C extension is not built "
+    "(CI, images that must have the fast paths)",
 )
 
 

@@ -66,7 +66,10 @@ if TYPE_CHECKING:
     )
 
 # Lazy façade (PEP 562): ``import stepwatch.app._detect_commands`` (the CLI) must not pull in
-# numpy, so each public name is imported on first use from its room (subpackage).
+# numpy, so each public name is imported on first use from its room (subpackage). Type
+# checkers and linters read the names only from the imports above and a literal ``__all__``
+# below; this map is what the lazy import needs. ``test_the_facade_lists_agree`` keeps the three
+# the same, so a name added to one and not the others fails there.
 _EXPORTS: dict[str, str] = {
     "DetectorConfig": "analysis",
     "Finding": "analysis",

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
+from stepwatch.exporters import _cext
+
 if TYPE_CHECKING:
     from stepwatch.exporters._window import KernelSource, KernelWindow
 
@@ -63,6 +65,9 @@ class MonitorStats:
         export_cpu_s: CPU time of the export work so far: every export (building, encoding
             and sending a window, the kernel source's drain included, on whichever thread
             called it) and the export thread's looks between exports.
+        implementation: Which paths time the steps and build the windows: ``c`` (the C
+            extensions) or ``python`` (not built: no C compiler; or turned off by
+            ``STEPWATCH_EXPORTERS_NO_C``). The same phases either way (docs/packaging.md).
     """
 
     steps_recorded: int
@@ -80,6 +85,7 @@ class MonitorStats:
     windows_dropped_by_reason: dict[str, int]
     windows_in_flight: int
     export_cpu_s: float = 0.0
+    implementation: str = "c"
 
 
 class ExportAccount:
@@ -155,6 +161,7 @@ class ExportAccount:
                 windows_dropped_by_reason=windows_dropped,
                 windows_in_flight=int(self.window_in_flight),
                 export_cpu_s=self.cpu.spent_ns / 1e9,
+                implementation=_cext.IMPLEMENTATION,
             )
 
 

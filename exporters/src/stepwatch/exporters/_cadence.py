@@ -17,15 +17,16 @@ budget off the training step").
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Sized
 from typing import Any, Final
 
-WAITER: Any = None  # _fastrecord.ExportWaiter where built (Linux): the looks in C
-with contextlib.suppress(ImportError):  # without it (no C extension, not Linux): in Python
-    from stepwatch.exporters._fastrecord import ExportWaiter as WAITER
+from stepwatch.exporters import _cext
+
+# _fastrecord.ExportWaiter where built (Linux): the looks in C; without it (no C extension,
+# STEPWATCH_EXPORTERS_NO_C, not Linux): in Python
+WAITER: Any = getattr(_cext.fastrecord, "ExportWaiter", None)
 
 #: How often the export thread looks at the step count between two exports.
 PROBE_S: Final = 1.0

@@ -15,20 +15,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._ratelog import RateLimitedLog
+from stepwatch.exporters import _cext
 
-try:  # C helpers (exporters/csrc/fastrecord.c), off with STEPWATCH_EXPORTERS_NO_C=1
-    from stepwatch.exporters import _fastrecord
-except ImportError:  # pragma: no cover - built by the package's install
-    _fastrecord = None  # type: ignore[assignment]
-if os.environ.get("STEPWATCH_EXPORTERS_NO_C", "") not in ("", "0"):
-    _fastrecord = None  # type: ignore[assignment]
+_fastrecord = _cext.fastrecord  # C helpers (exporters/csrc/fastrecord.c); None: not built or off
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricsData

@@ -34,11 +34,12 @@ has nothing left to do: it leaves torch's pre-hook loop as the post gate does (`
 
 Installed once a process, on the first instrumentation that can use it, after a probe (an
 ``autograd.grad`` that must not fire an armed hook, then a ``.backward()`` that must): where
-the probe fails (a torch that no longer looks the engine up per call), the C extension is not
-there (or ``STEPWATCH_EXPORTERS_NO_C=1``) or the environment says
+the probe fails (a torch that no longer looks the engine up per call) or the environment says
 ``STEPWATCH_BACKWARD_MARK=tensor-hook``, :func:`acquire` returns None and auto mode registers
-tensor hooks as before. The original engine is put back when the last instrumentation using
-it is removed, if it is still the one installed.
+tensor hooks as before. Where the C extension is not built (or ``STEPWATCH_EXPORTERS_NO_C=1``)
+the gate is its Python twin (``_engine_gate``): the same backward start and end of the wait.
+The original engine is put back when the last instrumentation using it is removed, if it is
+still the one installed.
 """
 
 from __future__ import annotations
@@ -48,17 +49,17 @@ import os
 import threading
 from typing import Any, Final
 
-try:  # exporters/csrc/enginegate.h; off with STEPWATCH_EXPORTERS_NO_C=1, as the C recorder
-    from stepwatch.exporters import _fastrecord
-except ImportError:  # pragma: no cover - built by the package's install
-    _fastrecord = None  # type: ignore[assignment]
-if os.environ.get("STEPWATCH_EXPORTERS_NO_C", "") not in ("", "0"):
-    _fastrecord = None  # type: ignore[assignment]
+from stepwatch.core import settings
+from stepwatch.exporters import _cext
+from stepwatch.exporters._engine_gate import PythonEngineGate
+from stepwatch.exporters._recorder import _ClockStamp
+
+_fastrecord = _cext.fastrecord  # exporters/csrc/enginegate.h; None: not built or turned off
 
 logger = logging.getLogger("stepwatch.exporters")
 
 #: The environment variable that keeps auto mode on tensor hooks (``tensor-hook``).
-ENV_BACKWARD_MARK: Final = "STEPWATCH_BACKWARD_MARK"
+ENV_BACKWARD_MARK: Final = settings.BACKWARD_MARK.variable
 
 _lock = threading.Lock()
 _installed: dict[str, Any] = {}  # "gate", "engine" (ours), "original"; empty: not installed
@@ -93,12 +94,15 @@ def _probe(gate: Any) -> bool:
     return len(fired) == 1
 
 
+def _gate_type() -> Any:
+    """``_fastrecord.EngineGate``, or its Python twin where the extension is not used."""
+    return _fastrecord.EngineGate if _fastrecord is not None else PythonEngineGate
+
+
 def acquire() -> Any | None:
     """The installed ``EngineGate`` (installed by the first call), or None: use tensor hooks."""
     global _users, _refused
-    if _fastrecord is None or not hasattr(_fastrecord, "EngineGate"):
-        return None
-    if os.environ.get(ENV_BACKWARD_MARK, "").strip().lower() in ("tensor-hook", "tensor_hook"):
+    if settings.BACKWARD_MARK.resolve(None, os.environ) == "tensor-hook":
         return None
     with _lock:
         if _installed:
@@ -114,7 +118,7 @@ def acquire() -> Any | None:
             if type(original) is not torch._C._ImperativeEngine:
                 _refused = True  # someone else's engine: theirs stays
                 return None
-            gate = _fastrecord.EngineGate(original.run_backward)
+            gate = _gate_type()(original.run_backward)
             # The gate is a class attribute (it binds to nothing: no __get__) and the instance
             # has no __dict__: the lookup of run_backward is the type's cached one.
             namespace = {"run_backward": gate, "__slots__": ()}
@@ -160,11 +164,14 @@ def close_waits(gate: Any, state: Any) -> bool:
     the optimizer's pre gate leave torch's loop on untimed steps (``hide_pre``).
 
     ``state`` is an ``_auto._AutoState`` with its C gates and the host clock's last-gradient
-    ``ClockStamp``. False where that does not hold (no gate, no C gates, a device timer's
+    ``ClockStamp``, or, where the extension is not used, the Python gate and stamp
+    (``_engine_gate``). False where that does not hold (no gate, no C gates, a device timer's
     stamp, no slot left): the pre gate ends the wait at the next ``optimizer.step()``, as before.
     """
     gates = getattr(state, "gates", ())
     stamp = state.gradient_stamp
+    if type(gate) is PythonEngineGate:
+        return type(stamp) is _ClockStamp and gate.close_waits(stamp, state.recorder)
     if gate is None or not gates or _fastrecord is None:
         return False
     if type(stamp) is not _fastrecord.ClockStamp:

@@ -24,12 +24,10 @@ import sys
 import types
 from typing import Any, Final
 
+from stepwatch.exporters import _cext
 from stepwatch.exporters._recorder import FAST_RECORDER
 
-try:  # the forward's C gate (exporters/csrc/fastrecord.c)
-    from stepwatch.exporters import _fastrecord
-except ImportError:  # pragma: no cover - built by the package's install
-    _fastrecord = None  # type: ignore[assignment]
+_fastrecord = _cext.fastrecord  # the forward's C gate (exporters/csrc/fastrecord.c)
 
 logger = logging.getLogger("stepwatch.exporters")
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, NamedTuple
 
 from stepwatch.core._errors import ConfigError
+from stepwatch.exporters import _cext
 
 MIN_SCALE = -10
 MAX_SCALE = 20
@@ -41,12 +41,7 @@ FLOAT_BITS = 53
 
 _SEQUENCES = (list, tuple)  # what the C loops (exporters/csrc/fasthist.c) take
 
-try:
-    from stepwatch.exporters import _fasthist
-except ImportError:  # pragma: no cover - exercised where the extension is not built
-    _fasthist = None  # type: ignore[assignment]
-if os.environ.get("STEPWATCH_EXPORTERS_NO_C", "") not in ("", "0"):  # the C paths turned off
-    _fasthist = None  # type: ignore[assignment]
+_fasthist = _cext.fasthist  # None: not built (no C compiler), or STEPWATCH_EXPORTERS_NO_C
 if _fasthist is not None and (
     _fasthist.SCALE_FACTORS != _SCALE_FACTORS
     or (_fasthist.MIN_NORMAL, _fasthist.BOUNDARY_MARGIN, _fasthist.UPPER_MARGIN)

@@ -29,12 +29,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from stepwatch.exporters import _cext
 from stepwatch.exporters._recorder import FAST_RECORDER
 
-try:  # the C gates of the optimizer hooks (exporters/csrc/fastrecord.c)
-    from stepwatch.exporters import _fastrecord
-except ImportError:  # pragma: no cover - built by the package's install
-    _fastrecord = None  # type: ignore[assignment]
+_fastrecord = _cext.fastrecord  # the C gates of the optimizer hooks (exporters/csrc/fastrecord.c)
 
 __all__ = ["gates", "nested", "outer_post", "outer_pre", "union_ns"]
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 from stepwatch.core._ratelog import RateLimitedLog
+from stepwatch.exporters import _cext
 from stepwatch.exporters._device import DeviceTimer
 from stepwatch.exporters._sampling import PhaseSampler, share_out, swap_forward_classes
 from stepwatch.exporters._window import KernelSource
@@ -516,12 +517,8 @@ FAST_RECORDER: type[StepRecorder] | None = None
 """:class:`StepRecorder` on the C base ``_fastrecord.RecorderCore``, or None where the extension
 is not built (or ``STEPWATCH_EXPORTERS_NO_C=1``)."""
 
-try:
-    from stepwatch.exporters import _fastrecord
-except ImportError:  # pragma: no cover - built by the package's install; Python otherwise
-    _fastrecord = None  # type: ignore[assignment]
-
-if _fastrecord is not None and os.environ.get("STEPWATCH_EXPORTERS_NO_C", "") in ("", "0"):
+_fastrecord = _cext.fastrecord  # None: not built, or STEPWATCH_EXPORTERS_NO_C
+if _fastrecord is not None:
     _fastrecord.configure(
         StepRecorder.begin_step,
         StepRecorder.end_step,
@@ -591,6 +588,7 @@ def new_mark_stamp(clock_ns: Callable[[], int], device: DeviceTimer) -> Any:
 def new_recorder(**kwargs: Any) -> StepRecorder:
     """A :class:`StepRecorder` (:data:`FAST_RECORDER` where there is one) made with ``kwargs``,
     after its kernel source's ``on_monitor_start`` (CUPTI from here: the first step counts)."""
+    _cext.start(os.environ)  # STEPWATCH_REQUIRE_C; a log line a process: which paths run
     cls = FAST_RECORDER if FAST_RECORDER is not None else StepRecorder
     if (start := getattr(kwargs.get("kernel_source"), "on_monitor_start", None)) is not None:
         start()

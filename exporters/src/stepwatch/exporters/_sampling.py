@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from stepwatch.core._errors import ConfigError
+from stepwatch.exporters import _cext
 
 SAMPLE_INTERVAL_S: Final = 0.05
 SAMPLES_PER_WINDOW: Final = 32
@@ -90,10 +91,8 @@ def _no_recorder() -> None:
     """No C recorder to tell of a changed stride."""
 
 
-try:  # the C recorders cache a sampler's stride; a set stride tells them (exporters/csrc)
-    from stepwatch.exporters._fastrecord import sampler_changed as _stride_changed
-except ImportError:  # pragma: no cover - built by the package's install
-    _stride_changed = _no_recorder
+# The C recorders cache a sampler's stride; a set stride tells them (exporters/csrc).
+_stride_changed = _no_recorder if _cext.fastrecord is None else _cext.fastrecord.sampler_changed
 
 
 class PhaseSampler:

@@ -542,6 +542,27 @@ class WindowBuilder:
             if histogram.count
         ]
         histograms(_schema.PHASE_DURATION, phases)
+        kernels = self._kernel_metric(histogram_bounds)
+        if kernels is not None:
+            metrics.append(kernels)
+        if self._progress is not None:
+            metrics.extend(_progress_metrics(self._progress, bounds))
+        if self._closed:
+            metrics.append(number_metric(_schema.MONITOR_CLOSED, "1", [({}, 1)], bounds))
+        self._reset()
+        return MetricsData(
+            resource_metrics=[
+                ResourceMetrics(
+                    resource=self._resource,
+                    scope_metrics=[ScopeMetrics(scope=self._scope, metrics=metrics, schema_url="")],
+                    schema_url="",
+                )
+            ]
+        )
+
+    def _kernel_metric(self, bounds: tuple[int, int]) -> Metric | None:
+        """The window's kernel histograms as one metric, by total time; ``None`` if none."""
+        totals = self._totals
         kernels = [
             (
                 {_schema.KERNEL_CLASS: kernel_class, _schema.KERNEL_CATEGORY: category},
@@ -559,30 +580,15 @@ class WindowBuilder:
                 (key, snap.with_significant_bits(bits, bounds=sent)) for key, snap in kernels
             ]
         kernels.sort(key=lambda series: series[1].sum)  # stable: ties stay in (class, category)
-        if kernels:
-            metrics.append(
-                _histogram_metric(
-                    _schema.KERNEL_DURATION,
-                    kernels,
-                    histogram_bounds,
-                    min_max=self._kernel_min_max,
-                    explicit=explicit,
-                    cumulative=totals is not None,
-                )
-            )
-        if self._progress is not None:
-            metrics.extend(_progress_metrics(self._progress, bounds))
-        if self._closed:
-            metrics.append(number_metric(_schema.MONITOR_CLOSED, "1", [({}, 1)], bounds))
-        self._reset()
-        return MetricsData(
-            resource_metrics=[
-                ResourceMetrics(
-                    resource=self._resource,
-                    scope_metrics=[ScopeMetrics(scope=self._scope, metrics=metrics, schema_url="")],
-                    schema_url="",
-                )
-            ]
+        if not kernels:
+            return None
+        return _histogram_metric(
+            _schema.KERNEL_DURATION,
+            kernels,
+            bounds,
+            min_max=self._kernel_min_max,
+            explicit=self._explicit,
+            cumulative=totals is not None,
         )
 
 

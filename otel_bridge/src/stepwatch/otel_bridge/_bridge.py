@@ -331,8 +331,9 @@ class Bridge:
 
     def start(self) -> Bridge:
         """Bind the ports and start serving; returns self."""
-        if self.intake.fast_path is False and self._fast_path_requested:
-            _fast.log_unavailable()
+        _fast.announce(
+            self.intake.fast_path, requested=self._fast_path_requested, metrics=self.metrics
+        )
         self.forwarder.start()
         try:
             if self._requested_http_port is not None:

@@ -9,14 +9,22 @@ the Python path would reject, anything malformed or unknown), and the request th
 Python path unchanged. docs/deployment.md, "Bridge vs influxd CPU".
 
 Without a C compiler the package installs without the extension: :data:`AVAILABLE` is False
-and the bridge says so once when it starts.
+and the bridge says so when it starts (:func:`announce`: a warning, and
+``stepwatch_bridge_fast_path`` 0 on ``/metrics``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+from stepwatch.core import settings
+from stepwatch.core._errors import ConfigError
+
+if TYPE_CHECKING:
+    from stepwatch.otel_bridge._metrics import BridgeMetrics
 
 _log = logging.getLogger("stepwatch.otel_bridge")
 
@@ -72,11 +80,27 @@ def convert(
     return None if result is None else FastBatch(*result)
 
 
-def log_unavailable() -> None:
-    """One line at the bridge's start when the extension is missing."""
-    if IMPORT_ERROR is not None:
+def announce(in_use: bool, *, requested: bool, metrics: BridgeMetrics) -> None:
+    """At the bridge's start: refuse to start without the extension where
+    ``STEPWATCH_REQUIRE_C`` asks for it, say which path converts (one log line; a warning when
+    the extension is missing) and set ``stepwatch_bridge_fast_path``.
+
+    Raises:
+        ConfigError: ``STEPWATCH_REQUIRE_C`` is on and the extension is not built.
+    """
+    if IMPORT_ERROR is not None and settings.REQUIRE_C.resolve(None, os.environ):
+        raise ConfigError(
+            f"STEPWATCH_REQUIRE_C=1 but the bridge's C fast path is not built ({IMPORT_ERROR}): "
+            "reinstall stepwatch-otel-bridge with a C compiler present"
+        )
+    metrics.fast_path.set(1 if in_use else 0)
+    if in_use:
+        _log.info("bridge: converting with the C fast path")
+    elif IMPORT_ERROR is not None and requested:
         _log.warning(
             "bridge C fast path unavailable (%s): converting in Python, ~10x the CPU per "
             "point; reinstall stepwatch-otel-bridge with a C compiler present",
             IMPORT_ERROR,
         )
+    else:
+        _log.info("bridge: converting in Python (fast_path=False)")

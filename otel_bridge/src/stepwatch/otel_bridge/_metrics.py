@@ -103,6 +103,12 @@ class BridgeMetrics:
             registry=self.registry,
         )
         self.healthy.set(1)
+        self.fast_path = Gauge(
+            "stepwatch_bridge_fast_path",
+            "1: request bodies are converted by the C fast path (stepwatch.otel_bridge._fastpath)"
+            "; 0: by the Python path (the extension is not built, or fast_path=False).",
+            registry=self.registry,
+        )
         self.series = Gauge(
             "stepwatch_bridge_series",
             "Series the cardinality guard currently remembers (seen within its TTL).",

@@ -258,7 +258,6 @@ def _flag_metrics(basis: Basis, pool: ThreadPoolExecutor) -> Metrics:
     frame = basis.frame
     stalls = pool.submit(_stalls, basis) if config.workers > 1 else None
     series = _series(basis)
-    values = [item.values for item in series]
     thresholds = _thresholds(basis, series, pool.map)
     # One-off stalls take the last columns (filled here, not tested across scales), then,
     # on frames too short for the statistics (a profiler trace), late arrivals.
@@ -271,96 +270,23 @@ def _flag_metrics(basis: Basis, pool: ThreadPoolExecutor) -> Metrics:
         stall_effect = np.concatenate([stall_effect, late[2]], axis=2)
     tested = len(series)
     shape = (frame.n_windows, frame.n_ranks, tested + len(stall_names))
-    flags = np.zeros(shape, dtype=bool)
-    effect: FloatArray = np.full(shape, np.nan, dtype=basis.dtype)
-    zmax = np.zeros(shape)
+    metrics = Metrics(
+        names=(*(item.name for item in series), *stall_names),
+        flags=np.zeros(shape, dtype=bool),
+        effect=np.full(shape, np.nan, dtype=basis.dtype),
+        z=np.zeros(shape),
+    )
     if stall_names:
-        flags[:, :, tested:] = stall_flags
-        effect[:, :, tested:] = stall_effect
-        np.copyto(zmax[:, :, tested:], np.nan_to_num(stall_effect), where=stall_flags)
+        metrics.flags[:, :, tested:] = stall_flags
+        metrics.effect[:, :, tested:] = stall_effect
+        np.copyto(metrics.z[:, :, tested:], np.nan_to_num(stall_effect), where=stall_flags)
     runs = kernel_runs(basis)
     dense = (
         tested
         if runs is None
         else next((m for m, item in enumerate(series) if is_kernel_series(item.name)), tested)
     )
-    run_baseline = None if runs is None else runs.baseline(basis.baseline)
-
-    def test_block(start: int, stop: int, compact: bool) -> None:
-        """Test series ``start:stop``, on every window or (``compact``) on the kernel runs."""
-        picked = runs if compact else None
-        n_windows = frame.n_windows if picked is None else picked.first.size
-        # Gate for every scale: the last few windows must still show the effect, so a long
-        # trailing mean cannot keep a finding open after the condition cleared.
-        # (A frame of one or two windows has no 3-window scale: the gate is what it has.)
-        gate_scale = max(1, min(3, max(config.scales), n_windows))
-        scales = [
-            scale
-            for scale in sorted({1, gate_scale, *config.scales})
-            if scale == 1 or scale <= n_windows
-        ]
-        # Straight into the test dtype: the same values as stacking, then converting, with
-        # no (W, R, M) float64 intermediate (an exact widening first changes nothing).
-        block: FloatArray = np.empty((n_windows, frame.n_ranks, stop - start), dtype=basis.dtype)
-        for column, series_values in enumerate(values[start:stop]):
-            block[:, :, column] = series_values if picked is None else picked.pool(series_values)
-        logs = safe_log(block, dtype=basis.dtype)  # silent ranks are NaN already
-        del block
-        # Each rank against its own group: the groups' structural offsets taken out.
-        baseline = basis.baseline if run_baseline is None or picked is None else run_baseline
-        logs = basis.groups.centre(logs, baseline)
-        limit = (thresholds if picked is None else thresholds[picked.first])[:, None, start:stop]
-        tests = multiscale_outliers(
-            logs,
-            metric="block",
-            scales=scales,
-            fdr_q=config.fdr_q,
-            min_scale=config.min_scale,
-            min_ranks=config.min_ranks,
-            reference=basis.reference,
-            exact_p_values=False,  # only reject, z and log_effect are used here
-        )
-        recent = tests[gate_scale].log_effect
-        if picked is None:  # the frame's own arrays, written in place
-            flags_block = flags[:, :, start:stop]
-            zmax_block = zmax[:, :, start:stop]
-            effect_block = effect[:, :, start:stop]
-        else:
-            flags_block = np.zeros(logs.shape, dtype=bool)
-            zmax_block = np.zeros(logs.shape)
-            effect_block = np.full(logs.shape, np.nan, dtype=basis.dtype)
-        for scale, test in tests.items():
-            if scale not in config.scales:
-                continue
-            # A flag needs a BH rejection, which few cells have: the effect conditions are
-            # evaluated on those cells alone instead of on every (window, rank, metric).
-            cells = _cells(test.reject)
-            cell_limit = limit[cells[0], 0, cells[2]]
-            cell_effect = test.log_effect[cells]
-            cell_recent = recent[cells]
-            # The last windows must still show at least half of the long-run excess.
-            current = cell_recent >= np.maximum(cell_limit, 0.5 * cell_effect)
-            kept = (cell_effect >= cell_limit) & current
-            hit = np.zeros(test.reject.shape, dtype=bool)
-            hit[tuple(index[kept] for index in cells)] = True
-            _mark(
-                flags_block, zmax_block, persistent(hit, windows=config.persistence_windows), test.z
-            )
-            if scale == 1:
-                effect_block[...] = test.log_effect
-        single = tests[1]
-        hit = sustained_outliers(
-            single,
-            windows=config.sustained_windows,
-            q=config.fdr_q,
-            min_log_effect=np.maximum(limit, math.log(config.sustained_min_ratio)),
-        )
-        _mark(flags_block, zmax_block, hit, single.z)
-        if picked is not None:
-            flags[:, :, start:stop] = picked.spread(flags_block, frame.n_windows)
-            picked.place(zmax[:, :, start:stop], zmax_block)
-            picked.place(effect[:, :, start:stop], effect_block)
-
+    test_block = _BlockTest(basis, [item.values for item in series], thresholds, runs, metrics)
     blocks: list[tuple[int, int, bool]] = []
     for first, stop, compact in ((0, dense, False), (dense, tested, True)):
         workers = max(1, min(config.workers, stop - first))
@@ -373,8 +299,123 @@ def _flag_metrics(basis: Basis, pool: ThreadPoolExecutor) -> Metrics:
     else:
         for future in [pool.submit(test_block, *block) for block in blocks]:
             future.result()
-    names = (*(item.name for item in series), *stall_names)
-    return Metrics(names=names, flags=flags, effect=effect, z=zmax)
+    return metrics
+
+
+class _BlockTest:
+    """Tests a block of series and writes its flags, z and effects into the metrics' arrays.
+
+    Blocks are disjoint column ranges, so several run at once on worker threads.
+    """
+
+    def __init__(
+        self,
+        basis: Basis,
+        values: list[FloatArray],
+        thresholds: FloatArray,
+        runs: KernelRuns | None,
+        out: Metrics,
+    ) -> None:
+        self.basis = basis
+        self.values = values
+        self.thresholds = thresholds
+        self.runs = runs
+        self.run_baseline = None if runs is None else runs.baseline(basis.baseline)
+        self.out = out
+
+    def __call__(self, start: int, stop: int, compact: bool) -> None:
+        """Test series ``start:stop``, on every window or (``compact``) on the kernel runs."""
+        config = self.basis.config
+        picked = self.runs if compact else None
+        n_windows = self.basis.frame.n_windows if picked is None else picked.first.size
+        # Gate for every scale: the last few windows must still show the effect, so a long
+        # trailing mean cannot keep a finding open after the condition cleared.
+        # (A frame of one or two windows has no 3-window scale: the gate is what it has.)
+        gate_scale = max(1, min(3, max(config.scales), n_windows))
+        scales = [
+            scale
+            for scale in sorted({1, gate_scale, *config.scales})
+            if scale == 1 or scale <= n_windows
+        ]
+        logs = self._logs(start, stop, picked, n_windows)
+        limit = (self.thresholds if picked is None else self.thresholds[picked.first])[
+            :, None, start:stop
+        ]
+        tests = multiscale_outliers(
+            logs,
+            metric="block",
+            scales=scales,
+            fdr_q=config.fdr_q,
+            min_scale=config.min_scale,
+            min_ranks=config.min_ranks,
+            reference=self.basis.reference,
+            exact_p_values=False,  # only reject, z and log_effect are used here
+        )
+        if picked is None:  # the frame's own arrays, written in place
+            flags = self.out.flags[:, :, start:stop]
+            zmax = self.out.z[:, :, start:stop]
+            effect = self.out.effect[:, :, start:stop]
+        else:
+            flags = np.zeros(logs.shape, dtype=bool)
+            zmax = np.zeros(logs.shape)
+            effect = np.full(logs.shape, np.nan, dtype=self.basis.dtype)
+        recent = tests[gate_scale].log_effect
+        for scale, test in tests.items():
+            if scale not in config.scales:
+                continue
+            hit = _effect_holds(test.reject, test.log_effect, recent, limit)
+            _mark(flags, zmax, persistent(hit, windows=config.persistence_windows), test.z)
+            if scale == 1:
+                effect[...] = test.log_effect
+        single = tests[1]
+        hit = sustained_outliers(
+            single,
+            windows=config.sustained_windows,
+            q=config.fdr_q,
+            min_log_effect=np.maximum(limit, math.log(config.sustained_min_ratio)),
+        )
+        _mark(flags, zmax, hit, single.z)
+        if picked is not None:
+            self.out.flags[:, :, start:stop] = picked.spread(flags, self.basis.frame.n_windows)
+            picked.place(self.out.z[:, :, start:stop], zmax)
+            picked.place(self.out.effect[:, :, start:stop], effect)
+
+    def _logs(self, start: int, stop: int, picked: KernelRuns | None, n_windows: int) -> FloatArray:
+        """Log values of series ``start:stop``, each rank centred on its group."""
+        basis = self.basis
+        # Straight into the test dtype: the same values as stacking, then converting, with
+        # no (W, R, M) float64 intermediate (an exact widening first changes nothing).
+        block: FloatArray = np.empty(
+            (n_windows, basis.frame.n_ranks, stop - start), dtype=basis.dtype
+        )
+        for column, series_values in enumerate(self.values[start:stop]):
+            block[:, :, column] = series_values if picked is None else picked.pool(series_values)
+        logs = safe_log(block, dtype=basis.dtype)  # silent ranks are NaN already
+        del block
+        # Each rank against its own group: the groups' structural offsets taken out.
+        baseline = (
+            basis.baseline if self.run_baseline is None or picked is None else self.run_baseline
+        )
+        return basis.groups.centre(logs, baseline)
+
+
+def _effect_holds(
+    reject: BoolArray, log_effect: FloatArray, recent: FloatArray, limit: FloatArray
+) -> BoolArray:
+    """The rejected cells whose effect reaches the limit and still shows in the last windows.
+
+    A flag needs a BH rejection, which few cells have: the effect conditions are evaluated on
+    those cells alone instead of on every (window, rank, metric). The last windows must still
+    show at least half of the long-run excess.
+    """
+    cells = _cells(reject)
+    cell_limit = limit[cells[0], 0, cells[2]]
+    cell_effect = log_effect[cells]
+    current = recent[cells] >= np.maximum(cell_limit, 0.5 * cell_effect)
+    kept = (cell_effect >= cell_limit) & current
+    hit = np.zeros(reject.shape, dtype=bool)
+    hit[tuple(index[kept] for index in cells)] = True
+    return hit
 
 
 def _mark(flags: BoolArray, zmax: FloatArray, hit: BoolArray, z: FloatArray) -> None:

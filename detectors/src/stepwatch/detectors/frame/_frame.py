@@ -9,15 +9,15 @@ bin: per-step means stay exact whatever the number of exports per bin.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from stepwatch.core import _schema
 from stepwatch.core._errors import ConfigError
 from stepwatch.core._influx import InfluxClient, QuerySeries, quote_ident, quote_literal
-from stepwatch.detectors.frame import _sampled
+from stepwatch.detectors.frame import _bins, _sampled
 from stepwatch.detectors.stats._stats import BoolArray, FloatArray
 
 #: Kernel categories whose time counts as "compute" for straggler blame.
@@ -177,65 +177,6 @@ class JobFrame:
         return np.asarray(self.phase_s[:, :, self.phases.index(name)])
 
 
-def _series_rank(series: QuerySeries) -> int | None:
-    text = series.tags.get(_schema.RANK, "")
-    try:
-        return int(text)
-    except ValueError:
-        return None
-
-
-@dataclasses.dataclass
-class _Accumulator:
-    """Sums, maxima and minima per (bin, rank[, key]) while parsing query results."""
-
-    n_bins: int
-    rank_index: dict[int, int]
-    keys: dict[str, int] = dataclasses.field(default_factory=dict)
-    rows: list[tuple[int, int, int, float, float, float, float]] = dataclasses.field(
-        default_factory=list
-    )
-
-    def add(
-        self,
-        bin_index: int,
-        rank: int,
-        key: str,
-        total: float,
-        count: float,
-        peak: float,
-        low: float = math.nan,
-    ) -> None:
-        key_index = self.keys.setdefault(key, len(self.keys))
-        self.rows.append((bin_index, self.rank_index[rank], key_index, total, count, peak, low))
-
-    def arrays(self, n_ranks: int) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
-        """``(total, count, peak, low)``, each ``(bins, ranks, keys)``; NaN where no row."""
-        shape = (self.n_bins, n_ranks, max(len(self.keys), 1))
-        total = np.zeros(shape)
-        count = np.zeros(shape)
-        peak = np.full(shape, np.nan)
-        low = np.full(shape, np.nan)
-        if self.rows:
-            data = np.array(self.rows, dtype=np.float64)
-            index = (
-                data[:, 0].astype(np.int64),
-                data[:, 1].astype(np.int64),
-                data[:, 2].astype(np.int64),
-            )
-            np.add.at(total, index, data[:, 3])
-            np.add.at(count, index, data[:, 4])
-            np.fmax.at(peak, index, data[:, 5])
-            np.fmin.at(low, index, data[:, 6])
-        return total, count, peak, low
-
-
-def _number(value: object) -> float:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return math.nan
-
-
 #: Empty analysis windows kept after a job's last data: a frame ends at the window holding
 #: ``end_unix_nano`` or this many windows after the last data, whichever comes first, so a
 #: range far past the data (``--to 2030``) costs nothing, while a job that went silent
@@ -328,7 +269,7 @@ def _data_span(results: Sequence[QuerySeries]) -> tuple[int, int] | None:
     times = [
         int(row[0])
         for series in results
-        if _series_rank(series) is not None
+        if _bins.series_rank(series) is not None
         for row in series.values
         if row and isinstance(row[0], int | float)
     ]
@@ -361,10 +302,6 @@ def export_window_s(results: Sequence[QuerySeries]) -> float:
     return min(1.0, 2.0 * max(0.05, round(median_s * 20.0) / 20.0))
 
 
-def _coordinate(text: str) -> int | None:
-    return int(text) if text.lstrip("-").isdigit() else None
-
-
 def frame_from_series(
     job: str,
     results: Sequence[QuerySeries],
@@ -375,117 +312,68 @@ def frame_from_series(
 ) -> JobFrame:
     """Build a :class:`JobFrame` from the series of :func:`read_frame`'s statements."""
     window_ns = round(window_s * 1e9)
-    hosts: dict[int, str] = {}
-    coordinates: dict[str, dict[int, int]] = {
-        _schema.PP_RANK: {},
-        _schema.DP_RANK: {},
-        _schema.TP_RANK: {},
-    }
-    ranks: set[int] = set()
-    for series in results:
-        rank = _series_rank(series)
-        if rank is None:
-            continue
-        ranks.add(rank)
-        if series.name == _schema.STEP_DURATION:
-            hosts[rank] = series.tags.get(_schema.HOST_NAME, "") or hosts.get(rank, "")
-            for tag, known in coordinates.items():
-                number = _coordinate(series.tags.get(tag, ""))
-                if number is not None:
-                    known[rank] = number
-    ordered = sorted(ranks)
-    rank_index = {rank: index for index, rank in enumerate(ordered)}
-    step = _Accumulator(n_bins, rank_index)
-    phase = _Accumulator(n_bins, rank_index)
-    kernel = _Accumulator(n_bins, rank_index)
-    idle = _Accumulator(n_bins, rank_index)
-    clock = _Accumulator(n_bins, rank_index)
-    sampled = _Accumulator(n_bins, rank_index)
-    sampled_steps = _Accumulator(n_bins, rank_index)
-    every_step = _Accumulator(n_bins, rank_index)
-    categories: dict[str, str] = {}
-    for series in results:
-        rank = _series_rank(series)
-        if rank is None:
-            continue
-        columns = series.columns
-        layout: tuple[str, ...]
-        if series.name == _schema.GPU_SM_CLOCK:
-            target, key, layout = clock, "clock", ("gauge",)
-        elif series.name == _schema.SAMPLED_STEPS:
-            target, key, layout = sampled_steps, "sampled", ("counter",)
-        elif series.name == _schema.PHASE_EVERY_STEP:
-            key = series.tags.get(_schema.PHASE, "") or "other"
-            target, layout = every_step, ("counter",)
-        else:
-            layout = ("sum", "count", "max", "min")
-            if series.name == _schema.STEP_DURATION:
-                target, key = step, "step"
-            elif series.name == _schema.PHASE_DURATION:
-                target, key = phase, series.tags.get(_schema.PHASE, "") or "other"
-            elif series.name == _schema.KERNEL_DURATION:
-                target = kernel
-                key = series.tags.get(_schema.KERNEL_CLASS, "") or "other"
-                categories[key] = series.tags.get(_schema.KERNEL_CATEGORY, "") or "other"
-            elif series.name == _schema.DEVICE_IDLE_DURATION:
-                target, key = idle, "idle"
-            elif series.name == _schema.SAMPLED_STEP_DURATION:
-                target, key = sampled, "sampled"
-            else:
-                continue
-        positions = [columns.index(name) if name in columns else -1 for name in layout]
-        for row in series.values:
-            time_unix_nano = int(row[0])
-            bin_index = (time_unix_nano - origin_unix_nano) // window_ns
-            if not 0 <= bin_index < n_bins:
-                continue
-            numbers = [_number(row[p]) if p >= 0 else math.nan for p in positions]
-            if len(layout) == 1:  # a gauge or a counter
-                value = numbers[0]
-                if math.isfinite(value):
-                    target.add(bin_index, rank, key, value, 1.0, value)
-                continue
-            total, count, peak, low = numbers
-            if not (math.isfinite(total) and math.isfinite(count)):
-                continue
-            target.add(bin_index, rank, key, total, count, peak, low)
-    n_ranks = len(ordered)
-    step_total, step_count, step_peak, _ = step.arrays(n_ranks)
+    who = _bins.identity(results)
+    bins = _bins.bin_series(
+        results, who, origin_unix_nano=origin_unix_nano, n_bins=n_bins, window_ns=window_ns
+    )
+    n_ranks = len(who.ranks)
+    step_total, step_count, step_peak, _ = bins.step.arrays(n_ranks)
     steps = step_count[:, :, 0]
+    step_s = step_total[:, :, 0] * _per(steps)
+    return JobFrame(
+        job=job,
+        window_s=window_s,
+        window_end_unix_nano=origin_unix_nano
+        + window_ns * np.arange(1, n_bins + 1, dtype=np.int64),
+        ranks=np.array(who.ranks, dtype=np.int64),
+        hosts=tuple(who.hosts.get(rank, "") for rank in who.ranks),
+        pp_ranks=np.array(
+            [who.coordinates[_schema.PP_RANK].get(rank, -1) for rank in who.ranks],
+            dtype=np.int64,
+        ),
+        step_count=steps,
+        step_s=step_s,
+        step_max_s=np.where(steps > 0, step_peak[:, :, 0], np.nan),
+        sm_clock_hz=_mean_gauge(bins.clock, n_ranks),
+        dp_ranks=who.coordinate(_schema.DP_RANK),
+        tp_ranks=who.coordinate(_schema.TP_RANK),
+        **_phase_fields(bins, steps, step_total[:, :, 0], step_s),
+        **_kernel_fields(bins, steps),
+    )
+
+
+def _per(counts: FloatArray) -> FloatArray:
+    """``1 / counts`` where positive, NaN elsewhere."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        per_step = np.where(steps > 0, 1.0 / np.where(steps > 0, steps, 1.0), np.nan)
-    phase_names = tuple(phase.keys)
-    phase_total, phase_count, phase_peak, phase_low = phase.arrays(n_ranks)
-    kernel_names = tuple(kernel.keys)
-    kernel_total, kernel_count, _, _ = kernel.arrays(n_ranks)
-    idle_total, idle_count, idle_peak, _ = idle.arrays(n_ranks)
-    # Kernel and idle times per step they rest on: a source that recorded some steps of the
-    # window (a profiler's duty cycle) sends one idle value for each of them.
-    covered = np.where(idle_count[:, :, 0] > 0, np.minimum(idle_count[:, :, 0], steps), steps)
-    kernel_steps: FloatArray | None = None
-    if idle.keys and bool(((covered < steps) & (steps > 0)).any()):
-        kernel_steps = covered
+        return np.where(counts > 0, 1.0 / np.where(counts > 0, counts, 1.0), np.nan)
+
+
+def _mean_gauge(gauge: _bins.Accumulator, n_ranks: int) -> FloatArray | None:
+    if not gauge.keys:
+        return None
+    total, count, _, _ = gauge.arrays(n_ranks)
     with np.errstate(invalid="ignore", divide="ignore"):
-        per_covered = np.where(covered > 0, 1.0 / np.where(covered > 0, covered, 1.0), np.nan)
-    kernel_reported = (kernel_count > 0).any(axis=2) | (idle_count[:, :, 0] > 0)
-    clock_total, clock_count, _, _ = clock.arrays(n_ranks)
-    sm_clock: FloatArray | None = None
-    if clock.keys:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            sm_clock = np.where(
-                clock_count[:, :, 0] > 0, clock_total[:, :, 0] / clock_count[:, :, 0], np.nan
-            )
-    phase_order = sorted(range(len(phase_names)), key=lambda i: _phase_rank(phase_names[i]))
-    step_s = step_total[:, :, 0] * per_step
+        return np.where(count[:, :, 0] > 0, total[:, :, 0] / count[:, :, 0], np.nan)
+
+
+def _phase_fields(
+    bins: _bins.Bins, steps: FloatArray, step_total: FloatArray, step_s: FloatArray
+) -> dict[str, Any]:
+    """The frame's phase arrays, in the schema's phase order; sampled phases pooled."""
+    n_bins, n_ranks = steps.shape
+    per_step = _per(steps)
+    phase_names = tuple(bins.phase.keys)
+    phase_total, phase_count, phase_peak, phase_low = bins.phase.arrays(n_ranks)
+    order = sorted(range(len(phase_names)), key=lambda i: _phase_rank(phase_names[i]))
     phase_s = phase_total * per_step[:, :, None]
     phase_step_s: FloatArray | None = None
     phase_steps: FloatArray | None = None
-    if sampled.keys:  # phases timed on a sample of steps
-        sampled_total, sampled_count, _, _ = sampled.arrays(n_ranks)
+    if bins.sampled.keys:  # phases timed on a sample of steps
+        sampled_total, sampled_count, _, _ = bins.sampled.arrays(n_ranks)
         timed, stood_for, timed_total = _sampled.timed_steps(
             steps,
-            step_total[:, :, 0],
-            sampled_steps.arrays(n_ranks)[0][:, :, 0],
+            step_total,
+            bins.sampled_steps.arrays(n_ranks)[0][:, :, 0],
             sampled_count[:, :, 0],
             sampled_total[:, :, 0],
         )
@@ -494,66 +382,66 @@ def frame_from_series(
         )
         phase_step_s = np.where(np.isfinite(phase_step_s), phase_step_s, step_s)
     phase_every_step: BoolArray | None = None
-    if every_step.keys and phase_names:
+    if bins.every_step.keys and phase_names:
         # Phases timed on every step while the others were sampled: the window's own time.
-        marked, _, _, _ = every_step.arrays(n_ranks)
+        marked, _, _, _ = bins.every_step.arrays(n_ranks)
         phase_every_step = np.zeros(phase_total.shape, dtype=bool)
-        for name, column in every_step.keys.items():
+        for name, column in bins.every_step.keys.items():
             if name in phase_names:
                 phase_every_step[:, :, phase_names.index(name)] = marked[:, :, column] > 0
         phase_every_step &= (steps > 0)[:, :, None]
         phase_s = np.where(phase_every_step, phase_total * per_step[:, :, None], phase_s)
-        phase_every_step = phase_every_step[:, :, phase_order]
-    kernel_order = sorted(range(len(kernel_names)), key=lambda i: kernel_names[i])
-    no_phases = np.zeros((n_bins, n_ranks, 0))
-
-    def coordinate(tag: str) -> np.ndarray | None:
-        known = coordinates[tag]
-        if not known:
-            return None
-        return np.array([known.get(rank, -1) for rank in ordered], dtype=np.int64)
-
-    return JobFrame(
-        job=job,
-        window_s=window_s,
-        window_end_unix_nano=origin_unix_nano
-        + window_ns * np.arange(1, n_bins + 1, dtype=np.int64),
-        ranks=np.array(ordered, dtype=np.int64),
-        hosts=tuple(hosts.get(rank, "") for rank in ordered),
-        pp_ranks=np.array(
-            [coordinates[_schema.PP_RANK].get(rank, -1) for rank in ordered], dtype=np.int64
-        ),
-        step_count=steps,
-        step_s=step_s,
-        step_max_s=np.where(steps > 0, step_peak[:, :, 0], np.nan),
-        phases=tuple(phase_names[i] for i in phase_order),
-        phase_s=phase_s[:, :, phase_order] if phase_names else no_phases,
-        phase_max_s=phase_peak[:, :, phase_order] if phase_names else no_phases,
-        kernel_classes=tuple(kernel_names[i] for i in kernel_order),
-        kernel_categories=tuple(categories[kernel_names[i]] for i in kernel_order),
-        kernel_s=np.where(
-            kernel_reported[:, :, None], kernel_total * per_covered[:, :, None], np.nan
-        )[:, :, kernel_order]
-        if kernel_names
-        else np.zeros((n_bins, n_ranks, 0)),
-        idle_s=np.where(idle_count[:, :, 0] > 0, idle_total[:, :, 0] * per_covered, np.nan)
-        if idle.keys
-        else np.full(steps.shape, np.nan),
-        idle_max_s=np.where(steps > 0, idle_peak[:, :, 0], np.nan)
-        if idle.keys
-        else np.full(steps.shape, np.nan),
-        sm_clock_hz=sm_clock,
-        dp_ranks=coordinate(_schema.DP_RANK),
-        tp_ranks=coordinate(_schema.TP_RANK),
-        phase_min_s=phase_low[:, :, phase_order] if phase_names else no_phases,
-        phase_step_s=phase_step_s,
-        phase_steps=phase_steps,
-        phase_every_step=phase_every_step,
-        kernel_steps=kernel_steps,
-        phase_occurrences=(phase_count * per_step[:, :, None])[:, :, phase_order]
+        phase_every_step = phase_every_step[:, :, order]
+    empty = np.zeros((n_bins, n_ranks, 0))
+    return {
+        "phases": tuple(phase_names[i] for i in order),
+        "phase_s": phase_s[:, :, order] if phase_names else empty,
+        "phase_max_s": phase_peak[:, :, order] if phase_names else empty,
+        "phase_min_s": phase_low[:, :, order] if phase_names else empty,
+        "phase_step_s": phase_step_s,
+        "phase_steps": phase_steps,
+        "phase_every_step": phase_every_step,
+        "phase_occurrences": (phase_count * per_step[:, :, None])[:, :, order]
         if phase_names
         else None,
-    )
+    }
+
+
+def _kernel_fields(bins: _bins.Bins, steps: FloatArray) -> dict[str, Any]:
+    """The frame's kernel-class and device-idle arrays, per step they rest on.
+
+    A source that recorded some steps of the window (a profiler's duty cycle) sends one idle
+    value for each of them: kernel and idle times are divided by those steps.
+    """
+    n_bins, n_ranks = steps.shape
+    kernel_names = tuple(bins.kernel.keys)
+    kernel_total, kernel_count, _, _ = bins.kernel.arrays(n_ranks)
+    idle_total, idle_count, idle_peak, _ = bins.idle.arrays(n_ranks)
+    idle_counted = idle_count[:, :, 0]
+    covered = np.where(idle_counted > 0, np.minimum(idle_counted, steps), steps)
+    kernel_steps: FloatArray | None = None
+    if bins.idle.keys and bool(((covered < steps) & (steps > 0)).any()):
+        kernel_steps = covered
+    per_covered = _per(covered)
+    reported = (kernel_count > 0).any(axis=2) | (idle_counted > 0)
+    order = sorted(range(len(kernel_names)), key=lambda i: kernel_names[i])
+    no_idle = np.full(steps.shape, np.nan)
+    return {
+        "kernel_classes": tuple(kernel_names[i] for i in order),
+        "kernel_categories": tuple(bins.categories[kernel_names[i]] for i in order),
+        "kernel_s": np.where(reported[:, :, None], kernel_total * per_covered[:, :, None], np.nan)[
+            :, :, order
+        ]
+        if kernel_names
+        else np.zeros((n_bins, n_ranks, 0)),
+        "idle_s": np.where(idle_counted > 0, idle_total[:, :, 0] * per_covered, np.nan)
+        if bins.idle.keys
+        else no_idle,
+        "idle_max_s": np.where(steps > 0, idle_peak[:, :, 0], np.nan)
+        if bins.idle.keys
+        else no_idle,
+        "kernel_steps": kernel_steps,
+    }
 
 
 def _phase_rank(name: str) -> tuple[int, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -18,26 +19,10 @@ from stepwatch.core._errors import ConfigError
 from stepwatch.detectors.simulation._timeline import Parts
 from stepwatch.detectors.simulation._topology import RANKS_PER_HOST, Topology
 from stepwatch.detectors.simulation._truth import OUTSIDE, Fault, TruthFault
-from stepwatch.detectors.stats._stats import FloatArray
+from stepwatch.detectors.stats._stats import BoolArray, FloatArray
 
 #: Kinds whose fault names a kernel class (default ``gemm``).
 KERNEL_KINDS = ("compute_straggler", "job_regression")
-#: The kinds :func:`apply_fault` has a model for: every kind a rule declares simulated must
-#: be one of them (tests/detectors/test_kinds.py).
-FAULT_MODELS = frozenset(
-    {
-        *KERNEL_KINDS,
-        "masked_straggler",
-        "dataloader_stall",
-        "jit_stall",
-        "pipeline_bubble",
-        "link_degradation",
-        "rank_missing",
-        "gpu_health",
-        "stage_imbalance",
-        "workload_imbalance",
-    }
-)
 #: Share of a ``jit_stall`` rank's steps that stall.
 STALL_SHARE = 0.1
 
@@ -124,110 +109,190 @@ def _kernel_delta(
     return apply
 
 
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """Where and when a fault acts: its steps, its ranks and the cells of both."""
+
+    draws: Draws
+    fault: Fault
+    rng: np.random.Generator
+    when: BoolArray  # (steps, 1)
+    rank_mask: BoolArray  # (ranks,)
+
+    @property
+    def hit(self) -> BoolArray:
+        return self.when & self.rank_mask[None, :]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        steps, world = self.draws.parts.data.shape
+        return steps, world
+
+
+class _Model(NamedTuple):
+    """What a fault model returns: its change, where to localise it, and its what-if."""
+
+    apply: Callable[[Parts], Parts]
+    phase: str | None = None
+    kernel_class: str | None = None
+    onset_step: int | None = None  # None: the fault's start step
+    counterfactual: Callable[[Parts], Parts] | None = None
+    ranks: BoolArray | None = None  # None: the fault's ranks
+
+
+def _slower_kernel(at: _Where) -> _Model:
+    names = at.draws.names
+    kernel_class = at.fault.kernel_class or "gemm"
+    if kernel_class not in names:
+        raise ConfigError(f"fault: unknown kernel class {kernel_class!r}")
+    column = np.array([names.index(kernel_class)])
+    apply = _kernel_delta(at.draws, column, np.where(at.hit, at.fault.severity, 1.0))
+    return _Model(apply, phase="backward", kernel_class=kernel_class)
+
+
+def _gpu_health(at: _Where) -> _Model:
+    factor = np.where(at.hit, at.fault.severity, 1.0)
+    apply = _kernel_delta(at.draws, at.draws.columns(category="compute"), factor)
+    at.draws.clock[...] = at.draws.clock / factor
+    return _Model(apply)
+
+
+def _stage_imbalance(at: _Where) -> _Model:
+    """More layers on the stage: forward and backward."""
+    draws, (steps, _) = at.draws, at.shape
+    fwdbwd = draws.columns(placement="fwdbwd")
+    factor = np.where(at.hit, at.fault.severity, 1.0)
+    added = (draws.kernel[..., fwdbwd] * (factor[..., None] - 1.0)).sum(axis=2)
+    apply = _kernel_delta(draws, fwdbwd, factor)
+    # The what-if of re-partitioning: the extra layers spread evenly over the stages of
+    # each replica (every stage does the mean work; Lin et al., OSDI'25).
+    topology = draws.topology
+    spread_out = added.reshape(steps, topology.pp, topology.dp * topology.tp).mean(axis=1)
+    shared = np.tile(spread_out, (1, topology.pp))
+
+    def repartitioned(parts: Parts) -> Parts:
+        return parts.replace(work=parts.work + shared)
+
+    return _Model(apply, phase="backward", counterfactual=repartitioned)
+
+
+def _workload_imbalance(at: _Where) -> _Model:
+    """Each replica's work spread with log-sd log(severity), its mean kept: only the
+    balance changes, not the total."""
+    draws, (steps, world) = at.draws, at.shape
+    sigma = math.log(at.fault.severity)
+    spread = np.exp(at.rng.normal(0.0, sigma, size=(steps, draws.topology.dp)) - sigma**2 / 2.0)
+    replica_of = (np.arange(world) // draws.topology.tp) % draws.topology.dp
+    factor = np.where(at.hit, spread[:, replica_of], 1.0)
+    apply = _kernel_delta(draws, draws.columns(placement="fwdbwd"), factor)
+    total = draws.sequence * factor
+    balance = np.where(at.hit, total.mean(axis=1, keepdims=True) / draws.sequence, 1.0)
+
+    def balanced(parts: Parts) -> Parts:
+        return parts.replace(work=parts.work * balance)
+
+    return _Model(apply, phase="backward", counterfactual=balanced)
+
+
+def _masked_straggler(at: _Where) -> _Model:
+    extra = (at.fault.severity - 1.0) * at.draws.fwdbwd_nominal
+    return _Model(_add("gap", np.where(at.hit, extra, 0.0)), phase="backward")
+
+
+def _dataloader_stall(at: _Where) -> _Model:
+    extra = (at.fault.severity - 1.0) * at.draws.step_s
+    return _Model(_add("data", np.where(at.hit, extra, 0.0)), phase="data")
+
+
+def _jit_stall(at: _Where) -> _Model:
+    hit = at.hit
+    stalls = hit & (at.rng.random(hit.shape) < STALL_SHARE)
+    length = np.where(stalls, 10.0 * (at.fault.severity - 1.0) * at.draws.step_s, 0.0)
+    outside = at.fault.phase == OUTSIDE
+    stalled_steps = np.flatnonzero(stalls.any(axis=1))
+    return _Model(
+        _add("pause" if outside else "gap", length),
+        phase=None if outside else "forward",
+        # Random stalls: the slowdown begins with the first one.
+        onset_step=int(stalled_steps[0]) if stalled_steps.size else None,
+    )
+
+
+def _pipeline_bubble(at: _Where) -> _Model:
+    extra = (at.fault.severity - 1.0) * at.draws.fwdbwd_nominal
+    return _Model(_add("extra_bubble", np.where(at.hit, extra, 0.0)))
+
+
+def _link_degradation(at: _Where) -> _Model:
+    """Every rank of the fault's hosts sends slower."""
+    host_index = np.arange(at.shape[1]) // RANKS_PER_HOST
+    rank_mask = np.isin(host_index, host_index[at.rank_mask])
+    factor = np.where(at.when & rank_mask[None, :], at.fault.severity, 1.0)
+
+    def apply(parts: Parts) -> Parts:
+        return parts.replace(transfer=parts.transfer * factor)
+
+    return _Model(apply, ranks=rank_mask)
+
+
+def _rank_missing(at: _Where) -> _Model:
+    hit = at.hit
+
+    def apply(parts: Parts) -> Parts:
+        return dataclasses.replace(parts, alive=parts.alive & ~hit)
+
+    return _Model(apply)
+
+
+#: Each kind the simulator can inject, and its model. Every kind a rule declares simulated
+#: must be here (tests/detectors/test_kinds.py).
+_MODELS: dict[str, Callable[[_Where], _Model]] = {
+    **dict.fromkeys(KERNEL_KINDS, _slower_kernel),
+    "gpu_health": _gpu_health,
+    "stage_imbalance": _stage_imbalance,
+    "workload_imbalance": _workload_imbalance,
+    "masked_straggler": _masked_straggler,
+    "dataloader_stall": _dataloader_stall,
+    "jit_stall": _jit_stall,
+    "pipeline_bubble": _pipeline_bubble,
+    "link_degradation": _link_degradation,
+    "rank_missing": _rank_missing,
+}
+#: The kinds :func:`apply_fault` has a model for.
+FAULT_MODELS = frozenset(_MODELS)
+#: Kinds that act on every rank: their truth names none.
+_JOB_WIDE = ("job_regression", "workload_imbalance")
+
+
 def apply_fault(draws: Draws, fault: Fault, rng: np.random.Generator) -> Effect:
     """Inject ``fault`` into ``draws.kernel`` (in place); its change to the parts."""
+    model_of = _MODELS.get(fault.kind)
+    if model_of is None:
+        raise ConfigError(f"fault: the simulator cannot inject {fault.kind!r}")
     steps, world = draws.parts.data.shape
     stop = fault.end_step if fault.end_step is not None else steps
     step_index = np.arange(steps)[:, None]
-    when = (step_index >= fault.start_step) & (step_index < stop)
     rank_mask = np.zeros(world, dtype=bool)
     rank_mask[list(fault.ranks)] = True
-    if fault.kind in ("job_regression", "workload_imbalance") or not fault.ranks:
+    if fault.kind in _JOB_WIDE or not fault.ranks:
         rank_mask[:] = True
-    hit = when & rank_mask[None, :]
-    names, step_s = draws.names, draws.step_s
-    kernel_class: str | None = None
-    phase: str | None = None
-    onset = fault.start_step
-    severity = fault.severity
-    fwdbwd = draws.columns(placement="fwdbwd")
-    apply: Callable[[Parts], Parts]
-    counterfactual: Callable[[Parts], Parts] | None = None
-    if fault.kind in KERNEL_KINDS:
-        kernel_class = fault.kernel_class or "gemm"
-        if kernel_class not in names:
-            raise ConfigError(f"fault: unknown kernel class {kernel_class!r}")
-        column = np.array([names.index(kernel_class)])
-        apply = _kernel_delta(draws, column, np.where(hit, severity, 1.0))
-        phase = "backward"
-    elif fault.kind == "gpu_health":
-        columns = draws.columns(category="compute")
-        apply = _kernel_delta(draws, columns, np.where(hit, severity, 1.0))
-        draws.clock[...] = draws.clock / np.where(hit, severity, 1.0)
-    elif fault.kind == "stage_imbalance":  # more layers on the stage: forward and backward
-        factor = np.where(hit, severity, 1.0)
-        added = (draws.kernel[..., fwdbwd] * (factor[..., None] - 1.0)).sum(axis=2)
-        apply = _kernel_delta(draws, fwdbwd, factor)
-        phase = "backward"
-        # The what-if of re-partitioning: the extra layers spread evenly over the stages of
-        # each replica (every stage does the mean work; Lin et al., OSDI'25).
-        topology = draws.topology
-        spread_out = added.reshape(steps, topology.pp, topology.dp * topology.tp).mean(axis=1)
-        shared = np.tile(spread_out, (1, topology.pp))
-
-        def repartitioned(parts: Parts) -> Parts:
-            return parts.replace(work=parts.work + shared)
-
-        counterfactual = repartitioned
-    elif fault.kind == "workload_imbalance":
-        # Each replica's work spread with log-sd log(severity), its mean kept: only the
-        # balance changes, not the total.
-        sigma = math.log(severity)
-        replicas = draws.topology.dp
-        spread = np.exp(rng.normal(0.0, sigma, size=(steps, replicas)) - sigma**2 / 2.0)
-        replica_of = (np.arange(world) // draws.topology.tp) % draws.topology.dp
-        apply = _kernel_delta(draws, fwdbwd, np.where(hit, spread[:, replica_of], 1.0))
-        phase = "backward"
-        total = draws.sequence * np.where(hit, spread[:, replica_of], 1.0)
-        balance = np.where(hit, total.mean(axis=1, keepdims=True) / draws.sequence, 1.0)
-
-        def balanced(parts: Parts) -> Parts:
-            return parts.replace(work=parts.work * balance)
-
-        counterfactual = balanced
-    elif fault.kind == "masked_straggler":
-        apply = _add("gap", np.where(hit, (severity - 1.0) * draws.fwdbwd_nominal, 0.0))
-        phase = "backward"
-    elif fault.kind == "dataloader_stall":
-        apply = _add("data", np.where(hit, (severity - 1.0) * step_s, 0.0))
-        phase = "data"
-    elif fault.kind == "jit_stall":
-        stalls = hit & (rng.random(hit.shape) < STALL_SHARE)
-        length = np.where(stalls, 10.0 * (severity - 1.0) * step_s, 0.0)
-        outside = fault.phase == OUTSIDE
-        apply = _add("pause" if outside else "gap", length)
-        phase = None if outside else "forward"
-        stalled_steps = np.flatnonzero(stalls.any(axis=1))
-        if stalled_steps.size:  # random stalls: the slowdown begins with the first one
-            onset = int(stalled_steps[0])
-    elif fault.kind == "pipeline_bubble":
-        apply = _add("extra_bubble", np.where(hit, (severity - 1.0) * draws.fwdbwd_nominal, 0.0))
-    elif fault.kind == "link_degradation":
-        host_index = np.arange(world) // RANKS_PER_HOST
-        rank_mask = np.isin(host_index, host_index[rank_mask])
-        factor = np.where(when & rank_mask[None, :], severity, 1.0)
-
-        def apply(parts: Parts) -> Parts:
-            return parts.replace(transfer=parts.transfer * factor)
-
-    elif fault.kind == "rank_missing":
-
-        def apply(parts: Parts) -> Parts:
-            return dataclasses.replace(parts, alive=parts.alive & ~hit)
-
-    else:
-        raise ConfigError(f"fault: the simulator cannot inject {fault.kind!r}")
-    ranks = tuple(int(r) for r in np.flatnonzero(rank_mask))
-    if fault.kind in ("job_regression", "workload_imbalance"):
-        ranks = ()
+    where = _Where(
+        draws,
+        fault,
+        rng,
+        when=(step_index >= fault.start_step) & (step_index < stop),
+        rank_mask=rank_mask,
+    )
+    model = model_of(where)
+    affected = model.ranks if model.ranks is not None else rank_mask
     return Effect(
-        apply=apply,
-        ranks=ranks,
-        phase=phase,
-        kernel_class=kernel_class,
-        onset_step=onset,
+        apply=model.apply,
+        ranks=() if fault.kind in _JOB_WIDE else tuple(int(r) for r in np.flatnonzero(affected)),
+        phase=model.phase,
+        kernel_class=model.kernel_class,
+        onset_step=fault.start_step if model.onset_step is None else model.onset_step,
         stop_step=stop,
-        counterfactual=counterfactual,
+        counterfactual=model.counterfactual,
     )
 
 

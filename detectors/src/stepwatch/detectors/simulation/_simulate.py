@@ -28,9 +28,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.detectors.simulation._faults import Draws, apply_fault, fault_truth
+from stepwatch.detectors.simulation._faults import Draws, Effect, apply_fault, fault_truth
 from stepwatch.detectors.simulation._job import SimulatedJob
-from stepwatch.detectors.simulation._timeline import Parts, timeline
+from stepwatch.detectors.simulation._timeline import Parts, Timings, timeline
 from stepwatch.detectors.simulation._topology import Topology, host_of
 from stepwatch.detectors.simulation._truth import Fault, Truth
 
@@ -108,85 +108,33 @@ def simulate(
         ConfigError: inconsistent arguments (named).
     """
     topology = topology or Topology(world_size)
-    if topology.world_size != world_size:
-        raise ConfigError(f"topology: {topology} has {topology.world_size} ranks, not {world_size}")
-    if steps < 1:
-        raise ConfigError(f"steps: must be >= 1, got {steps}")
-    if steps_per_window < 1:
-        raise ConfigError(f"steps_per_window: must be >= 1, got {steps_per_window}")
-    if microbatches < 1:
-        raise ConfigError(f"microbatches: must be >= 1, got {microbatches}")
-    if stage_work is not None and (
-        len(stage_work) != topology.pp or min(stage_work, default=1.0) <= 0
-    ):
-        raise ConfigError(f"stage_work: need {topology.pp} positive values, got {stage_work}")
-    if not 0.0 <= gc_rate <= 1.0:
-        raise ConfigError(f"gc_rate: must be in [0, 1], got {gc_rate}")
-    for fault in faults:
-        for rank in fault.ranks:
-            if not 0 <= rank < world_size:
-                raise ConfigError(f"fault: rank {rank} outside 0..{world_size - 1}")
+    _check(
+        world_size,
+        topology,
+        steps=steps,
+        steps_per_window=steps_per_window,
+        microbatches=microbatches,
+        stage_work=stage_work,
+        gc_rate=gc_rate,
+        faults=faults,
+    )
     rng = np.random.default_rng(seed)
-    specs = list(_BASE_KERNELS)
-    if topology.pp > 1:
-        specs.append(_SENDRECV)
-    for index in range(len(specs), kernel_classes):
-        specs.append((f"k{index:02d}", "compute", "fwdbwd", 0.002, 1))
-    scale = step_s / 0.85
-    names = tuple(spec[0] for spec in specs)
-    categories = tuple(spec[1] for spec in specs)
-    placement = tuple(spec[2] for spec in specs)
-    base = np.array([spec[3] for spec in specs]) * scale
-    calls = tuple(spec[4] for spec in specs)
+    classes = _Classes.of(topology, kernel_classes, scale=step_s / 0.85)
     shape = (steps, world_size)
     ranks = np.arange(world_size)
     hosts = tuple(host_of(int(rank)) for rank in ranks)
     pp_ranks = ranks // (topology.dp * topology.tp)
-    replicas = (ranks // topology.tp) % topology.dp
-
-    fwdbwd = np.array([p == "fwdbwd" for p in placement])
-    compute = np.array([c == "compute" for c in categories])
-    static = np.exp(rng.normal(0.0, 0.005, size=world_size))
-    # Sequence lengths: one draw per step and replica, shared by the replica's ranks.
-    sequence = np.exp(rng.normal(0.0, sequence_noise, size=(steps, topology.dp)))[:, replicas]
-    kernel = base * np.exp(rng.normal(0.0, 0.02, size=(*shape, len(specs))))
-    structure = np.ones(world_size)
-    if stage_work is not None:
-        structure = np.asarray(stage_work, dtype=np.float64)[pp_ranks]
-    work_factor = sequence * structure[None, :]
-    kernel *= np.where(fwdbwd, 1.0, 0.0) * work_factor[..., None] + np.where(fwdbwd, 0.0, 1.0)
-    kernel *= np.where(compute, 1.0, 0.0) * static[None, :, None] + np.where(compute, 0.0, 1.0)
-    allreduce = names.index("nccl_allreduce")
-    kernel[..., allreduce] = 0.0  # wait + transfer, filled in below
-    gap = 0.03 * scale * np.exp(rng.normal(0.0, 0.1, size=shape))
-    data = 0.03 * scale * np.exp(rng.normal(0.0, 0.1, size=shape))
-    transfer = base[allreduce] * np.exp(rng.normal(0.0, 0.03, size=shape))
-    clock = 1.41e9 * np.exp(rng.normal(0.0, 0.002, size=shape))
-    pause = np.zeros(shape)
-    if gc_rate > 0:
-        struck = rng.random(shape) < gc_rate
-        pause = pause + np.where(struck, rng.exponential(0.03 * step_s, size=shape), 0.0)
-    if checkpoint_every > 0:
-        pause[checkpoint_every - 1 :: checkpoint_every] += 0.3 * step_s
-    draws = Draws(
-        classes=tuple(zip(names, categories, placement, strict=True)),
-        kernel=kernel,
-        parts=Parts(
-            data=data,
-            work=kernel[..., fwdbwd].sum(axis=2),
-            gap=gap,
-            optimizer=kernel[..., names.index("adam")] + 0.005 * scale,
-            other=kernel[..., names.index("other")],
-            transfer=transfer,
-            extra_bubble=np.zeros(shape),
-            pause=pause,
-            alive=np.ones(shape, dtype=bool),
-        ),
-        clock=clock,
-        sequence=sequence,
-        topology=topology,
+    draws = _draw(
+        rng,
+        classes,
+        topology,
+        shape,
+        pp_ranks=pp_ranks,
         step_s=step_s,
-        fwdbwd_nominal=float(base[fwdbwd].sum()) + 0.03 * scale,
+        sequence_noise=sequence_noise,
+        stage_work=stage_work,
+        gc_rate=gc_rate,
+        checkpoint_every=checkpoint_every,
     )
     # Each fault draws from its own generator: removing one leaves the others' draws alone.
     effects = [
@@ -197,34 +145,25 @@ def simulate(
     for effect in effects:
         actual = effect.apply(actual)
     timings = timeline(actual, topology, microbatches=microbatches)
-    window_ns = round(steps_per_window * step_s * 1e9)
-    truths = []
-    for index, (fault, effect) in enumerate(zip(faults, effects, strict=True)):
-        without = draws.parts
-        for other, other_effect in enumerate(effects):
-            if other != index:
-                without = other_effect.apply(without)
-        if effect.counterfactual is not None:
-            without = effect.counterfactual(without)
-        counterfactual = timeline(without, topology, microbatches=microbatches)
-        truths.append(
-            fault_truth(
-                fault,
-                effect,
-                timings.job_step(actual),
-                counterfactual.job_step(without),
-                hosts=hosts,
-                start_unix_nano=start_unix_nano,
-                steps_per_window=steps_per_window,
-                step_s=step_s,
-            )
+    truths = [
+        fault_truth(
+            fault,
+            effect,
+            timings.job_step(actual),
+            _step_without(draws, effects, index, microbatches),
+            hosts=hosts,
+            start_unix_nano=start_unix_nano,
+            steps_per_window=steps_per_window,
+            step_s=step_s,
         )
+        for index, (fault, effect) in enumerate(zip(faults, effects, strict=True))
+    ]
     if not device_metrics:  # a kernel class the producer does not report cannot be named
         truths = [dataclasses.replace(item, kernel_class=None) for item in truths]
     kernel = draws.kernel
-    kernel[..., allreduce] = timings.communication
-    if "nccl_sendrecv" in names:
-        kernel[..., names.index("nccl_sendrecv")] += timings.p2p_wait
+    kernel[..., classes.allreduce] = timings.communication
+    if "nccl_sendrecv" in classes.names:
+        kernel[..., classes.names.index("nccl_sendrecv")] += timings.p2p_wait
     n_windows = -(-steps // steps_per_window)
     jitter = rng.uniform(-0.2, 0.2, size=(n_windows, world_size)) * steps_per_window * step_s
     truth = Truth(
@@ -235,9 +174,177 @@ def simulate(
         window_s=steps_per_window * step_s,
         steps_per_window=steps_per_window,
         start_unix_nano=start_unix_nano,
-        end_unix_nano=start_unix_nano + n_windows * window_ns,
+        end_unix_nano=start_unix_nano + n_windows * round(steps_per_window * step_s * 1e9),
         faults=tuple(truths),
     )
+    phase_names, phases = _phases(timings, communication_phase=communication_phase)
+    return SimulatedJob(
+        truth=truth,
+        topology=topology,
+        hosts=hosts,
+        pp_ranks=pp_ranks,
+        kernel_classes=classes.names,
+        kernel_categories=classes.categories,
+        kernel_calls=classes.calls,
+        phases=phase_names,
+        step_s=timings.step,
+        phase_s=phases,
+        kernel_s=kernel,
+        idle_s=timings.idle,
+        sm_clock_hz=draws.clock,
+        alive=actual.alive,
+        export_jitter_s=jitter,
+        device_metrics=device_metrics,
+    )
+
+
+def _check(
+    world_size: int,
+    topology: Topology,
+    *,
+    steps: int,
+    steps_per_window: int,
+    microbatches: int,
+    stage_work: Sequence[float] | None,
+    gc_rate: float,
+    faults: Sequence[Fault],
+) -> None:
+    """Raise :class:`ConfigError` naming the first inconsistent argument of :func:`simulate`."""
+    if topology.world_size != world_size:
+        raise ConfigError(f"topology: {topology} has {topology.world_size} ranks, not {world_size}")
+    for name, value in (
+        ("steps", steps),
+        ("steps_per_window", steps_per_window),
+        ("microbatches", microbatches),
+    ):
+        if value < 1:
+            raise ConfigError(f"{name}: must be >= 1, got {value}")
+    if stage_work is not None and (
+        len(stage_work) != topology.pp or min(stage_work, default=1.0) <= 0
+    ):
+        raise ConfigError(f"stage_work: need {topology.pp} positive values, got {stage_work}")
+    if not 0.0 <= gc_rate <= 1.0:
+        raise ConfigError(f"gc_rate: must be in [0, 1], got {gc_rate}")
+    for fault in faults:
+        for rank in fault.ranks:
+            if not 0 <= rank < world_size:
+                raise ConfigError(f"fault: rank {rank} outside 0..{world_size - 1}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Classes:
+    """The simulated kernel classes: names, categories, where they run, time and calls."""
+
+    names: tuple[str, ...]
+    categories: tuple[str, ...]
+    placement: tuple[str, ...]
+    base: np.ndarray  # seconds per step, scaled to the nominal step
+    calls: tuple[int, ...]
+    scale: float
+
+    @classmethod
+    def of(cls, topology: Topology, kernel_classes: int, *, scale: float) -> _Classes:
+        specs = list(_BASE_KERNELS)
+        if topology.pp > 1:
+            specs.append(_SENDRECV)
+        for index in range(len(specs), kernel_classes):
+            specs.append((f"k{index:02d}", "compute", "fwdbwd", 0.002, 1))
+        return cls(
+            names=tuple(spec[0] for spec in specs),
+            categories=tuple(spec[1] for spec in specs),
+            placement=tuple(spec[2] for spec in specs),
+            base=np.array([spec[3] for spec in specs]) * scale,
+            calls=tuple(spec[4] for spec in specs),
+            scale=scale,
+        )
+
+    @property
+    def allreduce(self) -> int:
+        return self.names.index("nccl_allreduce")
+
+
+def _draw(
+    rng: np.random.Generator,
+    classes: _Classes,
+    topology: Topology,
+    shape: tuple[int, int],
+    *,
+    pp_ranks: np.ndarray,
+    step_s: float,
+    sequence_noise: float,
+    stage_work: Sequence[float] | None,
+    gc_rate: float,
+    checkpoint_every: int,
+) -> Draws:
+    """The healthy job's random draws (in this order: the seed's stream depends on it)."""
+    steps, world_size = shape
+    scale = classes.scale
+    replicas = (np.arange(world_size) // topology.tp) % topology.dp
+    fwdbwd = np.array([p == "fwdbwd" for p in classes.placement])
+    compute = np.array([c == "compute" for c in classes.categories])
+    static = np.exp(rng.normal(0.0, 0.005, size=world_size))
+    # Sequence lengths: one draw per step and replica, shared by the replica's ranks.
+    sequence = np.exp(rng.normal(0.0, sequence_noise, size=(steps, topology.dp)))[:, replicas]
+    kernel = classes.base * np.exp(rng.normal(0.0, 0.02, size=(*shape, len(classes.names))))
+    structure = np.ones(world_size)
+    if stage_work is not None:
+        structure = np.asarray(stage_work, dtype=np.float64)[pp_ranks]
+    work_factor = sequence * structure[None, :]
+    kernel *= np.where(fwdbwd, 1.0, 0.0) * work_factor[..., None] + np.where(fwdbwd, 0.0, 1.0)
+    kernel *= np.where(compute, 1.0, 0.0) * static[None, :, None] + np.where(compute, 0.0, 1.0)
+    kernel[..., classes.allreduce] = 0.0  # wait + transfer, filled in by the timeline
+    gap = 0.03 * scale * np.exp(rng.normal(0.0, 0.1, size=shape))
+    data = 0.03 * scale * np.exp(rng.normal(0.0, 0.1, size=shape))
+    transfer = classes.base[classes.allreduce] * np.exp(rng.normal(0.0, 0.03, size=shape))
+    clock = 1.41e9 * np.exp(rng.normal(0.0, 0.002, size=shape))
+    pause = np.zeros(shape)
+    if gc_rate > 0:
+        struck = rng.random(shape) < gc_rate
+        pause = pause + np.where(struck, rng.exponential(0.03 * step_s, size=shape), 0.0)
+    if checkpoint_every > 0:
+        pause[checkpoint_every - 1 :: checkpoint_every] += 0.3 * step_s
+    return Draws(
+        classes=tuple(zip(classes.names, classes.categories, classes.placement, strict=True)),
+        kernel=kernel,
+        parts=Parts(
+            data=data,
+            work=kernel[..., fwdbwd].sum(axis=2),
+            gap=gap,
+            optimizer=kernel[..., classes.names.index("adam")] + 0.005 * scale,
+            other=kernel[..., classes.names.index("other")],
+            transfer=transfer,
+            extra_bubble=np.zeros(shape),
+            pause=pause,
+            alive=np.ones(shape, dtype=bool),
+        ),
+        clock=clock,
+        sequence=sequence,
+        topology=topology,
+        step_s=step_s,
+        fwdbwd_nominal=float(classes.base[fwdbwd].sum()) + 0.03 * scale,
+    )
+
+
+def _without(draws: Draws, effects: Sequence[Effect], index: int) -> Parts:
+    """The job's parts with every fault but ``index`` applied, and its counterfactual."""
+    without = draws.parts
+    for other, other_effect in enumerate(effects):
+        if other != index:
+            without = other_effect.apply(without)
+    counterfactual = effects[index].counterfactual
+    return without if counterfactual is None else counterfactual(without)
+
+
+def _step_without(
+    draws: Draws, effects: Sequence[Effect], index: int, microbatches: int
+) -> np.ndarray:
+    """The job's step times without fault ``index`` (its ground-truth counterfactual)."""
+    without = _without(draws, effects, index)
+    return timeline(without, draws.topology, microbatches=microbatches).job_step(without)
+
+
+def _phases(timings: Timings, *, communication_phase: bool) -> tuple[tuple[str, ...], np.ndarray]:
+    """The phase names and their ``(steps, ranks, phases)`` times, as the producer records."""
     columns = {
         "data": timings.data,
         "forward": timings.forward,
@@ -249,22 +356,4 @@ def simulate(
     if not communication_phase:  # the all-reduce inside the backward timer
         columns["backward"] = columns["backward"] + columns.pop("communication")
     phase_names = tuple(name for name in _PHASES if name in columns)
-    phases = np.stack([columns[name] for name in phase_names], axis=-1)
-    return SimulatedJob(
-        truth=truth,
-        topology=topology,
-        hosts=hosts,
-        pp_ranks=pp_ranks,
-        kernel_classes=names,
-        kernel_categories=categories,
-        kernel_calls=calls,
-        phases=phase_names,
-        step_s=timings.step,
-        phase_s=phases,
-        kernel_s=kernel,
-        idle_s=timings.idle,
-        sm_clock_hz=draws.clock,
-        alive=actual.alive,
-        export_jitter_s=jitter,
-        device_metrics=device_metrics,
-    )
+    return phase_names, np.stack([columns[name] for name in phase_names], axis=-1)

@@ -7,6 +7,7 @@ and Grafana sinks from arguments, else :mod:`stepwatch.core.settings`.
 
 from stepwatch.core._facade import publish
 from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink
+from stepwatch.detectors.sinks._configured import sinks_from_environment
 from stepwatch.detectors.sinks._grafana import GrafanaAnnotationSink
 from stepwatch.detectors.sinks._sinks import (
     InfluxDiagnosisSink,
@@ -15,7 +16,6 @@ from stepwatch.detectors.sinks._sinks import (
     Sink,
     format_table,
     read_diagnoses,
-    sinks_from_environment,
 )
 
 __all__ = [

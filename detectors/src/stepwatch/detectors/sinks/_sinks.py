@@ -8,15 +8,13 @@ finding again (for instance when it closes) overwrites the point instead of addi
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Protocol, TextIO
 
 from stepwatch.core import _schema
 from stepwatch.core._diagnosis import Diagnosis
 from stepwatch.core._influx import InfluxClient, quote_ident, quote_literal
 from stepwatch.core._lineproto import FieldValue, encode_point
-from stepwatch.detectors.sinks._alertmanager import AlertmanagerSink
-from stepwatch.detectors.sinks._grafana import GrafanaAnnotationSink
 
 #: Tag and field keys of the ``stepwatch.diagnosis`` measurement.
 TAG_KIND = "kind"
@@ -198,41 +196,3 @@ def format_table(diagnoses: Sequence[Diagnosis]) -> str:
     """A header and one :func:`format_row` line per diagnosis (``stepwatch detect``)."""
     header = f"{'start':<20}  {'end':<20}  {'severity':<8}  {'kind':<18}  summary"
     return "\n".join([header, *(format_row(d) for d in diagnoses)])
-
-
-def sinks_from_environment(
-    environ: Mapping[str, str],
-    *,
-    state_client: InfluxClient | None = None,
-    alertmanager_url: str | None = None,
-    grafana_url: str | None = None,
-    dashboard_url: str | None = None,
-) -> list[Sink]:
-    """The Alertmanager and Grafana sinks configured by arguments, else the environment.
-
-    Reads ``settings.ALERTMANAGER_URL``, ``GRAFANA_URL`` + ``GRAFANA_TOKEN``,
-    ``GRAFANA_DASHBOARD_UID`` and ``DASHBOARD_URL`` (docs/settings.md); an argument given here
-    wins over its variable. Neither configured: an empty list.
-
-    Args:
-        environ: the environment (``os.environ``).
-        state_client: where the Grafana sink remembers its annotation ids.
-        alertmanager_url: Alertmanager base URL.
-        grafana_url: Grafana base URL.
-        dashboard_url: the Grafana dashboard alerts link to.
-
-    Raises:
-        ConfigError: a Grafana URL without a token, or a malformed URL (names it).
-    """
-    sinks: list[Sink] = []
-    alertmanager = AlertmanagerSink.from_environment(
-        environ, url=alertmanager_url, dashboard_url=dashboard_url
-    )
-    if alertmanager is not None:
-        sinks.append(alertmanager)
-    grafana = GrafanaAnnotationSink.from_environment(
-        environ, url=grafana_url, state_client=state_client
-    )
-    if grafana is not None:
-        sinks.append(grafana)
-    return sinks

@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stepwatch.core._errors import ConfigError
-from stepwatch.detectors.stats._fdr import _tail_test
+from stepwatch.detectors.stats._fdr import tail_test
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
@@ -141,45 +141,6 @@ def rolling_nanmean(values: FloatArray, window: int) -> FloatArray:
         mean = sums / counts
     mean[counts == 0] = np.nan
     return mean
-
-
-def benjamini_hochberg(p_values: FloatArray, *, q: float) -> BoolArray:
-    """Benjamini–Hochberg step-up rejections, one family per row.
-
-    Args:
-        p_values: ``(families, tests)``; NaN means "no test" and is neither counted in ``m``
-            nor rejected.
-        q: false discovery rate.
-
-    Returns:
-        Boolean rejections of the same shape; equal to
-        ``statsmodels.stats.multitest.multipletests(p, alpha=q, method="fdr_bh")[0]`` on each
-        row's non-NaN entries (a test pins this).
-
-    Notes:
-        Only p-values ``<= q`` can ever be rejected, so only those are sorted: the cost is
-        linear in the number of tests when few are small, which is the normal case.
-
-    References:
-        Benjamini, Y. and Hochberg, Y. (1995). Controlling the false discovery rate. JRSS B 57.
-    """
-    if not 0 < q < 1:
-        raise ConfigError(f"q: must be in (0, 1), got {q}")
-    p = np.asarray(p_values)
-    if p.ndim != 2:
-        raise ConfigError(f"p_values: need a 2-D array, got shape {p.shape}")
-    reject = np.zeros(p.shape, dtype=bool)
-    tested = np.isfinite(p)
-    m = tested.sum(axis=1)
-    small = tested & (p <= q)
-    for row in np.flatnonzero(small.any(axis=1)):
-        columns = np.flatnonzero(small[row])
-        ordered = columns[np.argsort(p[row, columns], kind="stable")]
-        thresholds = q * np.arange(1, ordered.size + 1) / m[row]
-        passing = np.flatnonzero(p[row, ordered] <= thresholds)
-        if passing.size:
-            reject[row, ordered[: passing[-1] + 1]] = True
-    return reject
 
 
 def cross_rank_outliers(
@@ -307,7 +268,7 @@ def multiscale_outliers(
         # count once per ``scale_windows``) keeps small jobs from crying wolf.
         independent = np.maximum(pooled_count / scale_windows, 1.0)
         dof = np.maximum(MAD_EFFICIENCY * (reporting - 1) * independent, 1.0)
-        p_value, reject = _tail_test(z, dof, enough, fdr_q, exact_p_values=exact_p_values)
+        p_value, reject = tail_test(z, dof, enough, fdr_q, exact_p_values=exact_p_values)
         results[scale_windows] = OutlierTest(
             metric=metric,
             scale_windows=scale_windows,

@@ -14,13 +14,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from stepwatch.core._errors import ConfigError
+from stepwatch.exporters import _cext
 from stepwatch.exporters._window import KernelWindow
 from stepwatch.exporters.kernels._names import OTHER_CLASS, KernelClass, classify_kernel
 
-try:  # self_time_events' loop in C (exporters/csrc/fasthist.c)
-    from stepwatch.exporters import _fasthist
-except ImportError:  # pragma: no cover - built by the package's install
-    _fasthist = None  # type: ignore[assignment]
+_fasthist = _cext.fasthist  # self_time_events' loop in C (exporters/csrc/fasthist.c), or None
 
 DEFAULT_TOP_K = 48
 _NS_PER_S = 1e9

@@ -1,6 +1,6 @@
-"""The README's Collector configuration works as written against the bridge's defaults.
+"""The documented Collector configuration works as written against the bridge's defaults.
 
-No Collector binary is available here, so the test reads the YAML block of the README's
+No Collector binary is available here, so the test reads the YAML block of docs/deployment.md's
 "Through a site's OpenTelemetry Collector" section and checks what a Collector would do with
 it: an ``otlp`` receiver feeding a ``metrics`` pipeline whose ``otlphttp`` exporter points at
 the bridge's default OTLP/HTTP port; the ``otlphttp`` exporter POSTs to ``endpoint`` +
@@ -26,15 +26,15 @@ from stepwatch.core import settings
 from stepwatch.otel_bridge import Bridge
 from tests.otel_bridge.otlp_requests import RecordingWriter, window_request
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-SECTION = "### Through a site's OpenTelemetry Collector"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
+SECTION = "## Through a site's OpenTelemetry Collector"
 OTLPHTTP_METRICS_PATH = "/v1/metrics"  # otlphttp exporter: endpoint + "/v1/metrics"
 
 
 def collector_config() -> dict[str, Any]:
-    text = README.read_text()
-    assert SECTION in text, "the README lost its Collector section"
-    section = text.split(SECTION, 1)[1].split("\n### ", 1)[0]
+    text = DOC.read_text()
+    assert SECTION in text, "docs/deployment.md lost its Collector section"
+    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 1
     config = yaml.safe_load(blocks[0])
