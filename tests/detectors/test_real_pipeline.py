@@ -135,14 +135,8 @@ def _today(reason: str) -> pytest.MarkDecorator:
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(
-            "pp2x2-healthy",
-            marks=_today("stage_imbalance warning on stage 1 (the loss head), 1.05x"),
-        ),
-        pytest.param(
-            "pp4x1-healthy",
-            marks=_today("stage_imbalance warning on stage 3 (the loss head), 1.12x"),
-        ),
+        "pp2x2-healthy",
+        "pp4x1-healthy",
     ],
 )
 def test_a_healthy_pipeline_with_a_heavier_last_stage_is_quiet(
@@ -190,22 +184,18 @@ def test_a_heavy_stage_is_a_stage_imbalance_without_a_straggler(
     assert not [d for d in _raised(found) if d.kind in RANK_BLAME_KINDS], _brief(found)
 
 
-_EVEN_PARTITION_SAVES_NOTHING = (
-    "costed {cost} against a measured {truth} for the same blocks partitioned evenly: four "
-    "ranks share two cores, so moving work between stages saves nothing here"
-)
-
-
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(
-            "pp2x2-heavy-stage",
-            marks=_today(_EVEN_PARTITION_SAVES_NOTHING.format(cost="1.11x", truth="0.95x")),
-        ),
+        "pp2x2-heavy-stage",
         pytest.param(
             "pp4x1-heavy-stage",
-            marks=_today(_EVEN_PARTITION_SAVES_NOTHING.format(cost="1.32x", truth="1.02x")),
+            marks=_today(
+                "costed 1.39x against 1.16x measured for the same blocks partitioned evenly: "
+                "the cost is the ideal re-partitioning (every stage the stages' mean work, the "
+                "waits unchanged), and the four balanced stages of this job wait on each other "
+                "more, so an even partition saved about half of that"
+            ),
         ),
     ],
 )

@@ -12,7 +12,9 @@ ideal of Lin et al., OSDI'25; the 1F1B fill and drain, about one micro-batch of 
 ignored: without the micro-batch count the estimate is high by at most ``1/m``). Not
 raised when the replicas' pace varies more than the stage stands out (variable sequence
 lengths): ``workload_imbalance`` then reports the loss. Raised from
-``config.structure_min_slowdown``.
+``config.structure_min_slowdown``, a warning from ``config.structure_warning_slowdown``: the
+cost is an upper bound (whole layers move; balanced stages wait on each other more), and a
+healthy pipeline's loss head or embedding costs a few % by it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._cost import pacing, ratio_of, steps_per_window
-from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_of
+from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_for
 from stepwatch.detectors.analysis._split import COMMUNICATION
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
@@ -76,7 +78,7 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
             last=last,
             detected=int(windows[min(2, windows.size - 1)]),
             open=last >= frame.n_windows - 1 - context.config.gap_windows,
-            severity=severity_of(slowdown),
+            severity=severity_for(context.config, KIND, slowdown),
             score=float(typical[heavy] / typical[second]),
         )
     ]
@@ -186,6 +188,7 @@ KIND = Kind(
     ),
     localised="the stage, its ranks, phase, kernel class",
     raise_bar="structure_min_slowdown",
+    warning_bar="structure_warning_slowdown",
     simulated=9,
 )
 
