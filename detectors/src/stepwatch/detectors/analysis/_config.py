@@ -59,8 +59,8 @@ class DetectorConfig:
             warning. Its cost is the ideal re-partitioning (every stage the stages' mean
             work, the waits unchanged), an upper bound: whole layers move, and balanced
             stages wait on each other more. On the real pipeline job (tests/data/
-            real_pipeline) a loss head one block in six heavier was costed 1.05-1.07x and
-            spreading it evenly saved 1.01-1.02x measured; a stage twice the others' was
+            real_pipeline) a loss head one block in six heavier was costed 1.05-1.08x and
+            spreading it evenly saved 1.02-1.03x measured; a stage twice the others' was
             costed 1.24-1.39x and an even partition saved 1.10-1.16x.
         imbalance_min_slowdown: the same for ``workload_imbalance``: ranks finishing at
             different times cost every synchronous job some of its step (kernel and
