@@ -27,7 +27,7 @@ import numpy as np
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._cost import pacing, ratio_of, steps_per_window
 from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_for
-from stepwatch.detectors.analysis._split import COMMUNICATION
+from stepwatch.detectors.analysis._split import COMMUNICATION, UNTIMED
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
 
@@ -99,6 +99,8 @@ def _paces(context: Context, work: FloatArray, heavy: int, span: slice) -> bool:
     wait: FloatArray | None = frame.category_s(COMMUNICATION_CATEGORY)
     if wait is None or not np.isfinite(wait).any():
         wait = frame.phase(COMMUNICATION_CATEGORY)
+    if (wait is None or not np.isfinite(wait).any()) and context.split.evidence == UNTIMED:
+        wait = context.split.untimed_s  # the stages wait for each other in no phase
     if wait is None or not np.isfinite(wait[span]).any():
         return True
     groups = context.groups
@@ -113,10 +115,12 @@ def _paces(context: Context, work: FloatArray, heavy: int, span: slice) -> bool:
 
 def _work_measured(context: Context) -> bool:
     """Whether the data measures the ranks' work apart from their waits: compute kernels,
-    or phases beside a timed communication phase. Step times alone, or phases that hold
-    the waits for the other stages (no communication phase), cannot show partitioning."""
+    phases beside a timed communication phase, or a pipeline's phases that leave its waits
+    untimed (:func:`~.._context.held_wait_phase`). Step times alone, or phases that hold
+    the waits for the other stages, cannot show partitioning."""
     kernels = any(c in ("compute", "memory") for c in context.frame.kernel_categories)
-    return kernels or context.split.evidence == COMMUNICATION
+    untimed = context.split.evidence == UNTIMED and context.groups.source == "coordinates"
+    return kernels or untimed or context.split.evidence == COMMUNICATION
 
 
 def _on_every_replica(context: Context, work: FloatArray, heavy: int, second: int) -> bool:
