@@ -1,5 +1,5 @@
-"""The pipeline-parallel job (stepwatch.app._pipeline_job): its schedule, faults and truth,
-and one real run end to end.
+"""The pipeline-parallel job (stepwatch.app._pipeline_job): its schedule, faults, device time
+and truth, and one real run end to end.
 
 The live run is real: ``pp × dp`` processes training with gloo on loopback, instrumented by
 hand with ``StepMonitor``, exporting OTLP/HTTP to an in-process bridge that writes to the
@@ -11,27 +11,37 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from stepwatch.app._demo import StoredSummary, last_steps, summarize, wait_for_job
 from stepwatch.app._pipeline_config import (
+    BACKWARD_FACTOR,
+    EMBEDDING_BLOCKS,
     FAULTS,
+    HEAD_BLOCKS,
     PipelineJobConfig,
+    block_series,
     blocks_held,
     blocks_run,
+    even_partition,
     fault_active,
+    head_spread,
     sequence_lengths,
     stall_step,
     truth_block,
+    uneven_partition,
 )
 from stepwatch.app._pipeline_job import launch
+from stepwatch.app._pipeline_model import DeviceClock, Stage
 from stepwatch.app._pipeline_schedule import Compute, Transfer, one_f_one_b
-from stepwatch.app._pipeline_truth import paired_truth, results_of
+from stepwatch.app._pipeline_truth import drift, paired_truth, results_of
 from stepwatch.app._stack import LocalStack
 from stepwatch.core import ConfigError, ManagedInfluxDB
 from stepwatch.core._influx import quote_literal
@@ -154,7 +164,24 @@ def test_a_structural_fault_is_there_from_step_zero_and_toggles_in_the_truth_blo
     assert [fault_active(config, step) for step in range(10, 14)] == [False, False, True, True]
 
 
-@pytest.mark.parametrize(("pp", "dp"), [(2, 2), (4, 1)])
+def test_a_healthy_job_measures_its_noise_then_what_its_loss_head_costs() -> None:
+    # Two series: the job twice (A/A), then the job as it is against its loss head's device
+    # time spread evenly over the stages, ABBA in each.
+    config = PipelineJobConfig(job_id="j", steps=10, truth_pairs=2, truth_block_steps=3)
+    assert config.truth_series == ("fault", "even-head")
+    assert config.total_steps == 10 + 2 * 2 * 2 * 3
+    blocks = [truth_block(config, step) for step in range(10, config.total_steps, 3)]
+    assert [block_series(config, index) for index, _ in blocks] == ["fault"] * 4 + ["even-head"] * 4
+    assert [faulty for _, faulty in blocks] == [False] * 4 + [False, True, True, False]
+    spread = [head_spread(config, step) for step in range(10, config.total_steps, 3)]
+    assert spread == [False] * 4 + [True, False, False, True]
+    assert not any(fault_active(config, step) for step in range(config.total_steps))
+    faulty = PipelineJobConfig(job_id="j", fault="slow-worker", steps=10, truth_pairs=2)
+    assert faulty.truth_series == ("fault",)
+    assert not any(head_spread(faulty, step) for step in range(faulty.total_steps))
+
+
+@pytest.mark.parametrize(("pp", "dp"), [(2, 2), (4, 1), (3, 1), (8, 1)])
 def test_a_heavy_stage_and_its_balanced_truth_partition_the_same_blocks(pp: int, dp: int) -> None:
     config = PipelineJobConfig(
         job_id="j", pp=pp, dp=dp, fault="heavy-stage", steps=4, truth_pairs=1, truth_block_steps=2
@@ -162,13 +189,25 @@ def test_a_heavy_stage_and_its_balanced_truth_partition_the_same_blocks(pp: int,
     heavy, base = config.heavy_stage, config.blocks_per_stage
     uneven = [blocks_run(config, stage, 0) for stage in range(pp)]
     even = [blocks_run(config, stage, 4) for stage in range(pp)]  # the first truth block: off
-    assert uneven[heavy] == base + pp and all(
+    # The heavy stage holds as many blocks more as a stage has: twice the work.
+    assert uneven == uneven_partition(config)
+    assert uneven[heavy] == 2 * base and all(
         n == base for stage, n in enumerate(uneven) if stage != heavy
     )
-    assert even == [base + 1] * pp and sum(even) == sum(uneven)
-    assert all(max(uneven[s], even[s]) <= blocks_held(config, s) for s in range(pp))
+    # The same blocks as evenly as whole blocks go, the last stage (the loss head) never
+    # holding more than another.
+    assert even == even_partition(config) and sum(even) == sum(uneven)
+    assert max(even) - min(even) <= 1 and even[-1] == min(even)
+    assert all(max(uneven[s], even[s]) == blocks_held(config, s) for s in range(pp))
     healthy = PipelineJobConfig(job_id="j", pp=pp, dp=dp)
     assert [blocks_held(healthy, s) for s in range(pp)] == [base] * pp
+    assert [blocks_run(healthy, s, 0) for s in range(pp)] == [base] * pp
+
+
+def test_the_even_partition_of_four_stages_fills_the_middle_ones_first() -> None:
+    config = PipelineJobConfig(job_id="j", pp=4, dp=1, fault="heavy-stage")
+    assert uneven_partition(config) == [6, 12, 6, 6]
+    assert even_partition(config) == [7, 8, 8, 7]
 
 
 def test_a_stall_happens_once_in_the_recording_and_once_per_faulty_truth_block() -> None:
@@ -221,15 +260,29 @@ def test_results_are_the_ranks_mean_steps_before_after_and_in_the_truth_blocks()
     recorded = [1.0] * 6 + [1.5] * 4
     truth = [1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 1.0, 1.0]  # off, on, on, off
     timings = [
-        {"rank": 0, "step_s": recorded + truth, "compute_s": [0.25] * 18},
-        {"rank": 1, "step_s": [s + 0.5 for s in recorded + truth], "compute_s": [0.5] * 18},
+        {
+            "rank": 0,
+            "step_s": recorded + truth,
+            "compute_s": [0.25] * 18,
+            "device_s": [0.125] * 18,
+        },
+        {
+            "rank": 1,
+            "step_s": [s + 0.5 for s in recorded + truth],
+            "compute_s": [0.5] * 18,
+            "device_s": [0.375] * 18,
+        },
     ]
     results = results_of(config, timings)
     assert results["recorded"] == {
         "mean_step_s_before": 1.25,
         "mean_step_s_after": 1.75,
         "stage_compute_s": [0.25, 0.5],
+        "stage_device_s": [0.125, 0.375],
+        "step_drift_before": None,  # fewer than two chunks of 25 steps
+        "step_drift_after": None,
     }
+    assert "truth_even_head" not in results
     assert results["truth"]["pairs"] == ((1.25, 2.25), (1.25, 3.25))
     assert results["truth"]["ratio"] == pytest.approx(2.75 / 1.25)
     assert results["truth"]["lost_s"] == pytest.approx(3.0)
@@ -244,6 +297,8 @@ def test_results_are_the_ranks_mean_steps_before_after_and_in_the_truth_blocks()
         ({"fault_rank": 4}, "fault_rank"),
         ({"fault_stage": 2}, "fault_stage"),
         ({"fault_factor": 1.0}, "fault_factor"),
+        ({"blocks_per_stage": 0}, "blocks_per_stage"),
+        ({"device_ms_per_block": -1.0}, "device_ms_per_block"),
     ],
 )
 def test_a_bad_configuration_names_its_argument(overrides: dict[str, Any], argument: str) -> None:
@@ -267,6 +322,98 @@ def test_defaults_put_faults_off_the_last_stage() -> None:
     )
     four_by_one = PipelineJobConfig(job_id="j", pp=4, dp=1)
     assert (four_by_one.coordinates(1), four_by_one.heavy_stage) == ((1, 0), 1)
+
+
+def test_drift_is_the_largest_chunks_mean_step_over_the_smallest() -> None:
+    assert drift([1.0] * 24) is None
+    assert drift([1.0] * 25 + [1.2] * 25 + [1.1] * 24) == pytest.approx(1.2)
+    assert drift([1.0] * 10 + [1.5] * 10, chunk=5) == pytest.approx(1.5)
+
+
+def test_a_healthy_jobs_results_hold_both_series() -> None:
+    config = PipelineJobConfig(job_id="j", pp=2, dp=1, steps=6, truth_pairs=1, truth_block_steps=2)
+    # A/A (off, on: the same job), then even-head: spread (off), as it is (on).
+    truth = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.2, 1.2]
+    timings = [
+        {"rank": rank, "step_s": [1.0] * 6 + truth, "compute_s": [0.5] * 14, "device_s": [0.4] * 14}
+        for rank in range(2)
+    ]
+    results = results_of(config, timings)
+    assert results["truth"]["ratio"] == pytest.approx(1.0)
+    assert results["truth_even_head"]["ratio"] == pytest.approx(1.2)
+    assert results["truth_even_head"]["pairs"] == ((1.0, 1.2),)
+
+
+# ---- device time ----------------------------------------------------------------------------
+
+
+def test_the_device_clock_queues_kernels_and_waits_for_them_off_the_cpu() -> None:
+    clock = DeviceClock(2.0, 16)
+    assert clock.forward_s(1.0, tokens=16) == pytest.approx(0.002)
+    assert clock.forward_s(3.0, tokens=32) == pytest.approx(0.012)  # longer sequences
+    clock.factor = 2.0  # a slower worker's device
+    assert clock.forward_s(1.0, tokens=16) == pytest.approx(0.004)
+    with clock.paused():
+        assert clock.forward_s(1.0, tokens=16) == 0.0
+    clock.factor = 1.0
+    # Launches return at once and queue back to back; synchronize sleeps until they are done.
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(40):
+        clock.launch(0.001)
+    launched = time.perf_counter() - wall
+    clock.synchronize()
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    assert clock.spent_s == pytest.approx(0.040)
+    assert launched < 0.010 and wall >= 0.040
+    assert cpu < 0.5 * wall
+    # An idle device starts a kernel when it is launched, not before.
+    time.sleep(0.005)
+    started = time.perf_counter()
+    clock.launch(0.003)
+    assert clock.busy_until >= started + 0.003
+    clock.synchronize()
+    assert time.perf_counter() >= started + 0.003
+
+
+def _stage(pp: int, stage: int, **overrides: Any) -> Stage:
+    config = PipelineJobConfig(job_id="j", pp=pp, dp=1, device_ms_per_block=0.2, **overrides)
+    return Stage(config, stage, blocks=config.blocks_per_stage)
+
+
+def _spent_on_one_microbatch(model: Stage, tokens: int = 16) -> float:
+    """Device time launched by one microbatch's forward (in blocks' forward time), checking
+    that its backward launches ``BACKWARD_FACTOR`` times as much."""
+    if model.embed is not None:
+        inputs = torch.randint(0, model.embed.num_embeddings, (2, tokens))
+    else:
+        inputs = torch.randn(2, tokens, 32, requires_grad=True)
+    before = model.clock.spent_s
+    outputs = model(inputs)
+    forward = model.clock.spent_s - before
+    outputs.sum().backward()
+    total = model.clock.spent_s - before
+    assert total == pytest.approx((1 + BACKWARD_FACTOR) * forward)
+    return forward / 0.0002
+
+
+def test_each_part_of_a_stage_stands_for_its_device_time_forward_and_backward() -> None:
+    blocks = PipelineJobConfig(job_id="j").blocks_per_stage
+    first, middle, last = _stage(3, 0), _stage(3, 1), _stage(3, 2)
+    assert _spent_on_one_microbatch(first) == pytest.approx(blocks + EMBEDDING_BLOCKS)
+    assert _spent_on_one_microbatch(middle) == pytest.approx(blocks)
+    assert _spent_on_one_microbatch(last) == pytest.approx(blocks + HEAD_BLOCKS)
+    # The healthy last stage does ~1.17x a middle stage's work: one block's worth more.
+    assert 1.15 <= (blocks + HEAD_BLOCKS) / blocks <= 1.2
+    # Longer sequences take longer; a slower device multiplies it all.
+    assert _spent_on_one_microbatch(middle, tokens=24) == pytest.approx(1.5 * blocks)
+    middle.clock.factor = 2.0
+    assert _spent_on_one_microbatch(middle) == pytest.approx(2 * blocks)
+    # The loss head's device time spread over the stages (healthy's even-head truth).
+    last.head_blocks, last.share_blocks = 0.0, HEAD_BLOCKS / 3
+    assert _spent_on_one_microbatch(last) == pytest.approx(blocks + HEAD_BLOCKS / 3)
+    # Fewer blocks run (a partition), fewer blocks' time.
+    middle.clock.factor, middle.blocks_run = 1.0, 4
+    assert _spent_on_one_microbatch(middle) == pytest.approx(4)
 
 
 # ---- a real run, end to end -----------------------------------------------------------------

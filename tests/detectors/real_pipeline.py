@@ -42,10 +42,22 @@ def describe(name: str) -> dict[str, Any]:
     return meta
 
 
-def load(client: InfluxClient, name: str) -> PipelineRun:
-    """Write ``<name>.lp.gz`` into ``client``'s database; the run's description."""
+def load(client: InfluxClient, name: str, *, layout: str = "auto") -> PipelineRun:
+    """Write ``<name>.lp.gz`` into ``client``'s database; the run's description.
+
+    ``layout`` (:data:`real_runs.LAYOUTS`): as recorded (hand phases, every wait in
+    ``communication``); ``"no-communication"``: as a producer that times its compute and
+    leaves its point-to-point waits and all-reduce untimed (Megatron-style op timers without
+    the wait timers) stores it: the waits lie outside every phase; ``"steps"``: step times
+    alone.
+    """
     meta = describe(name)
-    real_runs.write(client, real_runs.lines(name, directory=RUNS))
+    points = real_runs.lines(name, directory=RUNS)
+    if layout == "no-communication":
+        points = real_runs.without_communication(points)
+    elif layout == "steps":
+        points = real_runs.steps_only(points)
+    real_runs.write(client, points)
     return PipelineRun(
         name=name,
         job=meta["job"],

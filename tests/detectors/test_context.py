@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+import warnings
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from stepwatch.detectors import DetectorConfig, Fault, Topology, simulate
-from stepwatch.detectors.analysis._context import Basis, Context
+from stepwatch.detectors.analysis._context import Basis, Context, held_wait_phase
+from stepwatch.detectors.analysis._cost import step_excess
 from stepwatch.detectors.analysis._crossrank import flag_metrics
 from stepwatch.detectors.analysis._rule import severity_of
 
@@ -80,3 +84,38 @@ def test_top_share_and_top_phase_name_what_moved() -> None:
     kernel_class, ratio = context.top_share([5], 32, last)
     assert kernel_class == "gemm" and ratio == pytest.approx(1.5, rel=0.1)
     assert context.top_phase([5], slice(32, last + 1), ("forward", "backward")) == "backward"
+
+
+def test_a_finding_on_every_rank_has_no_step_excess() -> None:
+    # Every rank named (a link finding on a whole pp 4 x dp 1 pipeline): no peers to be
+    # above, no excess, and no warning of an empty median.
+
+    step = np.full((5, 4), 0.1)
+    context = SimpleNamespace(
+        present=np.ones((5, 4), dtype=bool), frame=SimpleNamespace(step_s=step)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        excess = step_excess(context, (0, 1, 2, 3), slice(0, 5))  # type: ignore[arg-type]
+    assert excess.tolist() == [0.0] * 5
+    assert step_excess(context, (1,), slice(0, 5)).tolist() == [0.0] * 5  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("stages", "untimed", "held"), [
+    ((0, 0, 0, 0), 0.3, "backward"),  # data parallel: backward holds the all-reduce
+    ((0, 1, 2, 3), 0.3, None),  # a pipeline idling for its neighbours in no phase
+    ((0, 1, 2, 3), 0.02, "backward"),  # a pipeline whose backward holds its waits
+])  # fmt: skip
+def test_backward_holds_the_wait_unless_a_pipeline_waits_in_no_phase(
+    stages: tuple[int, ...], untimed: float, held: str | None
+) -> None:
+
+    phases = ("forward", "backward", "optimizer")
+    shares = np.array([0.3, 0.6, 0.1]) * (1.0 - untimed)
+    frame = SimpleNamespace(
+        phases=phases,
+        pp_ranks=np.array(stages),
+        phase_step=np.full((6, 4), 0.1),
+        phase_s=np.broadcast_to(0.1 * shares, (6, 4, 3)).copy(),
+    )
+    assert held_wait_phase(frame) == held  # type: ignore[arg-type]

@@ -1,9 +1,10 @@
 """The same job gets the same diagnosis however it is instrumented: the matrix, on real data.
 
-Each real case (the three what-if traces, recorded real DDP runs, a job exported by ranks
-whose windows do not line up) is stored in each layout a producer may send (stepwatch's auto
-mode or per-op phases with a ``communication`` phase; the README's loop, the collective
-inside ``backward``; step times alone) through the bridge's conversion into a real
+Each real case (the three what-if traces, recorded real DDP runs, recorded real pipeline
+runs, a job exported by ranks whose windows do not line up) is stored in each layout a
+producer may send (stepwatch's auto mode or per-op phases with a ``communication`` phase;
+the README's loop, the collective inside ``backward``, or in a pipeline the waits left
+untimed; step times alone) through the bridge's conversion into a real
 InfluxDB and diagnosed as a live job is. A cell holds either the reference diagnosis (kind,
 ranks, cost within its tolerance of the truth, or of the reference layout's cost where no
 truth was measured), or a finding that says which evidence the layout lacks, or nothing
@@ -29,7 +30,7 @@ from stepwatch.app._replay import write_direct
 from stepwatch.core import InfluxClient, ManagedInfluxDB
 from stepwatch.detectors import Finding, detect_job_findings
 from stepwatch.detectors.frame import job_time_range
-from tests.detectors import real_runs
+from tests.detectors import real_pipeline, real_runs
 from tests.detectors.test_whatif_traces import TRACES, trace, what_if
 from tests.detectors.timeline_job import START_UNIX_NANO, TimelineJob, in_layout, masked_straggler
 
@@ -39,7 +40,7 @@ BEGIN, END = "<!-- matrix: begin -->", "<!-- matrix: end -->"
 LAYOUTS = ("auto", "no-communication", "steps")
 HEADINGS = {
     "auto": "phases with `communication`",
-    "no-communication": "phases, collective in `backward`",
+    "no-communication": "phases without `communication` (DDP: in `backward`)",
     "steps": "step times alone",
 }
 #: A finding's evidence must differ from 1.00x by this much to be a warning or critical.
@@ -99,6 +100,20 @@ def _run(name: str) -> Callable[[InfluxClient, str], tuple[str, int, int]]:
     return load
 
 
+def _pipeline(name: str) -> Callable[[InfluxClient, str], tuple[str, int, int]]:
+    def load(influx: InfluxClient, layout: str) -> tuple[str, int, int]:
+        run = real_pipeline.load(influx, name, layout=layout)
+        span = job_time_range(influx, run.job)
+        assert span is not None
+        return run.job, span[0] - 10**9, span[1] + 10**9
+
+    return load
+
+
+def _pipeline_truth(name: str) -> float:
+    return float(real_pipeline.describe(name)["truth"]["ratio"])
+
+
 def _misaligned(influx: InfluxClient, layout: str) -> tuple[str, int, int]:
     step, phases, phase_s = masked_straggler(steps=2000, slow_from=700, factor=3.0, seed=0)
     phases, phase_s = in_layout(phases, phase_s, layout)
@@ -120,6 +135,8 @@ ONE_STEP = "a one-off long step of every rank: step times alone cannot show who 
 HELD = "backward holds the collective and its wait"
 STEPS_ONLY = "step times alone"
 SHORT = "11 windows of a noisy 2-core host: too few for a change point in the step alone"
+STRUCTURE = "structure from the first step: step times alone show no change"
+UNTIMED_PAUSE = "its pause and its peers' waits both lie in no phase: who stopped cannot be told"
 
 CASES = [
     Case("what-if AR (pp 4, dp 4: one slow worker)", _trace("AR"), {
@@ -179,6 +196,36 @@ CASES = [
         "auto": Expect("job_regression"),
         "no-communication": Expect("job_regression"),
         "steps": Expect("job_regression", lacks=STEPS_ONLY),
+    }),
+    Case("pipeline pp 2 × dp 2, healthy (heavier last stage)", _pipeline("pp2x2-healthy"), {
+        "auto": Expect("stage_imbalance", (2, 3)),
+        "no-communication": Expect("stage_imbalance", (2, 3)),
+        "steps": Expect(None, why=STRUCTURE),
+    }),
+    Case("pipeline pp 2 × dp 2, slow worker", _pipeline("pp2x2-slow-worker"), {
+        "auto": Expect("masked_straggler", (1,)),
+        "no-communication": Expect("masked_straggler", (1,)),
+        "steps": Expect("job_regression", lacks=STEPS_ONLY),
+    }, truth=_pipeline_truth("pp2x2-slow-worker")),
+    Case("pipeline pp 4 × dp 1, slow worker", _pipeline("pp4x1-slow-worker"), {
+        "auto": Expect("masked_straggler", (1,)),
+        "no-communication": Expect("masked_straggler", (1,)),
+        "steps": Expect("job_regression", lacks=STEPS_ONLY),
+    }, truth=_pipeline_truth("pp4x1-slow-worker")),
+    Case("pipeline pp 2 × dp 2, heavy stage", _pipeline("pp2x2-heavy-stage"), {
+        "auto": Expect("stage_imbalance", (0, 1)),
+        "no-communication": Expect("stage_imbalance", (0, 1)),
+        "steps": Expect(None, why=STRUCTURE),
+    }, truth=_pipeline_truth("pp2x2-heavy-stage")),
+    Case("pipeline pp 2 × dp 2, rotating microbatches", _pipeline("pp2x2-rotating-microbatches"), {
+        "auto": Expect("job_regression"),
+        "no-communication": Expect("job_regression"),
+        "steps": Expect("job_regression", lacks=STEPS_ONLY),
+    }),
+    Case("pipeline pp 2 × dp 2, 3 s stall between phases", _pipeline("pp2x2-stall"), {
+        "auto": Expect("jit_stall", (1,)),
+        "no-communication": Expect(None, why=UNTIMED_PAUSE),
+        "steps": Expect(None, why=ONE_STEP),
     }),
     Case("straggler, windows 0.3 s apart per rank", _misaligned, {
         "auto": Expect("masked_straggler", (2,)),
@@ -275,7 +322,8 @@ def _finding_text(finding: Finding) -> str:
     if diagnosis.ranks:
         ranks = " rank " if len(diagnosis.ranks) == 1 else " ranks "
         ranks += ",".join(str(r) for r in diagnosis.ranks)
-    return f"`{diagnosis.kind}`{ranks} {diagnosis.slowdown:.2f}x"
+    info = " (info)" if diagnosis.severity == "info" else ""
+    return f"`{diagnosis.kind}`{ranks} {diagnosis.slowdown:.2f}x{info}"
 
 
 def test_the_docs_table_is_this_matrix(matrix: dict[tuple[str, str], Cell]) -> None:

@@ -1,13 +1,15 @@
 """The detectors on recorded real pipeline-parallel jobs with real faults (data/real_pipeline).
 
 Each run is the pipeline job (stepwatch.app._pipeline_job: pp x dp gloo processes on CPU,
-hand-written 1F1B, instrumented by hand with every point-to-point wait and the all-reduce
-timed as ``communication``), recorded once by scripts/record_pipeline_runs.py with the fault's
-cost measured in the same run by the job's own clock (paired blocks with and without it).
-They are diagnosed here through InfluxDB and ``read_frame`` exactly as a live job is, and
-checked against what issue 44 says must hold: a slow worker named alone at its measured cost,
-a healthy job whose last stage is heavier by design (the loss head) quiet, a heavy stage
-named as ``stage_imbalance`` without a straggler.
+hand-written 1F1B over 8 microbatches, each part of the model standing for its kernels'
+device time by a sleep so that the stages overlap as on GPUs, instrumented by hand with every
+point-to-point wait and the all-reduce timed as ``communication``), recorded once by
+scripts/record_pipeline_runs.py with the fault's cost measured in the same run by the job's
+own clock (paired blocks with and without it). They are diagnosed here through InfluxDB and
+``read_frame`` exactly as a live job is, and checked against what issue 44 says must hold: a
+slow worker named alone at its measured cost, a healthy job whose last stage is heavier by
+design (the loss head, one block's work more than the others' six) quiet, a heavy stage named
+as ``stage_imbalance`` without a straggler at what balanced stages save.
 """
 
 from __future__ import annotations
@@ -75,13 +77,33 @@ def test_every_case_is_recorded_small_with_its_truth() -> None:
     assert set(real_pipeline.names()) == CASES
     for name in CASES:
         meta = real_pipeline.describe(name)
-        assert (real_pipeline.RUNS / f"{name}.lp.gz").stat().st_size < 300_000, name
+        assert (real_pipeline.RUNS / f"{name}.lp.gz").stat().st_size < 220_000, name
         assert meta["truth_pairs"] >= 3 and len(meta["truth"]["pairs"]) == meta["truth_pairs"]
         assert meta["truth"]["ratio"] > 0 and meta["load_average"]["mean"] > 0, name
+        assert meta["device_ms_per_block"] > 0 and meta["blocks_per_stage"] == 6, name
         if meta["fault"] in ("healthy", "heavy-stage"):
             assert meta["fault_step"] is None, name  # structure: from step 0
         else:
             assert meta["fault_step"] == 2 * meta["steps"] // 5, name
+        # What spreading the loss head's work evenly would save: measured for healthy only.
+        even_head = meta["truth_even_head"]
+        assert (even_head is not None) == (meta["fault"] == "healthy"), name
+        if even_head is not None:
+            assert len(even_head["pairs"]) == meta["truth_pairs"], name
+
+
+def test_the_stages_overlap_and_the_healthy_last_stage_does_a_block_more() -> None:
+    # Device time, not CPU contention, paces the job: a stage's forward and backward are its
+    # device time and a little more, and the last stage's is 1.15-1.17x the others'.
+    for name in ("pp2x2-healthy", "pp4x1-healthy"):
+        meta = real_pipeline.describe(name)
+        clock = meta["job_clock"]
+        device, compute = clock["stage_device_s"], clock["stage_compute_s"]
+        assert all(1.0 <= c / d < 1.15 for c, d in zip(compute, device, strict=True)), clock
+        assert 1.14 <= device[-1] / max(device[:-1]) <= 1.18, clock
+        # Were it CPU work, every rank's forward and backward would take longer than the
+        # step on the host's two cores: the stages overlap.
+        assert clock["mean_step_s_before"] < sum(compute) * meta["dp"] / 2, clock
 
 
 @pytest.mark.parametrize("name", ["pp2x2-slow-worker", "pp4x1-heavy-stage"])
@@ -113,14 +135,8 @@ def _today(reason: str) -> pytest.MarkDecorator:
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(
-            "pp2x2-healthy",
-            marks=_today("stage_imbalance warning on stage 1 (the loss head), 1.05x"),
-        ),
-        pytest.param(
-            "pp4x1-healthy",
-            marks=_today("stage_imbalance warning on stage 3 (the loss head), 1.12x"),
-        ),
+        "pp2x2-healthy",
+        "pp4x1-healthy",
     ],
 )
 def test_a_healthy_pipeline_with_a_heavier_last_stage_is_quiet(
@@ -168,22 +184,18 @@ def test_a_heavy_stage_is_a_stage_imbalance_without_a_straggler(
     assert not [d for d in _raised(found) if d.kind in RANK_BLAME_KINDS], _brief(found)
 
 
-_EVEN_PARTITION_SAVES_NOTHING = (
-    "costed {cost} against a measured {truth} for the same blocks partitioned evenly: four "
-    "ranks share two cores, so moving work between stages saves nothing here"
-)
-
-
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(
-            "pp2x2-heavy-stage",
-            marks=_today(_EVEN_PARTITION_SAVES_NOTHING.format(cost="1.11x", truth="0.95x")),
-        ),
+        "pp2x2-heavy-stage",
         pytest.param(
             "pp4x1-heavy-stage",
-            marks=_today(_EVEN_PARTITION_SAVES_NOTHING.format(cost="1.32x", truth="1.02x")),
+            marks=_today(
+                "costed 1.39x against 1.16x measured for the same blocks partitioned evenly: "
+                "the cost is the ideal re-partitioning (every stage the stages' mean work, the "
+                "waits unchanged), and the four balanced stages of this job wait on each other "
+                "more, so an even partition saved about half of that"
+            ),
         ),
     ],
 )

@@ -1,6 +1,7 @@
 """What a pipeline job does (``stepwatch.app._pipeline_job``): its configuration, when its
-faults are active (in the recorded steps and the truth blocks), and the sequence lengths each
-replica reads."""
+faults are active (in the recorded steps and the truth blocks), how its blocks are partitioned
+into stages, how much device time each part of the model stands for, and the sequence lengths
+each replica reads."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ STALL_S = 3.0
 ROTATION_SPREAD = 0.4
 #: ``rotating-microbatches``: each microbatch's length varies by up to this fraction more.
 ROTATION_JITTER = 0.15
+#: The loss head's device time (a vocabulary projection and cross-entropy), in blocks: about
+#: one transformer layer's, as in real LLMs with 6-12 layers a stage.
+HEAD_BLOCKS = 1.0
+#: The embedding's device time (a lookup), in blocks.
+EMBEDDING_BLOCKS = 0.1
+#: A backward's device time over its forward's (gradients of the inputs and of the weights).
+BACKWARD_FACTOR = 2.0
+#: The truth's series of paired blocks: ``fault`` (with the fault and without; for
+#: ``healthy`` the same job twice) and, for ``healthy`` only, ``even-head`` (the job as it is
+#: and with the loss head's device time spread evenly over the stages).
+TRUTH_SERIES = ("fault", "even-head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +43,16 @@ class PipelineJobConfig:
     ``fault_rank`` (a rank fault) defaults to rank 1: stage 0's second replica with
     ``dp`` 2, stage 1 with ``dp`` 1. ``fault_stage`` (``heavy-stage``) defaults to stage 1 when
     there are more than two stages, else stage 0: never the last stage, whose loss head
-    already makes it heavier. ``result_file``: where rank 0 writes what the job measured with
-    its own clock (JSON: :func:`results_of`).
+    already makes it heavier. ``device_ms_per_block``: the device time one block's forward
+    stands for on one microbatch of ``seq_len`` tokens (its backward ``BACKWARD_FACTOR`` times
+    that; 0: no device time, the small real compute alone). ``result_file``: where rank 0
+    writes what the job measured with its own clock (JSON: ``_pipeline_truth.results_of``).
     """
 
     job_id: str
     pp: int = 2
     dp: int = 2
-    microbatches: int = 4
+    microbatches: int = 8
     steps: int = 300
     fault: str = "healthy"
     fault_rank: int | None = None
@@ -49,11 +63,12 @@ class PipelineJobConfig:
     truth_block_steps: int = 5
     endpoint: str = "http://127.0.0.1:4318"
     export_interval_s: float = 0.25
-    hidden: int = 128
+    hidden: int = 32
     seq_len: int = 16
     batch: int = 8
-    vocab: int = 512
-    blocks_per_stage: int = 2
+    vocab: int = 256
+    blocks_per_stage: int = 6
+    device_ms_per_block: float = 0.5
     seed: int = 1234
     result_file: str | None = None
 
@@ -78,15 +93,32 @@ class PipelineJobConfig:
             raise ConfigError(f"fault_factor: must exceed 1.0, got {self.fault_factor}")
         if self.truth_pairs < 0 or self.truth_block_steps < 2:
             raise ConfigError("truth_pairs must be >= 0 and truth_block_steps >= 2")
+        if self.blocks_per_stage < 1:
+            raise ConfigError(f"blocks_per_stage: must be positive, got {self.blocks_per_stage}")
+        if not 0.0 <= self.device_ms_per_block <= 1000.0:
+            raise ConfigError(
+                f"device_ms_per_block: must be in [0, 1000], got {self.device_ms_per_block}"
+            )
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp
 
     @property
+    def truth_series(self) -> tuple[str, ...]:
+        """The series of paired truth blocks this job runs, in order (``TRUTH_SERIES``)."""
+        return TRUTH_SERIES if self.fault == "healthy" else TRUTH_SERIES[:1]
+
+    @property
+    def series_blocks(self) -> int:
+        """Truth blocks in one series: ``truth_pairs`` pairs."""
+        return 2 * self.truth_pairs
+
+    @property
     def total_steps(self) -> int:
         """The recorded steps and the truth blocks' steps."""
-        return self.steps + 2 * self.truth_pairs * self.truth_block_steps
+        blocks = len(self.truth_series) * self.series_blocks
+        return self.steps + blocks * self.truth_block_steps
 
     @property
     def faulty_rank(self) -> int:
@@ -114,32 +146,53 @@ class PipelineJobConfig:
 def fault_active(config: PipelineJobConfig, step: int) -> bool:
     """Whether ``step`` runs with the fault: from ``fault_step`` in the recorded steps (from
     step 0 for a structural fault); in the truth blocks, the blocks with the fault."""
+    if config.fault == "healthy":
+        return False
     if step >= config.steps:
         block = truth_block(config, step)
         return block is not None and block[1]
     if config.fault in STRUCTURAL_FAULTS:
-        return config.fault != "healthy"
+        return True
     return step >= config.fault_step
 
 
 def truth_block(config: PipelineJobConfig, step: int) -> tuple[int, bool] | None:
-    """``(block index, with the fault)`` of a truth step; None for a recorded step."""
+    """``(block index, with the fault)`` of a truth step; None for a recorded step.
+
+    Blocks are numbered over every series (``config.truth_series``), one series after the
+    other."""
     index = (step - config.steps) // config.truth_block_steps
-    if step < config.steps or index >= 2 * config.truth_pairs:
+    if step < config.steps or index >= len(config.truth_series) * config.series_blocks:
         return None
     return index, block_faulty(config, index)
 
 
-def block_faulty(config: PipelineJobConfig, index: int) -> bool:
-    """Whether truth block ``index`` runs with the fault.
+def block_series(config: PipelineJobConfig, index: int) -> str:
+    """The series (``TRUTH_SERIES``) that truth block ``index`` belongs to."""
+    return config.truth_series[index // config.series_blocks]
 
-    Pair ``k`` holds blocks ``2k`` and ``2k + 1``; even pairs run the fault second, odd pairs
-    first (ABBA), so a drift of the host's load cancels over two pairs. ``healthy``'s blocks
-    never have a fault (an A/A comparison).
+
+def block_faulty(config: PipelineJobConfig, index: int) -> bool:
+    """Whether truth block ``index`` runs with the fault (in ``even-head``: with the loss
+    head's device time on the last stage, as the job is).
+
+    Pair ``k`` of a series holds its blocks ``2k`` and ``2k + 1``; even pairs run the fault
+    second, odd pairs first (ABBA), so a drift of the host's load cancels over two pairs.
+    ``healthy``'s ``fault`` blocks never have a fault (an A/A comparison).
     """
-    second = index % 2 == 1
-    faulty = second if (index // 2) % 2 == 0 else not second
-    return faulty and config.fault != "healthy"
+    local = index % config.series_blocks
+    second = local % 2 == 1
+    faulty = second if (local // 2) % 2 == 0 else not second
+    return faulty and (config.fault != "healthy" or block_series(config, index) == "even-head")
+
+
+def head_spread(config: PipelineJobConfig, step: int) -> bool:
+    """Whether ``step`` runs with the loss head's device time spread evenly over the stages
+    (``healthy``'s ``even-head`` blocks without the fault) instead of on the last stage."""
+    block = truth_block(config, step)
+    if config.fault != "healthy" or block is None:
+        return False
+    return block_series(config, block[0]) == "even-head" and not block[1]
 
 
 def blocks_held(config: PipelineJobConfig, stage: int) -> int:
@@ -147,23 +200,45 @@ def blocks_held(config: PipelineJobConfig, stage: int) -> int:
     both partitions of the same model need (:func:`blocks_run`)."""
     if config.fault != "heavy-stage":
         return config.blocks_per_stage
-    return config.blocks_per_stage + (config.pp if stage == config.heavy_stage else 1)
+    return max(uneven_partition(config)[stage], even_partition(config)[stage])
+
+
+def uneven_partition(config: PipelineJobConfig) -> list[int]:
+    """``heavy-stage``'s blocks per stage with the fault: the heavy stage holds twice
+    ``blocks_per_stage`` (as many blocks more as a stage has), the others ``blocks_per_stage``."""
+    base = config.blocks_per_stage
+    return [2 * base if stage == config.heavy_stage else base for stage in range(config.pp)]
+
+
+def even_partition(config: PipelineJobConfig) -> list[int]:
+    """The same blocks as :func:`uneven_partition`, partitioned as evenly as whole blocks allow.
+
+    Every stage gets ``total // pp`` blocks; the remainder goes one block each to the stages
+    with the least device time beside their blocks: the middle stages, then the first (the
+    embedding), the last (the loss head) last.
+    """
+    total = sum(uneven_partition(config))
+    counts = [total // config.pp] * config.pp
+    extra = [0.0] * config.pp
+    extra[0] += EMBEDDING_BLOCKS
+    extra[-1] += HEAD_BLOCKS
+    for stage in sorted(range(config.pp), key=lambda s: extra[s])[: total % config.pp]:
+        counts[stage] += 1
+    return counts
 
 
 def blocks_run(config: PipelineJobConfig, stage: int, step: int) -> int:
     """How many of its blocks ``stage`` runs at ``step``.
 
-    ``heavy-stage`` partitions one model of ``pp * (blocks_per_stage + 1)`` blocks two ways:
-    unevenly while the fault is active (the heavy stage ``pp`` blocks more than the others)
-    and evenly in the truth blocks without it (every stage ``blocks_per_stage + 1``), so the
-    truth is the same job with balanced stages.
+    ``heavy-stage`` partitions one model two ways: unevenly while the fault is active
+    (:func:`uneven_partition`) and evenly in the truth blocks without it
+    (:func:`even_partition`), so the truth is what re-partitioning the same blocks saves.
     """
-    base = config.blocks_per_stage
     if config.fault != "heavy-stage":
-        return base
-    if not fault_active(config, step):
-        return base + 1
-    return base + config.pp if stage == config.heavy_stage else base
+        return config.blocks_per_stage
+    if fault_active(config, step):
+        return uneven_partition(config)[stage]
+    return even_partition(config)[stage]
 
 
 def stall_step(config: PipelineJobConfig, step: int) -> bool:

@@ -3,14 +3,28 @@
 Run: ``python -m stepwatch.app._pipeline_job --pp 2 --dp 2 --fault slow-worker`` with
 ``stepwatch up`` running (``--endpoint`` its OTLP/HTTP endpoint; ``--help`` for the rest).
 
-``pp × dp`` processes train a small transformer-ish model (residual MLP blocks over token
-sequences) split into ``pp`` stages; rank ``pp_rank * dp + dp_rank`` (stages contiguous, as
-Megatron orders them). Stage 0 holds the embedding, the last stage the loss head (a vocabulary
-projection and cross-entropy: heavier by design, as in real jobs). Each step runs a
-hand-written 1F1B schedule (``_pipeline_schedule.one_f_one_b``) over ``microbatches``
-microbatches with ``torch.distributed`` point-to-point sends and receives of activations and
-gradients between adjacent stages, then all-reduces each stage's gradients among its ``dp``
-replicas (none when ``dp`` is 1), then steps the optimizer.
+``pp × dp`` processes train a small transformer-shaped model (residual MLP blocks over token
+sequences, ``blocks_per_stage`` = 6 a stage) split into ``pp`` stages; rank
+``pp_rank * dp + dp_rank`` (stages contiguous, as Megatron orders them). Stage 0 holds the
+embedding, the last stage the loss head (a vocabulary projection and cross-entropy). Each
+step runs a hand-written 1F1B schedule (``_pipeline_schedule.one_f_one_b``) over
+``microbatches`` microbatches with ``torch.distributed`` point-to-point sends and receives of
+activations and gradients between adjacent stages, then all-reduces each stage's gradients
+among its ``dp`` replicas (none when ``dp`` is 1), then steps the optimizer.
+
+**Device time, a CPU stand-in** (``_pipeline_model``). On GPUs each stage computes on its
+own device at the same time as the others; four processes doing their matrix multiplies on
+this project's 2-core host would take turns on the cores instead, and a pipeline's structure
+(its slowest stage pacing the others) would not show. So each part of the model computes a
+little for real (hidden size 32: real tensors, real autograd) and launches the kernels it
+stands for on a device clock: a block's forward ``device_ms_per_block`` (0.5 ms) per
+microbatch of ``seq_len`` tokens, its backward twice that, the loss head about one block
+(``HEAD_BLOCKS``), the embedding a tenth (``EMBEDDING_BLOCKS``), so the healthy last stage
+does 1.15-1.17x the others' work, as a real LLM's does with 6 layers a stage. As on a GPU the
+launches queue and return; each microbatch's forward and backward end by waiting for the
+device, asleep (no CPU), inside its phase. ``--device-ms-per-block 0`` leaves the real
+compute alone. Everything else is real: the processes, gloo's transfers and all-reduce of
+real tensors, the 1F1B schedule, autograd, the optimizer, the instrumentation.
 
 It is instrumented as docs/exporters.md ("Instrumenting a pipeline by hand") says a user
 should: ``monitor.step()`` around the step, ``phase("data")`` where a stage reads its
@@ -21,12 +35,14 @@ microbatches, ``phase("forward")``/``phase("backward")`` around each microbatch'
 Faults (``_pipeline_config.FAULTS``), real effects inside the job:
 
 - ``healthy``: none (the last stage is still heavier: the loss head);
-- ``slow-worker``: one rank's compute is ``fault_factor`` times slower from ``fault_step``
-  (its forward and backward repeat their matrix multiplies, without gradients);
-- ``heavy-stage``: one stage holds ``pp`` blocks more than the others on every replica, from
-  step 0 (partitioning);
+- ``slow-worker``: one rank is ``fault_factor`` times slower from ``fault_step``: its device
+  time is ``fault_factor`` times longer, and its forward and backward repeat their real
+  matrix multiplies (without gradients or device time) ``fault_factor - 1`` times more;
+- ``heavy-stage``: one stage holds twice ``blocks_per_stage`` blocks (as many more as a
+  stage holds, each with its device time) on every replica, from step 0 (partitioning);
 - ``rotating-microbatches``: from ``fault_step`` the microbatches' sequence lengths differ
-  between replicas, and the replica with the longest ones changes every step;
+  between replicas, and the replica with the longest ones changes every step (device time
+  scales with the sequence length);
 - ``stall``: one rank stops ``STALL_S`` (3 s) once at ``fault_step``, between its optimizer and
   the end of its step (outside every phase).
 
@@ -36,9 +52,11 @@ and one without in each pair (their order alternating, ABBA), exporting to the j
 ``<job_id>-truth`` so that the recorded job holds a clean onset and a sustained fault only.
 Each rank times every step with its own clock; ``_pipeline_truth.paired_truth`` turns the
 blocks into the fault's cost (mean step with the fault / without). ``heavy-stage``'s block
-without the fault runs the same model partitioned evenly (balanced stages); ``healthy``'s pairs
-are the same job twice (the measurement's noise floor); ``stall``'s block with the fault holds
-one stall.
+without the fault runs the same blocks partitioned evenly (what re-partitioning saves);
+``healthy``'s pairs are the same job twice (the measurement's noise floor), followed by a
+second series, the job as it is against the same job with its loss head's device time spread
+evenly over the stages (what the heavier last stage costs: more than any partition of whole
+blocks saves); ``stall``'s block with the fault holds one stall.
 """
 
 from __future__ import annotations
@@ -56,11 +74,13 @@ from typing import Any
 from stepwatch.app._demo_job import demo_host
 from stepwatch.app._pipeline_config import (
     FAULTS,
+    HEAD_BLOCKS,
     STALL_S,
     PipelineJobConfig,
     blocks_held,
     blocks_run,
     fault_active,
+    head_spread,
     sequence_lengths,
     stall_step,
 )
@@ -141,14 +161,22 @@ class _Worker:
             group = dist.new_group(members) if config.dp > 1 else None
             if stage == self.stage:
                 self.dp_group = group
-        self.model = _stage_model(config, self.stage, blocks=blocks_held(config, self.stage))
+        from stepwatch.app._pipeline_model import Stage
+
+        self.model = Stage(config, self.stage, blocks=blocks_held(config, self.stage))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.schedule = one_f_one_b(self.stage, config.pp, config.microbatches)
         self.step_s: list[float] = []
         self.compute_s: list[float] = []
+        self.device_s: list[float] = []
 
     def timings(self) -> dict[str, Any]:
-        return {"rank": self.rank, "step_s": self.step_s, "compute_s": self.compute_s}
+        return {
+            "rank": self.rank,
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "device_s": self.device_s,
+        }
 
     def run(self) -> None:
         config = self.config
@@ -167,8 +195,13 @@ class _Worker:
         active = fault_active(config, step)
         slow = config.fault == "slow-worker" and self.rank == config.faulty_rank and active
         self.model.blocks_run = blocks_run(config, self.stage, step)
+        self.model.clock.factor = config.fault_factor if slow else 1.0
+        spread = head_spread(config, step)
+        self.model.head_blocks = 0.0 if spread else HEAD_BLOCKS
+        self.model.share_blocks = HEAD_BLOCKS / config.pp if spread else 0.0
         lengths = sequence_lengths(config, step, self.replica)
         started = time.perf_counter()
+        device_before = self.model.clock.spent_s
         compute_ns = 0
         with monitor.step():
             batch = self.read_batch(monitor, step, lengths)
@@ -184,6 +217,7 @@ class _Worker:
                             self.forward(item.microbatch, state, batch, slow=slow)
                         else:
                             self.backward(item.microbatch, state, batch, slow=slow)
+                        self.model.clock.synchronize()  # its output or gradient is ready
                     compute_ns += time.perf_counter_ns() - begin
             with monitor.phase("communication"):
                 self.all_reduce()
@@ -194,6 +228,7 @@ class _Worker:
                 time.sleep(STALL_S)  # outside every phase: a checkpoint write, a GC pause
         self.step_s.append(time.perf_counter() - started)
         self.compute_s.append(compute_ns / 1e9)
+        self.device_s.append(self.model.clock.spent_s - device_before)
 
     def read_batch(self, monitor: StepMonitor, step: int, lengths: Sequence[int]) -> list[Any]:
         """The step's token ids (first stage) or targets (last stage), one per microbatch;
@@ -236,11 +271,12 @@ class _Worker:
             self.burn(inputs, repeats=2.0 * (self.config.fault_factor - 1.0))
 
     def burn(self, inputs: Any, *, repeats: float) -> None:
-        """Run this stage's forward again ``repeats`` times without gradients: a slower
-        worker's compute, inside the phase it slows."""
+        """Run this stage's real compute again ``repeats`` times without gradients or device
+        time: a slower worker's host work, inside the phase it slows (its device time is
+        ``fault_factor`` times longer by its clock)."""
         import torch
 
-        with torch.no_grad():
+        with torch.no_grad(), self.model.clock.paused():
             for _ in range(max(1, round(repeats))):
                 self.model(inputs.detach())
 
@@ -301,54 +337,13 @@ class _Microbatches:
         self.grads: dict[int, Any] = {}  # received gradients of the outputs
 
 
-def _stage_model(config: PipelineJobConfig, stage: int, *, blocks: int) -> Any:
-    """Stage ``stage`` of the model: the embedding on the first stage, ``blocks`` residual MLP
-    blocks (the first ``blocks_run`` of them run), the loss head's vocabulary projection on
-    the last stage."""
-    import torch
-
-    hidden = config.hidden
-
-    class Block(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = torch.nn.LayerNorm(hidden)
-            self.up = torch.nn.Linear(hidden, 4 * hidden)
-            self.down = torch.nn.Linear(4 * hidden, hidden)
-
-        def forward(self, inputs: Any) -> Any:
-            return inputs + self.down(torch.nn.functional.gelu(self.up(self.norm(inputs))))
-
-    class Stage(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            first, last = stage == 0, stage == config.pp - 1
-            self.embed = torch.nn.Embedding(config.vocab, hidden) if first else None
-            self.blocks = torch.nn.ModuleList(Block() for _ in range(blocks))
-            self.head = (
-                torch.nn.Sequential(
-                    torch.nn.LayerNorm(hidden), torch.nn.Linear(hidden, config.vocab)
-                )
-                if last
-                else None
-            )
-            self.blocks_run = blocks
-
-        def forward(self, inputs: Any) -> Any:
-            hidden_states = self.embed(inputs) if self.embed is not None else inputs
-            for block in self.blocks[: self.blocks_run]:
-                hidden_states = block(hidden_states)
-            return self.head(hidden_states) if self.head is not None else hidden_states
-
-    return Stage()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m stepwatch.app._pipeline_job``: run the job, print what it measured."""
     defaults = PipelineJobConfig(job_id="-")
     parser = argparse.ArgumentParser(
         prog="python -m stepwatch.app._pipeline_job",
-        description="A real pipeline-parallel job (CPU, gloo), instrumented by hand.",
+        description="A real pipeline-parallel job (CPU, gloo, device time slept), instrumented "
+        "by hand.",
     )
     parser.add_argument("--job", default=f"pipeline-{os.getpid()}", help="stepwatch.job.id")
     parser.add_argument("--pp", type=int, default=defaults.pp, help="pipeline stages")
@@ -361,6 +356,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fault-step", type=int, default=defaults.fault_step)
     parser.add_argument("--truth-pairs", type=int, default=defaults.truth_pairs)
     parser.add_argument("--truth-block-steps", type=int, default=defaults.truth_block_steps)
+    parser.add_argument("--blocks-per-stage", type=int, default=defaults.blocks_per_stage)
+    parser.add_argument(
+        "--device-ms-per-block",
+        type=float,
+        default=defaults.device_ms_per_block,
+        help="device time (slept) of a block's forward on a microbatch; its backward twice "
+        f"that; 0: none (default {defaults.device_ms_per_block:g})",
+    )
     parser.add_argument("--endpoint", default=defaults.endpoint, help="OTLP/HTTP endpoint")
     parser.add_argument(
         "--export-interval", type=float, default=10.0, help="seconds per window (default 10)"
@@ -380,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             fault_step=args.fault_step,
             truth_pairs=args.truth_pairs,
             truth_block_steps=args.truth_block_steps,
+            blocks_per_stage=args.blocks_per_stage,
+            device_ms_per_block=args.device_ms_per_block,
             endpoint=args.endpoint,
             export_interval_s=args.export_interval,
             result_file=os.path.join(scratch.name, "results.json"),

@@ -36,7 +36,13 @@ from stepwatch.detectors.analysis._episodes import (
     merge_episodes,
     narrow_to_late,
 )
-from stepwatch.detectors.analysis._rule import Kind, Verdict, raise_bar, severity_of
+from stepwatch.detectors.analysis._rule import (
+    Kind,
+    Verdict,
+    raise_bar,
+    severity_for,
+    severity_of,
+)
 from stepwatch.detectors.frame._frame import JobFrame
 
 # The package façade and stepwatch.detectors import these names from here.
@@ -169,7 +175,7 @@ def _costed(
     return dataclasses.replace(
         verdict,
         description=dataclasses.replace(what, summary=summary, slowdown=slowdown),
-        severity=severity_of(slowdown),
+        severity=severity_for(context.config, declared, slowdown),
     )
 
 

@@ -163,10 +163,31 @@ def _profile(
     return safe_log(np.where(settled[:, :, None], stacked, np.nan))
 
 
+#: Time in no phase, as a share of the step, from which a pipeline without a communication
+#: phase is taken to wait outside its phases rather than inside ``backward``.
+UNTIMED_WAIT_SHARE = 0.1
+
+
 def held_wait_phase(frame: JobFrame) -> str | None:
     """The phase that holds the collective wait when the job records no communication
-    phase (:data:`WAIT_HOLDING_PHASE`, when the job records it), else ``None``."""
+    phase (:data:`WAIT_HOLDING_PHASE`, when the job records it), else ``None``.
+
+    ``None`` too for a pipeline (several ``stepwatch.pp_rank`` stages) whose typical step
+    spends :data:`UNTIMED_WAIT_SHARE` or more of its time in no phase: its point-to-point
+    waits are untimed (Megatron-style op timers without the send/recv timers: a stage idles
+    for its neighbours between its ops), and ``backward`` is the rank's own work. A loop
+    whose ``backward`` holds the collective (the README's, DDP or FSDP) leaves only its own
+    Python between phases; a data-parallel job keeps ``backward`` as the holder whatever
+    else it leaves untimed."""
     if COMMUNICATION_CATEGORY in frame.phases or WAIT_HOLDING_PHASE not in frame.phases:
+        return None
+    if len(set(frame.pp_ranks.tolist()) - {-1}) < 2:
+        return WAIT_HOLDING_PHASE
+    step = frame.phase_step
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = (step - np.nansum(frame.phase_s, axis=2)) / step
+    share = share[np.isfinite(share) & (step > 0)]
+    if share.size and float(np.median(share)) >= UNTIMED_WAIT_SHARE:
         return None
     return WAIT_HOLDING_PHASE
 

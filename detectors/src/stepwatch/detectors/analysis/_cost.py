@@ -372,6 +372,8 @@ def step_excess(context: Context, indices: Sequence[int], span: slice) -> FloatA
     step = np.where(context.present, context.frame.step_s, np.nan)[span]
     mine = np.zeros(step.shape[1], dtype=bool)
     mine[list(indices)] = True
+    if mine.all():  # no peers to be above
+        return np.zeros(step.shape[0])
     with np.errstate(invalid="ignore"):
         theirs = nanmedian(step[:, mine], axis=1)[:, 0]
         others = nanmedian(step[:, ~mine], axis=1)[:, 0]

@@ -56,6 +56,8 @@ class Kind:
             little that still wait for the straggler: they are dropped.
         raise_bar: the :class:`~._config.DetectorConfig` field holding the smallest cost at
             which it is raised (with ``min_slowdown`` as a floor).
+        warning_bar: the field holding the smallest cost at which it is a warning (below
+            it, ``info``); ``None``: :func:`severity_of` alone decides.
         simulated: its place in the simulator's round of fault kinds; ``None``: the simulator
             does not inject it.
     """
@@ -70,6 +72,7 @@ class Kind:
     narrows_replicas: bool = False
     narrows_neighbours: bool = False
     raise_bar: str = "min_slowdown"
+    warning_bar: str | None = None
     simulated: int | None = None
 
     def __post_init__(self) -> None:
@@ -341,6 +344,13 @@ def severity_of(ratio: float) -> str:
     if ratio >= 1.05:
         return "warning"
     return "info"
+
+
+def severity_for(config: DetectorConfig, declared: Kind, slowdown: float) -> str:
+    """The severity of a finding of kind ``declared`` that costs ``slowdown``."""
+    if declared.warning_bar is not None and slowdown < float(getattr(config, declared.warning_bar)):
+        return "info"
+    return severity_of(slowdown)
 
 
 def raise_bar(config: DetectorConfig, declared: Kind) -> float:

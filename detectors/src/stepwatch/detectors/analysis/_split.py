@@ -19,7 +19,9 @@ the split follows what the data shows:
   (:func:`~._context.held_wait_phase`); the time outside it is the rank's own.
 * **Other phases only**, or **step times only**: the whole step, less the group's
   structural untimed time; such data cannot tell a rank's work from its waiting, and the
-  findings built on it say so (:attr:`Split.evidence`).
+  findings built on it say so (:attr:`Split.evidence`). In a pipeline (stage coordinates)
+  whose phases leave its waits untimed, the phases alone: the waits are what no phase
+  covers (:func:`~._context.held_wait_phase`).
 
 ``lead_s`` — the time a rank spends before its final wait in a step — is what paces a
 synchronous job: in data parallelism every rank waits in the gradient all-reduce for the
@@ -142,6 +144,11 @@ def split(
         lead = own + np.clip(untimed - structural[None, :], 0.0, None)
     elif evidence == COMMUNICATION:
         lead = outside
+    elif evidence == UNTIMED and groups.source == "coordinates" and groups.n_groups > 1:
+        # A pipeline whose waits are untimed: a stage idles for its neighbours in no phase,
+        # and a waiter's untimed time grows as much as a slow stage's phases do, so only
+        # the phases are the rank's own (a pause between them is the stall rule's).
+        lead = total
     else:
         lead = outside - structural[None, :]
     with np.errstate(invalid="ignore"):

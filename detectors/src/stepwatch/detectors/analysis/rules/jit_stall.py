@@ -31,8 +31,11 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     ratio = max(context.stall_ratios(indices, first, last, prefix="burst:").values(), default=1.0)
     phase: str | None = context.top_phase(indices, group.span, COMPUTE_PHASES)
     stalls = context.stall_ratios(indices, first, last)
-    who = f"{context.rank_text(indices)}{context.groups.where(indices)}"
     if OUTSIDE in stalls:  # the masked form: stopped between phases, the peers waited
+        indices = _stopped(context, group)
+        stalls = context.stall_ratios(indices, first, last)
+    who = f"{context.rank_text(indices)}{context.groups.where(indices)}"
+    if OUTSIDE in stalls:
         longest = float(np.nanmax(context.frame.step_max_s[group.span][:, list(indices)]))
         summary = (
             f"{who} stopped outside every phase (a GC pause, checkpoint write or compile "
@@ -57,6 +60,17 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
         f"{ratio:.2f}x {context.groups.noun} since {context.since(first)}"
     )
     return Description(RULE.kind, summary, ratio, phase, indices=indices)
+
+
+def _stopped(context: Context, group: EpisodeGroup) -> tuple[int, ...]:
+    """The ranks of a masked stall that stopped between phases themselves. Its waiters
+    burst in the same windows (their longest step holds the wait, in their collective), and
+    with each rank's windows ending at its own exports a waiter's long step can land in a
+    window where its stage's replica shows none: a burst beside the stall, never blamed."""
+    column = context.metrics.names.index(f"stall:{OUTSIDE}")
+    hit = context.metrics.flags[group.first : group.last + 1, list(group.indices), column]
+    stopped = tuple(i for i, h in zip(group.indices, hit.any(axis=0), strict=True) if h)
+    return stopped or tuple(group.indices)
 
 
 _STALL_METRICS = ("burst:", "stall:")

@@ -27,6 +27,7 @@ from stepwatch.detectors.analysis._rule import (
     Signature,
 )
 from stepwatch.detectors.analysis._split import COMMUNICATION as COMMUNICATION_EVIDENCE
+from stepwatch.detectors.analysis._split import UNTIMED as UNTIMED_EVIDENCE
 from stepwatch.detectors.analysis.rules import pipeline_bubble
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_PHASES
 
@@ -49,6 +50,8 @@ def _straggler(context: Context, group: EpisodeGroup) -> Description:
             f"its {held} (which holds the collective) {shrunk:.2f}x {context.peer_noun} "
             "(they wait for it there)"
         )
+    elif context.split.evidence == UNTIMED_EVIDENCE:
+        wait_text = "its peers wait for it in time no phase covers (their waits are untimed)"
     else:
         wait_text = "its peers wait for it in the collective"
     kernels = context.kernel_words(group.indices, group.span)

@@ -12,7 +12,9 @@ ideal of Lin et al., OSDI'25; the 1F1B fill and drain, about one micro-batch of 
 ignored: without the micro-batch count the estimate is high by at most ``1/m``). Not
 raised when the replicas' pace varies more than the stage stands out (variable sequence
 lengths): ``workload_imbalance`` then reports the loss. Raised from
-``config.structure_min_slowdown``.
+``config.structure_min_slowdown``, a warning from ``config.structure_warning_slowdown``: the
+cost is an upper bound (whole layers move; balanced stages wait on each other more), and a
+healthy pipeline's loss head or embedding costs a few % by it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import numpy as np
 
 from stepwatch.detectors.analysis._context import Context
 from stepwatch.detectors.analysis._cost import pacing, ratio_of, steps_per_window
-from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_of
-from stepwatch.detectors.analysis._split import COMMUNICATION
+from stepwatch.detectors.analysis._rule import Description, JobRule, Kind, Verdict, severity_for
+from stepwatch.detectors.analysis._split import COMMUNICATION, UNTIMED
 from stepwatch.detectors.frame._frame import COMMUNICATION_CATEGORY, COMPUTE_PHASES
 from stepwatch.detectors.stats._stats import FloatArray, nanmedian
 
@@ -76,7 +78,7 @@ def _find(context: Context, earlier: Sequence[Verdict]) -> list[Verdict]:
             last=last,
             detected=int(windows[min(2, windows.size - 1)]),
             open=last >= frame.n_windows - 1 - context.config.gap_windows,
-            severity=severity_of(slowdown),
+            severity=severity_for(context.config, KIND, slowdown),
             score=float(typical[heavy] / typical[second]),
         )
     ]
@@ -97,6 +99,8 @@ def _paces(context: Context, work: FloatArray, heavy: int, span: slice) -> bool:
     wait: FloatArray | None = frame.category_s(COMMUNICATION_CATEGORY)
     if wait is None or not np.isfinite(wait).any():
         wait = frame.phase(COMMUNICATION_CATEGORY)
+    if (wait is None or not np.isfinite(wait).any()) and context.split.evidence == UNTIMED:
+        wait = context.split.untimed_s  # the stages wait for each other in no phase
     if wait is None or not np.isfinite(wait[span]).any():
         return True
     groups = context.groups
@@ -111,10 +115,12 @@ def _paces(context: Context, work: FloatArray, heavy: int, span: slice) -> bool:
 
 def _work_measured(context: Context) -> bool:
     """Whether the data measures the ranks' work apart from their waits: compute kernels,
-    or phases beside a timed communication phase. Step times alone, or phases that hold
-    the waits for the other stages (no communication phase), cannot show partitioning."""
+    phases beside a timed communication phase, or a pipeline's phases that leave its waits
+    untimed (:func:`~.._context.held_wait_phase`). Step times alone, or phases that hold
+    the waits for the other stages, cannot show partitioning."""
     kernels = any(c in ("compute", "memory") for c in context.frame.kernel_categories)
-    return kernels or context.split.evidence == COMMUNICATION
+    untimed = context.split.evidence == UNTIMED and context.groups.source == "coordinates"
+    return kernels or untimed or context.split.evidence == COMMUNICATION
 
 
 def _on_every_replica(context: Context, work: FloatArray, heavy: int, second: int) -> bool:
@@ -186,6 +192,7 @@ KIND = Kind(
     ),
     localised="the stage, its ranks, phase, kernel class",
     raise_bar="structure_min_slowdown",
+    warning_bar="structure_warning_slowdown",
     simulated=9,
 )
 
