@@ -69,7 +69,7 @@ def _stopped(context: Context, group: EpisodeGroup) -> tuple[int, ...]:
     window where its stage's replica shows none: a burst beside the stall, never blamed."""
     column = context.metrics.names.index(f"stall:{OUTSIDE}")
     hit = context.metrics.flags[group.first : group.last + 1, list(group.indices), column]
-    stopped = tuple(i for i, h in zip(group.indices, hit.any(axis=0), strict=True) if h)
+    stopped = tuple(i for i, h in zip(group.indices, hit.any(axis=0).tolist(), strict=True) if h)
     return stopped or tuple(group.indices)
 
 
