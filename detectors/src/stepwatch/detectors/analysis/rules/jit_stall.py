@@ -69,7 +69,8 @@ def _stopped(context: Context, group: EpisodeGroup) -> tuple[int, ...]:
     window where its stage's replica shows none: a burst beside the stall, never blamed."""
     column = context.metrics.names.index(f"stall:{OUTSIDE}")
     hit = context.metrics.flags[group.first : group.last + 1, list(group.indices), column]
-    stopped = tuple(i for i, h in zip(group.indices, hit.any(axis=0).tolist(), strict=True) if h)
+    stopped_at = np.flatnonzero(np.any(hit, axis=0))
+    stopped = tuple(group.indices[int(k)] for k in stopped_at)
     return stopped or tuple(group.indices)
 
 
