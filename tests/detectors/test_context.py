@@ -13,7 +13,7 @@ from stepwatch.detectors import DetectorConfig, Fault, Topology, simulate
 from stepwatch.detectors.analysis._context import Basis, Context, held_wait_phase
 from stepwatch.detectors.analysis._cost import step_excess
 from stepwatch.detectors.analysis._crossrank import flag_metrics
-from stepwatch.detectors.analysis._rule import severity_of
+from stepwatch.detectors.analysis._rule import EpisodeGroup, severity_of
 
 
 def _context(*, ranks: int = 32, topology: Topology | None = None) -> Context:
@@ -119,3 +119,14 @@ def test_backward_holds_the_wait_unless_a_pipeline_waits_in_no_phase(
         phase_s=np.broadcast_to(0.1 * shares, (6, 4, 3)).copy(),
     )
     assert held_wait_phase(frame) == held  # type: ignore[arg-type]
+
+
+def test_a_narrowed_group_keeps_its_ranks_own_windows() -> None:
+    # Rank 3, flagged a minute before the stall of rank 9 it merged with, is dropped: the
+    # group's onset is rank 9's again. Ranks that are not the group's own (a stage the
+    # finding widens to) keep the group's windows.
+    group = EpisodeGroup((3, 9), 10, 40, 12, ((3, 10, 25, 12), (9, 22, 40, 24)))
+    assert group.narrowed([9]) == EpisodeGroup((9,), 22, 40, 24, ((9, 22, 40, 24),))
+    assert group.narrowed([3, 9]) == group
+    widened = group.narrowed([8, 9])
+    assert (widened.indices, widened.first, widened.last) == ((8, 9), 10, 40)

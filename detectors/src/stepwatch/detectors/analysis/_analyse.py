@@ -100,6 +100,8 @@ def analyse(frame: JobFrame, *, config: DetectorConfig | None = None) -> list[Fi
     verdicts: list[Verdict] = []
     for rule, merged in merge_episodes(find_episodes(context.metrics, config), registry):
         group = narrow_to_late(context, rule.declared, merged)
+        if rule.narrow is not None:
+            group = rule.narrow(context, group)
         description = rule.describe(context, group)
         verdicts.append(
             Verdict(

@@ -178,7 +178,8 @@ def merge_episodes(
             first = min(e.first for e in group)
             last = max(e.last for e in group)
             detected = min(e.detected for e in group)
-            result.append((rule, EpisodeGroup(indices, first, last, detected)))
+            own = tuple((e.rank_index, e.first, e.last, e.detected) for e in group)
+            result.append((rule, EpisodeGroup(indices, first, last, detected, own)))
     return result
 
 
@@ -277,7 +278,7 @@ def narrow_to_late(context: Context, declared: Kind, group: EpisodeGroup) -> Epi
     for members in by_replica.values():
         lowest = min(value for value, _ in members)
         kept += [i for value, i in members if not value > WAITED_RATIO * lowest]
-    return group.with_indices(sorted(kept)) if kept else group
+    return group.narrowed(sorted(kept)) if kept else group
 
 
 #: A rank flagged beside a straggler in a data-parallel job (``Kind.narrows_neighbours``) is
@@ -315,4 +316,4 @@ def _narrow_data_parallel(context: Context, group: EpisodeGroup) -> EpisodeGroup
         return group
     bar = lowest + WAITER_SHARE * (typical - lowest)
     kept = [i for i, value in zip(group.indices, own.tolist(), strict=True) if value <= bar]
-    return group.with_indices(kept) if kept else group
+    return group.narrowed(kept) if kept else group

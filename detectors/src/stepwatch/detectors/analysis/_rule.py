@@ -105,12 +105,14 @@ class EpisodeGroup:
         first: first window (the onset walked back from the first flag).
         last: last flagged window.
         detected: first flagged window (when an incremental run raised it).
+        episodes: each merged rank's own ``(rank, first, last, detected)``.
     """
 
     indices: tuple[int, ...]
     first: int
     last: int
     detected: int
+    episodes: tuple[tuple[int, int, int, int], ...] = ()
 
     @property
     def span(self) -> slice:
@@ -120,6 +122,22 @@ class EpisodeGroup:
     def with_indices(self, indices: Sequence[int]) -> EpisodeGroup:
         """The same windows on other ranks (a host, a pipeline stage)."""
         return dataclasses.replace(self, indices=tuple(indices))
+
+    def narrowed(self, indices: Sequence[int]) -> EpisodeGroup:
+        """The group kept to ``indices``, some of its own ranks, over their own episodes'
+        windows: ranks dropped as waiters or noise take their windows with them (a noisy
+        rank flagged a minute before a stall merged with it must not date its onset)."""
+        kept = set(indices)
+        own = [e for e in self.episodes if e[0] in kept]
+        if not own or {e[0] for e in own} != kept:
+            return self.with_indices(sorted(kept))
+        return EpisodeGroup(
+            tuple(sorted(kept)),
+            min(e[1] for e in own),
+            max(e[2] for e in own),
+            min(e[3] for e in own),
+            tuple(own),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,11 +201,13 @@ class EpisodeRule:
         signatures: the patterns that make an episode this kind; empty when the kind is
             only reached from another rule's description (``pipeline_bubble``).
         describe: the :class:`Description` of one merged group.
+        narrow: the group kept to the ranks the kind blames (``None``: all of them).
     """
 
     declared: Kind
     signatures: tuple[Signature, ...]
     describe: Callable[[Context, EpisodeGroup], Description]
+    narrow: Callable[[Context, EpisodeGroup], EpisodeGroup] | None = None
 
     @property
     def kind(self) -> str:

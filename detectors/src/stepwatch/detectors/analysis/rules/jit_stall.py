@@ -31,11 +31,8 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     ratio = max(context.stall_ratios(indices, first, last, prefix="burst:").values(), default=1.0)
     phase: str | None = context.top_phase(indices, group.span, COMPUTE_PHASES)
     stalls = context.stall_ratios(indices, first, last)
-    if OUTSIDE in stalls:  # the masked form: stopped between phases, the peers waited
-        indices = _stopped(context, group)
-        stalls = context.stall_ratios(indices, first, last)
     who = f"{context.rank_text(indices)}{context.groups.where(indices)}"
-    if OUTSIDE in stalls:
+    if OUTSIDE in stalls:  # the masked form: stopped between phases, the peers waited
         longest = float(np.nanmax(context.frame.step_max_s[group.span][:, list(indices)]))
         summary = (
             f"{who} stopped outside every phase (a GC pause, checkpoint write or compile "
@@ -62,16 +59,23 @@ def _describe(context: Context, group: EpisodeGroup) -> Description:
     return Description(RULE.kind, summary, ratio, phase, indices=indices)
 
 
-def _stopped(context: Context, group: EpisodeGroup) -> tuple[int, ...]:
-    """The ranks of a masked stall that stopped between phases themselves. Its waiters
-    burst in the same windows (their longest step holds the wait, in their collective), and
-    with each rank's windows ending at its own exports a waiter's long step can land in a
-    window where its stage's replica shows none: a burst beside the stall, never blamed."""
-    column = context.metrics.names.index(f"stall:{OUTSIDE}")
+_OUTSIDE = f"stall:{OUTSIDE}"
+
+
+def _stopped(context: Context, group: EpisodeGroup) -> EpisodeGroup:
+    """A masked stall kept to the ranks that stopped between phases themselves, over their
+    own windows. Its waiters burst in the same windows (their longest step holds the wait,
+    in their collective), and with each rank's windows ending at its own exports a waiter's
+    long step can land in a window where its stage's replica shows none: a burst beside the
+    stall, never blamed. A group that shows no stall between phases is kept whole."""
+    if _OUTSIDE not in context.metrics.names:
+        return group
+    column = context.metrics.names.index(_OUTSIDE)
     hit = context.metrics.flags[group.first : group.last + 1, list(group.indices), column]
     stopped_at = np.flatnonzero(np.any(hit, axis=0))
-    stopped = tuple(group.indices[int(k)] for k in stopped_at)
-    return stopped or tuple(group.indices)
+    if stopped_at.size == 0:
+        return group
+    return group.narrowed([group.indices[int(k)] for k in stopped_at])
 
 
 _STALL_METRICS = ("burst:", "stall:")
@@ -129,4 +133,5 @@ RULE = EpisodeRule(
         Signature(55, _late_once, "only `arrival`, in 1 or 2 windows"),
     ),
     describe=_describe,
+    narrow=_stopped,
 )
