@@ -90,24 +90,23 @@ def _trace(name: str) -> Callable[[InfluxClient, str], tuple[str, int, int]]:
     return load
 
 
-def _run(name: str) -> Callable[[InfluxClient, str], tuple[str, int, int]]:
+def _run(
+    name: str, *, pipeline: bool = False
+) -> Callable[[InfluxClient, str], tuple[str, int, int]]:
+    """A recorded real run (tests/data/real_runs, or real_pipeline) in a layout."""
+    recorded = real_pipeline.load if pipeline else real_runs.load
+
     def load(influx: InfluxClient, layout: str) -> tuple[str, int, int]:
-        run = real_runs.load(influx, name, layout=layout)
-        span = job_time_range(influx, run.job)
+        job = recorded(influx, name, layout=layout).job
+        span = job_time_range(influx, job)
         assert span is not None
-        return run.job, span[0] - 10**9, span[1] + 10**9
+        return job, span[0] - 10**9, span[1] + 10**9
 
     return load
 
 
 def _pipeline(name: str) -> Callable[[InfluxClient, str], tuple[str, int, int]]:
-    def load(influx: InfluxClient, layout: str) -> tuple[str, int, int]:
-        run = real_pipeline.load(influx, name, layout=layout)
-        span = job_time_range(influx, run.job)
-        assert span is not None
-        return run.job, span[0] - 10**9, span[1] + 10**9
-
-    return load
+    return _run(name, pipeline=True)
 
 
 def _pipeline_truth(name: str) -> float:
