@@ -65,7 +65,8 @@ def callback_classes() -> tuple[type, ...]:
     :data:`LIGHTNING_PACKAGES` order.
 
     Raises:
-        ImportError: Neither imports (the message names the extra).
+        ModuleNotFoundError: Neither imports (``name`` is ``lightning``; the message names
+            the extra).
     """
     found: list[type] = []
     for name in LIGHTNING_PACKAGES:
@@ -75,10 +76,11 @@ def callback_classes() -> tuple[type, ...]:
             continue
         found.append(module.Callback)
     if not found:
-        raise ImportError(
+        raise ModuleNotFoundError(
             "stepwatch.exporters.integrations.lightning needs Lightning: pip install lightning "
             "(or pytorch-lightning), or the exporters' extra: pip install "
-            "'stepwatch-exporters[lightning]'"
+            "'stepwatch-exporters[lightning]'",
+            name="lightning",
         )
     return tuple(found)
 
